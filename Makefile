@@ -1,0 +1,26 @@
+# Two entry points on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the CPU build where no CUDA driver is present, so a CPU box never pulls the CUDA wheels.
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4,<3" || echo "torch==2.13.0")
+
+.PHONY: install test serve clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q -x tests
+
+serve: install
+	$(PY) -m brisk.cli serve
+
+clean:
+	rm -rf $(VENV) build *.egg-info

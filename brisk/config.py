@@ -1,0 +1,215 @@
+"""Engine configuration: trtllm-serve option names, from CLI-style keyword args plus a YAML file.
+
+`EngineConfig.build(model, yaml_path=..., **options)` is the one way in. Options are validated by
+pydantic (unknown keys and wrong types fail, naming the key); defaults that depend on the model are
+filled in from its `config.json` / `generation_config.json` through `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration value the user gave is wrong; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class KvCacheConfig(_Strict):
+    enable_block_reuse: bool = True
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    free_gpu_memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    # CPU / explicit sizing: a fixed number of blocks overrides the memory fraction.
+    max_blocks: int | None = Field(None, ge=2)
+
+
+class CudaGraphConfig(_Strict):
+    max_batch_size: int = Field(256, ge=0)
+    enable_padding: bool = True
+    batch_sizes: list[int] | None = None
+
+
+class MoeConfig(_Strict):
+    backend: Literal["auto", "torch", "triton"] = "auto"
+
+
+class EngineConfig(_Strict):
+    """Everything the engine core needs. Field names follow trtllm-serve's LLM API options."""
+
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    max_batch_size: int = Field(256, ge=1)
+    max_num_tokens: int = Field(8192, ge=1)
+    max_seq_len: int | None = Field(None, ge=1)
+    max_num_waiting: int = Field(4096, ge=0)
+    enable_chunked_prefill: bool = True
+    kv_cache_free_gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    tokens_per_block: int | None = Field(None, ge=1, le=1024)
+    cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
+    moe_config: MoeConfig = Field(default_factory=MoeConfig)
+    stream_interval: int = Field(1, ge=1)
+    enable_attention_dp: bool = False
+    tp_size: int = Field(1, ge=1)
+    ep_size: int = Field(1, ge=1)
+
+    @property
+    def block_size(self) -> int:
+        return self.tokens_per_block or self.kv_cache_config.tokens_per_block
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.kv_cache_config.enable_block_reuse
+
+    @property
+    def memory_fraction(self) -> float:
+        return self.kv_cache_config.free_gpu_memory_fraction or self.kv_cache_free_gpu_memory_fraction
+
+    @classmethod
+    def build(cls, model: str, yaml_path: str | os.PathLike | None = None, **options: Any) -> "EngineConfig":
+        """Merge YAML (lower precedence) and keyword options (higher); validate; name the bad key on error."""
+        merged: dict[str, Any] = {}
+        if yaml_path is not None:
+            merged.update(load_yaml_options(yaml_path))
+        merged.update({k.replace("-", "_"): v for k, v in options.items() if v is not None})
+        merged["model"] = model
+        try:
+            cfg = cls(**merged)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+        if cfg.tp_size > 1 or cfg.ep_size > 1 or cfg.enable_attention_dp:
+            raise ConfigError("tp_size/ep_size/enable_attention_dp > 1 need the multi-GPU runtime, not built yet")
+        if not cfg.enable_chunked_prefill and cfg.max_seq_len is not None and cfg.max_seq_len > cfg.max_num_tokens:
+            raise ConfigError(
+                f"max_seq_len ({cfg.max_seq_len}) > max_num_tokens ({cfg.max_num_tokens}) needs enable_chunked_prefill"
+            )
+        return cfg
+
+
+def load_yaml_options(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read options file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"options file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"options file {path} must hold a mapping of option names to values")
+    return data
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown option '{key}'")
+        else:
+            parts.append(f"option '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about a model, read from its HF `config.json`."""
+
+    path: str
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str
+    dtype: Any  # torch.dtype
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    layer_types: list[str]  # "full_attention" | "sliding_attention" per layer
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "auto", device_type: str = "cpu") -> "ModelConfig":
+        import torch
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path)
+        archs = getattr(hf, "architectures", None) or []
+        if not archs:
+            raise ConfigError(f"{path}/config.json names no 'architectures'")
+        text = getattr(hf, "get_text_config", lambda: hf)()
+        n_layers = text.num_hidden_layers
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        window = getattr(text, "sliding_window", None)
+        layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * n_layers)
+        if window is None:
+            layer_types = ["full_attention"] * n_layers
+        gen = _read_generation_config(path)
+        eos = gen.get("eos_token_id", getattr(text, "eos_token_id", None))
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(
+            path=path,
+            hf_config=hf,
+            architecture=archs[0],
+            dtype=_resolve_dtype(dtype, hf, device_type, torch),
+            num_layers=n_layers,
+            hidden_size=text.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=text.vocab_size,
+            max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
+            layer_types=layer_types,
+            sliding_window=window if "sliding_attention" in layer_types else None,
+            eos_token_ids=eos_ids,
+            generation_defaults={
+                k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen
+            },
+        )
+
+
+def _read_generation_config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device_type == "cpu":
+        # bf16 matmuls on CPU are slow and inexact; fp32 is the reference path.
+        return torch.float32
+    declared = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """This process's place in the tensor-parallel group; layers shard their weights by it."""
+
+    tp_rank: int = 0
+    tp_size: int = 1

@@ -1,0 +1,145 @@
+"""Attention over the paged KV cache: the metadata a step carries, the layer, and the backend interface.
+
+KV cache layout (per layer): `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Block 0 is the null block: never allocated, it pads block tables and stands in for blocks a sliding
+window has released. Each layer belongs to a KV group (full attention, sliding window); each group has
+its own block table per request, see `kv_cache/manager.py`.
+
+Backends implement `AttentionBackend.forward`. `TorchAttentionBackend` is the reference: exact, any
+device, one sequence at a time. The Triton backend (GPU issue) plugs in behind the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward step: B sequences, T new tokens laid out back to back."""
+
+    query_start_loc: list[int]  # [B+1] offsets of each sequence's new tokens in the flat batch
+    seq_lens: list[int]  # [B] context length after this step (cached + new)
+    block_tables: list[torch.Tensor]  # per KV group: [B, max_blocks] int32, padded with the null block 0
+    slot_mappings: list[torch.Tensor]  # per KV group: [T] int64 slot = block * block_size + offset; -1 skips
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def forward(
+        self,
+        layer: "Attention",
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None,  # [H] learned logits joined to the softmax denominator
+    ) -> torch.Tensor:  # [T, H, D]
+        raise NotImplementedError
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer. The runner binds `k_cache`, `v_cache`, `kv_group` and `backend`."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        layer_idx: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.kv_group = 0
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend: AttentionBackend = TorchAttentionBackend()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, KVH*D] (after RoPE); returns [T, H*D]."""
+        t = q.shape[0]
+        out = self.backend.forward(
+            self,
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            meta,
+            sinks,
+        )
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+def store_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    valid = slots >= 0
+    flat_k = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    flat_v = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    flat_k[slots[valid]] = k[valid].to(flat_k.dtype)
+    flat_v[slots[valid]] = v[valid].to(flat_v.dtype)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention: causal, GQA, sliding window, sinks; fp32 softmax."""
+
+    name = "torch"
+
+    def forward(self, layer, q, k, v, meta, sinks):
+        store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
+        block_table = meta.block_tables[layer.kv_group]
+        bs = meta.block_size
+        kvh, d = layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kvh
+        window = layer.sliding_window
+        out = torch.empty_like(q)
+        for i, seq_len in enumerate(meta.seq_lens):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            n_q = end - start
+            if n_q == 0:
+                continue
+            first_q_pos = seq_len - n_q
+            # Keys older than the window are never read (their blocks may already be released).
+            first_k = 0 if window is None else max(0, first_q_pos - window + 1)
+            first_block = first_k // bs
+            n_blocks = (seq_len + bs - 1) // bs
+            blocks = block_table[i, first_block:n_blocks].long()
+            k_ctx = layer.k_cache[blocks].reshape(-1, kvh, d)[: seq_len - first_block * bs].float()
+            v_ctx = layer.v_cache[blocks].reshape(-1, kvh, d)[: seq_len - first_block * bs].float()
+            k_pos = torch.arange(first_block * bs, seq_len, device=q.device)
+            q_pos = torch.arange(first_q_pos, seq_len, device=q.device)
+            qi = q[start:end].float().view(n_q, kvh, group, d)
+            scores = torch.einsum("qhgd,khd->hgqk", qi, k_ctx) * layer.scale
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                allowed &= k_pos[None, :] > q_pos[:, None] - window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:
+                sink = sinks.float().view(kvh, group, 1, 1).expand(kvh, group, n_q, 1)
+                scores = torch.cat([scores, sink], dim=-1)
+            probs = torch.softmax(scores, dim=-1)
+            if sinks is not None:
+                probs = probs[..., :-1]
+            o = torch.einsum("hgqk,khd->qhgd", probs, v_ctx)
+            out[start:end] = o.reshape(n_q, layer.num_heads, d).to(out.dtype)
+        return out
