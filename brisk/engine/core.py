@@ -1,0 +1,151 @@
+"""EngineCore: the step loop. Schedule, run the model, sample, advance the requests, report tokens.
+
+It runs in-process for the offline API and tests, and behind ZMQ in the server's engine process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+
+from brisk.config import EngineConfig, ModelConfig
+from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprob
+from brisk.model_runner.runner import ModelRunner, StepResult, resolve_device
+from brisk.scheduler.request import Request
+from brisk.scheduler.scheduler import Scheduler, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked (too long, bad token ids...); nothing was admitted."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, self.device.type)
+        self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, self.device)
+        self.kv = self.runner.make_kv_manager()
+        self.scheduler = Scheduler(
+            self.kv,
+            max_batch_size=config.max_batch_size,
+            max_num_tokens=config.max_num_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.requests: dict[str, list[Request]] = {}  # request id -> its n completions
+        self._arrivals = itertools.count()
+        logger.info(
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d",
+            self.model_config.architecture, self.device, self.runner.num_blocks, config.block_size, self.max_seq_len,
+        )
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        rid, prompt, params = request.request_id, request.prompt_token_ids, request.params
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        self._validate(prompt, params)
+        room = self.max_seq_len - len(prompt)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.model_config.eos_token_ids)
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            children.append(
+                Request(
+                    request_id=f"{rid}#{i}",
+                    prompt_token_ids=list(prompt),
+                    params=params if params.n == 1 else replace(params, n=1, seed=seed),
+                    max_tokens=max_tokens,
+                    stop_token_ids=frozenset(stop_ids),
+                    arrival_seq=next(self._arrivals),
+                    # Later completions wait for the first one's prefill, then adopt its cached prompt blocks.
+                    follows=children[0] if i > 0 and self.config.enable_prefix_caching else None,
+                    generator=None if seed is None else self.runner.make_generator(seed),
+                )
+            )
+        self.requests[rid] = children
+        for child in children:
+            self.scheduler.add(child)
+
+    def _validate(self, prompt: list[int], params) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; max_seq_len is {self.max_seq_len}, leaving no room to generate"
+            )
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({self.max_seq_len})"
+            )
+        total = len(prompt) + (params.max_tokens or self.max_seq_len - len(prompt))
+        if self.kv.max_blocks_per_request(total) > self.kv.pool.num_usable:
+            raise InvalidRequestError(
+                f"a request of {total} tokens needs more KV blocks than the whole cache holds "
+                f"({self.kv.pool.num_usable}); lower max_tokens or give the KV cache more memory"
+            )
+        bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise InvalidRequestError(f"stop_token_ids holds {bad_stop}, outside the vocabulary")
+
+    def abort_request(self, request_id: str, index: int | None = None) -> list[EngineCoreOutput]:
+        """Abort all completions of a request (or one). Returns their final outputs."""
+        children = self.requests.get(request_id, [])
+        outputs = []
+        for i, req in enumerate(children):
+            if (index is None or i == index) and not req.is_finished:
+                self.scheduler.abort(req)
+                outputs.append(self._output(request_id, i, req, [], None))
+        self._forget_if_done(request_id)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        result = self.runner.execute(sched, self.kv)
+        return [self._to_output(t, result) for t in self.scheduler.update(sched, result.sampled)]
+
+    def _to_output(self, t: TokenOutput, result: StepResult) -> EngineCoreOutput:
+        rid, _, idx = t.request.request_id.rpartition("#")
+        logprobs = None
+        if t.request.params.logprobs is not None and result.sampler_output is not None:
+            row = result.rows.index(t.request)
+            so = result.sampler_output
+            logprobs = [TokenLogprob(t.new_token_ids[0], so.logprobs[row], so.top_logprobs[row])]
+        out = self._output(rid, int(idx), t.request, t.new_token_ids, logprobs)
+        if t.finished:
+            self._forget_if_done(rid)
+        return out
+
+    @staticmethod
+    def _output(rid: str, index: int, req: Request, new_ids: list[int], logprobs) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=rid,
+            index=index,
+            new_token_ids=new_ids,
+            logprobs=logprobs,
+            finish_reason=req.finish_reason if req.is_finished else None,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def _forget_if_done(self, rid: str) -> None:
+        if all(r.is_finished for r in self.requests.get(rid, [])):
+            self.requests.pop(rid, None)

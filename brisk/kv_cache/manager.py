@@ -1,0 +1,194 @@
+"""KV cache manager: per-request block tables per KV group, prefix caching, sliding-window release.
+
+Layers are grouped by attention type (gpt-oss: full-attention layers and sliding-window layers). All
+groups draw from one `BlockPool`: block id b stands for slot b in each group's layer tensors, so a
+block handed to the sliding group holds KV for the sliding layers only (see ModelRunner's layout).
+A sliding group's table keeps the null block where tokens have fallen out of the window, so half of
+gpt-oss's layers cost O(window) memory instead of O(context).
+
+Prefix caching hashes each full block by (parent hash, token ids); a hit is verified against the
+stored tokens. A hit must leave at least one token to compute (its logits are needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from brisk.kv_cache.block_pool import NULL_BLOCK, BlockKey, BlockPool
+
+
+class KVRequest(Protocol):
+    request_id: str
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+@dataclass
+class PrefixHit:
+    num_tokens: int
+    blocks: list[list[int]]  # per group; the null block where a sliding window needs nothing
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, groups: list[KVGroupSpec], num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.groups = groups
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[str, list[list[int]]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self._hashes: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / self.pool.num_usable
+
+    def max_blocks_per_request(self, num_tokens: int) -> int:
+        """Blocks one request of this length needs at most (all groups); admission must never exceed the pool."""
+        return len(self.groups) * cdiv(num_tokens, self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def get_computed_blocks(self, req: KVRequest) -> PrefixHit:
+        empty = PrefixHit(0, [[] for _ in self.groups])
+        if not self.enable_prefix_caching:
+            return empty
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hashes = self._block_hashes(req, max_blocks)
+        found = [
+            [self.pool.lookup(BlockKey(g, h, parent, toks)) for h, parent, toks in hashes]
+            for g in range(len(self.groups))
+        ]
+        limit = max_blocks
+        for g, spec in enumerate(self.groups):
+            if spec.sliding_window is None:
+                limit = min(limit, next((i for i, b in enumerate(found[g]) if b is None), max_blocks))
+        self.prefix_queries += req.num_tokens
+        for n in range(limit, 0, -1):
+            starts = [self._first_needed_block(spec, n * bs) for spec in self.groups]
+            if all(b is not None for g, s in enumerate(starts) for b in found[g][s:n]):
+                blocks = [[NULL_BLOCK] * s + found[g][s:n] for g, s in enumerate(starts)]
+                self.prefix_hits += n * bs
+                return PrefixHit(n * bs, blocks)
+        return empty
+
+    def _first_needed_block(self, spec: KVGroupSpec, num_computed: int) -> int:
+        """First block index the next query (at position num_computed) still reads."""
+        if spec.sliding_window is None:
+            return 0
+        return max(0, num_computed - spec.sliding_window + 1) // self.block_size
+
+    def _block_hashes(self, req: KVRequest, n: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        tokens = req.all_token_ids
+        bs = self.block_size
+        while len(hashes) < n:
+            i = len(hashes)
+            parent = hashes[-1][0] if hashes else None
+            toks = tuple(tokens[i * bs : (i + 1) * bs])
+            hashes.append((hash((parent, toks)), parent, toks))
+        return hashes[:n]
+
+    def cache_full_blocks(self, req: KVRequest) -> None:
+        """Index the request's blocks that are now completely computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        n_full = req.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(rid, 0)
+        if n_full <= start:
+            return
+        hashes = self._block_hashes(req, n_full)
+        for g, table in enumerate(self.tables[rid]):
+            for i in range(start, n_full):
+                if table[i] != NULL_BLOCK:
+                    h, parent, toks = hashes[i]
+                    self.pool.cache(table[i], BlockKey(g, h, parent, toks))
+        self._num_cached_blocks[rid] = n_full
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens; on a first admission `hit` adopts cached blocks.
+
+        Returns False, changing nothing, when the pool cannot hold them.
+        """
+        rid = req.request_id
+        if hit is not None:
+            tables = [list(b) for b in hit.blocks]
+            num_computed = hit.num_tokens
+        else:
+            tables = self.tables[rid]
+            num_computed = req.num_computed_tokens
+            self._release_out_of_window(tables, num_computed)
+        total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
+        needed = [max(0, total_blocks - len(t)) for t in tables]
+        reused_free = 0
+        if hit is not None:
+            reused_free = sum(1 for t in tables for b in t if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 0)
+        if sum(needed) + reused_free > self.pool.num_free:
+            return False
+        if hit is not None:
+            for t in tables:
+                for b in t:
+                    if b != NULL_BLOCK:
+                        self.pool.touch(b)
+            self.tables[rid] = tables
+            self._num_cached_blocks[rid] = hit.num_tokens // self.block_size
+        for t, n in zip(tables, needed):
+            t.extend(self.pool.allocate(n))
+        return True
+
+    def _release_out_of_window(self, tables: list[list[int]], num_computed: int) -> None:
+        for spec, table in zip(self.groups, tables):
+            if spec.sliding_window is None:
+                continue
+            for i in range(self._first_needed_block(spec, num_computed) - 1, -1, -1):
+                if table[i] == NULL_BLOCK:
+                    break  # everything before was released earlier
+                self.pool.free([table[i]])
+                table[i] = NULL_BLOCK
+
+    def free(self, req: KVRequest) -> None:
+        rid = req.request_id
+        for table in self.tables.pop(rid, []):
+            self.pool.free(table[::-1])
+        self._num_cached_blocks.pop(rid, None)
+        self._hashes.pop(rid, None)
+
+    def check_invariants(self) -> None:
+        """Pool consistency plus: every block reference is held by exactly one table entry."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for tables in self.tables.values():
+            for table in tables:
+                for b in table:
+                    if b != NULL_BLOCK:
+                        refs[b] = refs.get(b, 0) + 1
+        for block in self.pool.blocks[1:]:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} table entries"
+                )

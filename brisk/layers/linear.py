@@ -1,0 +1,173 @@
+"""Tensor-parallel-ready linear layers (vLLM style).
+
+Weights are stored like `nn.Linear`: [out_features, in_features]. Each parameter carries a
+`weight_loader(param, loaded_weight, shard_id=None)` that copies this rank's slice of a full checkpoint
+tensor into it, so checkpoints are loaded the same way whatever `tp_size` is.
+
+- ColumnParallelLinear shards the output dim; its output stays sharded (no communication).
+- RowParallelLinear shards the input dim; partial outputs are summed by an all-reduce.
+- Merged / QKV variants fuse several checkpoint tensors (gate+up, q+k+v) into one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.config import ParallelConfig
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """Copy `loaded` into `param` (any dtype/device), refusing shape mismatches."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+    if param.device.type == "meta":
+        return
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    """Whole-tensor copy, for replicated parameters (norms, sinks, router...)."""
+    copy_checked(param.data, loaded_weight, "weight")
+
+
+def all_reduce_across_tp(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """TP HOOK: sum partial results over the tensor-parallel group. No-op at tp_size 1."""
+    if parallel.tp_size == 1:
+        return x
+    torch.distributed.all_reduce(x)
+    return x
+
+
+class LinearBase(nn.Module):
+    """Holds weight [out_local, in_local] and optional bias [out_local] in the default dtype/device."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the full weight (small layers such as the MoE router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 parallel: ParallelConfig = ParallelConfig()) -> None:
+        super().__init__(input_size, output_size, bias, parallel)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        copy_checked(param.data, loaded_weight, type(self).__name__)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split into tp_size contiguous chunks; rank r holds chunk r."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 parallel: ParallelConfig = ParallelConfig()) -> None:
+        self.output_size_per_rank = divide(output_size, parallel.tp_size, "output_size")
+        super().__init__(input_size, self.output_size_per_rank, bias, parallel)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        size = param.shape[0]
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        copy_checked(param.data, shard, type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul, e.g. gate_up = [gate_proj; up_proj].
+
+    Each rank stores [gate shard r; up shard r], so the local output splits cleanly in half.
+    `shard_id` is the index into `output_sizes` of the checkpoint tensor being loaded.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 parallel: ParallelConfig = ParallelConfig()) -> None:
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            divide(size, parallel.tp_size, "merged output size")
+        super().__init__(input_size, sum(self.output_sizes), bias, parallel)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused. Heads are split across ranks; when tp_size > num_kv_heads each KV
+    head is replicated on tp_size / num_kv_heads consecutive ranks (each rank holds one KV head)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 parallel: ParallelConfig = ParallelConfig()) -> None:
+        tp = parallel.tp_size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_heads")
+        if tp >= num_kv_heads:
+            divide(tp, num_kv_heads, "tp_size (as a multiple of num_kv_heads)")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp // num_kv_heads
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, parallel)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, rank = self.kv_size, self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+        shard = loaded_weight.narrow(0, rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), shard, f"{type(self).__name__}[{shard_id}]")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; each rank computes a partial output, summed by all-reduce.
+    The bias is full-size on every rank but added on rank 0 only, so the sum counts it once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 parallel: ParallelConfig = ParallelConfig(), reduce_results: bool = True) -> None:
+        self.input_size_per_rank = divide(input_size, parallel.tp_size, "input_size")
+        self.reduce_results = reduce_results
+        super().__init__(self.input_size_per_rank, output_size, bias, parallel)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if param.dim() == 2:
+            size = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+        copy_checked(param.data, loaded_weight, type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        out = F.linear(x, self.weight, bias)
+        if self.reduce_results:
+            out = all_reduce_across_tp(out, self.parallel)
+        return out

@@ -1,0 +1,28 @@
+"""RMSNorm with Hugging Face numerics: the normalisation runs in fp32 whatever the model dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from brisk.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """`weight_in_fp32` picks where the cast back to the model dtype happens, which differs by model in HF:
+    Llama/Qwen3 cast before multiplying by the weight, gpt-oss multiplies in fp32 then casts."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * x32).to(input_dtype)
+        return self.weight * x32.to(input_dtype)

@@ -1,0 +1,126 @@
+"""Offline API: `LLM(model, **options).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence, Union
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from brisk.config import EngineConfig
+from brisk.engine.core import EngineCore
+from brisk.engine.messages import EngineCoreRequest
+from brisk.engine.output_processor import OutputProcessor
+from brisk.model_runner.loader import resolve_model_path
+from brisk.outputs import RequestOutput
+from brisk.sampling_params import SamplingParams
+
+# A prompt is text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+PromptType = Union[str, list[int], dict[str, Any]]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, *, tokenizer: str | None = None, extra_llm_api_options: str | None = None, **options):
+        path = resolve_model_path(model, options.get("revision"))
+        self.config = EngineConfig.build(path, extra_llm_api_options, tokenizer=tokenizer, **options)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
+        self.engine = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults, as vLLM applies them."""
+        return SamplingParams(**self.engine.model_config.generation_defaults)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params")
+        order: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                text, token_ids = self._tokenize(prompt)
+                rid = str(next(self._ids))
+                self.engine.add_request(EngineCoreRequest(rid, token_ids, params))
+                self.output_processor.add_request(rid, text, token_ids, params)
+                order.append(rid)
+        except Exception:
+            for rid in order:  # all or nothing: drop what was already queued
+                self.engine.abort_request(rid)
+                self.output_processor.abort(rid)
+            raise
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(chat_template_kwargs or {}),
+        )
+        # transformers 5 returns a BatchEncoding-like mapping; 4.x returns the ids.
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished():
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine finished requests it never reported")  # a bug, never a hang
+            processed = self.output_processor.process(self.engine.step())
+            for rid, index in processed.aborts:
+                self.engine.abort_request(rid, index)
+            for out in processed.request_outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in order]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one token-id prompt
+    return prompts

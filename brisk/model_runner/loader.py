@@ -1,0 +1,152 @@
+"""Find a model's files and build the model with its weights.
+
+Weights are streamed one tensor at a time from the safetensors shards (never the whole checkpoint in
+memory) into `model.load_weights`, which maps HF names onto brisk parameters and slices them per TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from glob import glob
+
+import torch
+from torch import nn
+
+from brisk.config import ModelConfig, ParallelConfig
+from brisk.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt")
+# gpt-oss repos keep duplicate weights in original/ and metal/: only top-level files are needed.
+HUB_IGNORE_PATTERNS = ("*/*",)
+INDEX_FILE = "model.safetensors.index.json"
+DUMMY_STD = 0.02
+DUMMY_MXFP4_SCALE_RANGE = (118, 128)  # E8M0 exponents 2^-9 .. 2^1: weights of a sane magnitude
+
+
+class ModelNotAvailableError(RuntimeError):
+    """The model is neither a local directory nor downloadable right now."""
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local directory as-is; otherwise a Hub repo id, downloaded (or found in the HF cache)."""
+    local = os.path.expanduser(model)
+    if os.path.isdir(local):
+        return local
+    if model.startswith(("/", ".", "~")):
+        raise ModelNotAvailableError(f"model path '{model}' is not a directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE only once, when it is imported.
+    offline = any(os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
+                  for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    try:
+        return snapshot_download(
+            repo_id=model,
+            revision=revision,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            ignore_patterns=list(HUB_IGNORE_PATTERNS),
+            local_files_only=offline,
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError) as exc:
+        why = "offline mode (HF_HUB_OFFLINE) and not in the local cache" if offline else f"{type(exc).__name__}: {exc}"
+        raise ModelNotAvailableError(
+            f"cannot get model '{model}' from the Hugging Face Hub ({why}); pass a local directory path instead"
+        ) from exc
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors shards: those named by model.safetensors.index.json, else every *.safetensors."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, name) for name in names]
+        for file in files:
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{INDEX_FILE} names {os.path.basename(file)}, which is not in {path}")
+        return files
+    files = sorted(glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time across all shards, with a progress bar over tensors."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = checkpoint_files(path)
+    total = 0
+    for file in files:  # reads only the headers
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_config: ModelConfig,
+    *,
+    load_format: str = "auto",
+    device: torch.device | str,
+    moe_backend: str = "auto",
+    parallel: ParallelConfig = ParallelConfig(),
+) -> nn.Module:
+    """Build the model in model_config.dtype on `device` and fill its weights (or random ones for 'dummy')."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format '{load_format}'; choose one of: {', '.join(LOAD_FORMATS)}")
+    device = torch.device(device)
+    model_class = get_model_class(model_config.architecture)
+    with default_dtype(model_config.dtype), device:
+        model = model_class(model_config, parallel=parallel, moe_backend=moe_backend)
+    model.eval()
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+        return model
+    if device.type == "meta":
+        raise ValueError("real weights cannot be loaded on the meta device; use load_format='dummy'")
+    loaded = model.load_weights(iterate_checkpoint(model_config.path))
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {model_config.path} is missing weights: {shown}")
+    return model
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes and dtypes; parameters on the meta device are left as they are."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        gen = generators[param.device]
+        if param.dtype == torch.uint8:  # MXFP4: any byte is two valid E2M1 codes; scales kept moderate
+            low, high = DUMMY_MXFP4_SCALE_RANGE if name.endswith("_scales") else (0, 255)
+            param.random_(low, high + 1, generator=gen)
+        elif name.endswith("norm.weight"):
+            param.fill_(1.0)  # keeps activations at unit scale through the stack
+        else:
+            param.normal_(0.0, DUMMY_STD, generator=gen)

@@ -1,0 +1,164 @@
+"""ModelRunner: owns the model and the KV cache tensors; turns a SchedulerOutput into sampled tokens.
+
+KV memory layout: layers are grouped by attention type (`kv_groups`). Slot tensor j holds the KV of the
+j-th layer of every group, so one block id means the same memory in all groups and all groups share
+one `BlockPool`; a block's bytes are `num_slots * 2 * block_size * kv_heads * head_dim * dtype`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from brisk.config import EngineConfig, ModelConfig
+from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec
+from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.model_runner.loader import load_model
+from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
+from brisk.scheduler.request import Request
+from brisk.scheduler.scheduler import SchedulerOutput
+
+CPU_KV_CACHE_CAP_BYTES = 4 << 30  # a CPU box runs small models; never take more than this by default
+
+
+def kv_groups_for(model_config: ModelConfig) -> list[KVGroupSpec]:
+    groups = []
+    for kind in ("full_attention", "sliding_attention"):
+        layers = tuple(i for i, t in enumerate(model_config.layer_types) if t == kind)
+        if layers:
+            window = model_config.sliding_window if kind == "sliding_attention" else None
+            groups.append(KVGroupSpec(layers, window))
+    return groups
+
+
+@dataclass
+class StepResult:
+    sampled: dict[Request, int]
+    sampler_output: SamplerOutput | None
+    rows: list[Request]  # request of each sampler row
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.block_size = config.block_size
+        self.model = load_model(
+            model_config, load_format=config.load_format, device=device, moe_backend=config.moe_config.backend
+        )
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_groups = kv_groups_for(model_config)
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler()
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return max(len(g.layer_ids) for g in self.kv_groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        mc = self.model_config
+        elt = torch.empty((), dtype=mc.dtype).element_size()
+        return self.num_slots * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elt
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.kv_cache_config.max_blocks is not None:
+            return self.config.kv_cache_config.max_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.memory_fraction
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(available * self.config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
+        return max(2, int(budget // self.bytes_per_block))
+
+    def _allocate_kv_cache(self) -> None:
+        mc = self.model_config
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        slots = [
+            (torch.zeros(shape, dtype=mc.dtype, device=self.device), torch.zeros(shape, dtype=mc.dtype, device=self.device))
+            for _ in range(self.num_slots)
+        ]
+        for g, group in enumerate(self.kv_groups):
+            for j, layer_id in enumerate(group.layer_ids):
+                layer = self.attn_layers[layer_id]
+                layer.k_cache, layer.v_cache = slots[j]
+                layer.kv_group = g
+
+    def make_kv_manager(self) -> KVCacheManager:
+        return KVCacheManager(self.kv_groups, self.num_blocks, self.block_size, self.config.enable_prefix_caching)
+
+    # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        rows: list[Request] = []
+        tables = [[] for _ in self.kv_groups]
+        slots: list[list[int]] = [[] for _ in self.kv_groups]
+        bs = self.block_size
+        for s in sched.scheduled:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            req_tables = kv.tables[req.request_id]
+            for g, table in enumerate(req_tables):
+                tables[g].append(table)
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.samples:
+                logits_indices.append(query_start_loc[-1] - 1)
+                rows.append(req)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=[_pad_2d(t, dev) for t in tables],
+            slot_mappings=[torch.tensor(s, dtype=torch.int64, device=dev) for s in slots],
+            block_size=bs,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+        )
+        if not rows:
+            return StepResult({}, None, [])
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=dev)]).float()
+        batch = SamplingBatch.build(
+            params=[r.params for r in rows],
+            prompt_ids=[r.prompt_token_ids for r in rows],
+            output_ids=[r.output_token_ids for r in rows],
+            generators=[r.generator for r in rows],
+            stop_ids=[set(r.stop_token_ids) for r in rows],
+            vocab_size=logits.shape[-1],
+            device=dev,
+        )
+        out = self.sampler(logits, batch)
+        return StepResult(dict(zip(rows, out.token_ids)), out, rows)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def _pad_2d(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)

@@ -1,0 +1,196 @@
+"""Llama, plus the decoder pieces the other Llama-family models (Qwen3, gpt-oss) reuse.
+
+Module names mirror the HF checkpoint names (`model.layers.N.self_attn...`) so loading is a rename at
+most: q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj` (see `stacked_params_mapping`).
+Tokens are flat: input_ids/positions [T], hidden [T, H]; sequence boundaries live in the attention metadata.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brisk.config import ModelConfig, ParallelConfig
+from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from brisk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, copy_checked
+from brisk.layers.norm import RMSNorm
+from brisk.layers.rotary import RotaryEmbedding
+
+
+def text_config(model_config: ModelConfig):
+    hf = model_config.hf_config
+    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+
+
+class DecoderAttention(nn.Module):
+    """QKV projection -> (optional per-head q/k RMSNorm) -> RoPE -> paged attention -> output projection."""
+
+    def __init__(self, model_config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, parallel: ParallelConfig,
+                 *, bias: bool = False, qk_norm: bool = False, sinks: bool = False) -> None:
+        super().__init__()
+        cfg = text_config(model_config)
+        d = model_config.head_dim
+        self.qkv_proj = QKVParallelLinear(model_config.hidden_size, d, model_config.num_heads,
+                                          model_config.num_kv_heads, bias=bias, parallel=parallel)
+        self.o_proj = RowParallelLinear(model_config.num_heads * d, model_config.hidden_size, bias=bias,
+                                        parallel=parallel)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.head_dim = d
+        self.rotary_emb = rotary  # shared by all layers
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        else:
+            self.sinks = None
+        is_sliding = model_config.layer_types[layer_idx] == "sliding_attention"
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, layer_idx,
+                              sliding_window=model_config.sliding_window if is_sliding else None)
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        rank = self.qkv_proj.tp_rank
+        copy_checked(param.data, loaded_weight.narrow(0, rank * self.num_heads, self.num_heads), "sinks")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous(), meta, sinks=self.sinks)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
+                 parallel: ParallelConfig) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act '{hidden_act}' (supported: silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       parallel=parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, parallel=parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 norm_weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, norm_weight_in_fp32)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, norm_weight_in_fp32)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, model_config: ModelConfig, layers: list[nn.Module], parallel: ParallelConfig,
+                 norm_weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        cfg = text_config(model_config)
+        self.embed_tokens = VocabParallelEmbedding(model_config.vocab_size, model_config.hidden_size, parallel)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(model_config.hidden_size, cfg.rms_norm_eps, norm_weight_in_fp32)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """Common causal-LM shell: subclasses build `self.model` via `make_layer` and may extend the mapping."""
+
+    # (brisk parameter part, checkpoint part, shard id): checkpoint tensors fused into one brisk parameter.
+    stacked_params_mapping: tuple[tuple[str, str, object], ...] = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+    norm_weight_in_fp32 = False
+
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
+                 moe_backend: str = "auto") -> None:
+        super().__init__()
+        self.model_config = model_config
+        self.parallel = parallel
+        self.moe_backend = moe_backend
+        cfg = text_config(model_config)
+        rotary = RotaryEmbedding(cfg, model_config.head_dim)
+        layers = [self.make_layer(i, rotary) for i in range(model_config.num_layers)]
+        self.model = DecoderModel(model_config, layers, parallel, self.norm_weight_in_fp32)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False)
+                                        or getattr(model_config.hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(model_config.vocab_size, model_config.hidden_size, parallel)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_layer(self, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors that have no brisk parameter on purpose."""
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the brisk parameter names fully loaded (all shards of fused ones)."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set] = defaultdict(set)
+        for name, tensor in weights:
+            if self.skip_weight(name):
+                continue
+            target, shard_id = name, None
+            for param_part, ckpt_part, sid in self.stacked_params_mapping:
+                if ckpt_part in name:
+                    target, shard_id = name.replace(ckpt_part, param_part), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected checkpoint weight '{name}': {type(self).__name__} has no "
+                                 f"parameter '{target}'")
+            param.weight_loader(param, tensor, shard_id)
+            shards_seen[target].add(shard_id)
+        loaded = set()
+        for target, seen in shards_seen.items():
+            needed = {sid for part, _, sid in self.stacked_params_mapping if part in target} or {None}
+            if needed <= seen:
+                loaded.add(target)
+        return loaded
+
+
+class LlamaForCausalLM(CausalLM):
+    qk_norm = False
+
+    def make_layer(self, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        mc, cfg = self.model_config, text_config(self.model_config)
+        attn = DecoderAttention(mc, layer_idx, rotary, self.parallel,
+                                bias=getattr(cfg, "attention_bias", False), qk_norm=self.qk_norm)
+        mlp = LlamaMLP(mc.hidden_size, cfg.intermediate_size, cfg.hidden_act, getattr(cfg, "mlp_bias", False),
+                       self.parallel)
+        return DecoderLayer(attn, mlp, mc.hidden_size, cfg.rms_norm_eps)

@@ -1,0 +1,30 @@
+"""Maps HF `architectures[0]` names to brisk model classes."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from torch import nn
+
+from brisk.models.gpt_oss import GptOssForCausalLM
+from brisk.models.llama import LlamaForCausalLM
+from brisk.models.qwen3 import Qwen3ForCausalLM
+
+_MODEL_CLASSES = MappingProxyType({
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+})
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODEL_CLASSES)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture '{architecture}'; supported: {', '.join(supported_architectures())}"
+        ) from None

@@ -1,0 +1,34 @@
+"""What the offline API returns (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # Per output token: {token id: logprob} holding the sampled token and the top-k alternatives.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

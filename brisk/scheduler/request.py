@@ -1,0 +1,75 @@
+"""A request as the engine core sees it: token ids in, token ids out, and how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from brisk.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against max_seq_len
+    stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and params.stop_token_ids
+    arrival_seq: int  # admission order among equal priorities
+    # n > 1: a sibling whose prefill this one waits for, so it can adopt the prompt's KV blocks.
+    follows: "Request | None" = None
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        return (self.params.priority, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """After a token was appended: set finish_reason if the request is done."""
+        last = self.output_token_ids[-1]
+        if last in self.stop_token_ids and len(self.output_token_ids) > self.params.min_tokens:
+            self.finish_reason = "stop"
+            self.stop_reason = last if last in self.params.stop_token_ids else None
+            return True
+        if len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,201 @@
+"""Scheduler + KV cache manager invariants, on a fake model that reads its context back from the paged cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from brisk.kv_cache.manager import KVGroupSpec
+from tests.fake_engine import FakeEngine
+
+FULL = [KVGroupSpec((0, 1))]
+HYBRID = [KVGroupSpec((1, 3)), KVGroupSpec((0, 2), sliding_window=6)]
+
+
+def _prompts(rng: random.Random, n: int, shared_prefix: int = 0) -> list[list[int]]:
+    prefix = [rng.randrange(1, 97) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(1, 97) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+
+
+def _check_all(engine: FakeEngine, reqs, prompts, max_tokens) -> None:
+    for req, prompt, mt in zip(reqs, prompts, max_tokens):
+        assert req.output_token_ids == engine.expected_output(prompt, mt), req.request_id
+    assert engine.kv.pool.num_used == 0
+    assert not engine.kv.tables
+
+
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_batch_decodes_exactly(groups):
+    rng = random.Random(0)
+    engine = FakeEngine(groups, num_blocks=200, block_size=4)
+    prompts = _prompts(rng, 8)
+    reqs = [engine.add(p, 12) for p in prompts]
+    engine.run()
+    _check_all(engine, reqs, prompts, [12] * 8)
+
+
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_chunked_prefill_respects_token_budget(groups):
+    rng = random.Random(1)
+    engine = FakeEngine(groups, num_blocks=200, block_size=4, max_num_tokens=5)
+    prompts = _prompts(rng, 6)
+    reqs = [engine.add(p, 6) for p in prompts]
+    while engine.sched.num_unfinished:
+        out = engine.step()
+        assert out.num_tokens <= 5
+    _check_all(engine, reqs, prompts, [6] * 6)
+
+
+def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
+    rng = random.Random(2)
+    engine = FakeEngine(FULL, num_blocks=200, block_size=4, max_num_tokens=40, chunked=False)
+    prompts = _prompts(rng, 6)
+    reqs = [engine.add(p, 4) for p in prompts]
+    while engine.sched.num_unfinished:
+        out = engine.step()
+        for s in out.scheduled:
+            if s.request.num_computed_tokens == 0:
+                assert s.num_new_tokens == s.request.num_tokens
+    _check_all(engine, reqs, prompts, [4] * 6)
+
+
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_preemption_recomputes_exactly(groups):
+    rng = random.Random(3)
+    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8)
+    prompts = _prompts(rng, 8)
+    reqs = [engine.add(p, 20) for p in prompts]
+    engine.run()
+    assert engine.sched.num_preemptions > 0
+    _check_all(engine, reqs, prompts, [20] * 8)
+
+
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_prefix_cache_hits_are_exact(groups):
+    rng = random.Random(4)
+    engine = FakeEngine(groups, num_blocks=300, block_size=4)
+    prompts = _prompts(rng, 6, shared_prefix=17)
+    first = engine.add(prompts[0], 5)
+    engine.run()
+    reqs = [first] + [engine.add(p, 5) for p in prompts[1:]]
+    engine.run()
+    assert all(r.num_cached_tokens >= 16 for r in reqs[1:])
+    assert engine.kv.prefix_hits > 0
+    _check_all(engine, reqs, prompts, [5] * 6)
+
+
+def test_identical_prompt_hit_leaves_one_token_to_compute():
+    engine = FakeEngine(FULL, num_blocks=100, block_size=4)
+    prompt = list(range(1, 13))  # exactly 3 blocks
+    a = engine.add(prompt, 3)
+    engine.run()
+    b = engine.add(prompt, 3)
+    engine.run()
+    assert b.num_cached_tokens == 8  # the last block is recomputed so its last token yields logits
+    assert a.output_token_ids == b.output_token_ids
+
+
+def test_sliding_window_releases_blocks():
+    engine = FakeEngine(HYBRID, num_blocks=400, block_size=4, prefix_caching=False)
+    req = engine.add([5] * 40, 40)
+    peak_sliding = 0
+    while engine.sched.num_unfinished:
+        engine.step()
+        if req.request_id in engine.kv.tables:
+            sliding = [b for b in engine.kv.tables[req.request_id][1] if b != 0]
+            peak_sliding = max(peak_sliding, len(sliding))
+            # window 6 with blocks of 4 needs at most 3 live blocks (+1 being filled)
+            if req.num_computed_tokens > 40:
+                assert len(sliding) <= 3
+    assert req.output_token_ids == engine.expected_output([5] * 40, 40)
+
+
+def test_priority_orders_admission_and_preemption():
+    engine = FakeEngine(FULL, num_blocks=200, block_size=4, max_batch_size=1)
+    low = engine.add([1, 2, 3], 2, priority=5)
+    high = engine.add([4, 5, 6], 2, priority=0)
+    engine.step()
+    assert engine.sched.running == [high]
+    engine.run()
+    assert engine.finished.index(high) < engine.finished.index(low)
+
+
+def test_preemption_picks_lowest_priority():
+    engine = FakeEngine(FULL, num_blocks=9, block_size=4, max_batch_size=4)
+    important = engine.add(list(range(1, 9)), 20, priority=0)
+    other = engine.add(list(range(1, 9)), 20, priority=3)
+    engine.run()
+    assert important.num_preemptions == 0
+    assert other.num_preemptions > 0
+    assert important.output_token_ids == engine.expected_output(list(range(1, 9)), 20)
+
+
+def test_abort_frees_blocks_at_any_time():
+    rng = random.Random(5)
+    engine = FakeEngine(HYBRID, num_blocks=60, block_size=4)
+    reqs = [engine.add(p, 30) for p in _prompts(rng, 6)]
+    for step in range(12):
+        engine.step()
+        if step % 3 == 0:
+            victim = reqs[step // 3]
+            engine.sched.abort(victim)
+            assert victim.finish_reason == "abort"
+            engine.kv.check_invariants()
+    engine.run()
+    assert engine.kv.pool.num_used == 0
+
+
+def test_sibling_follows_leader_and_shares_prompt_blocks():
+    engine = FakeEngine(FULL, num_blocks=100, block_size=4)
+    prompt = list(range(1, 19))
+    leader = engine.add(prompt, 4)
+    follower = engine.add(prompt, 4, follows=leader)
+    engine.step()
+    assert follower in engine.sched.waiting  # waits for the leader's prefill
+    engine.step()
+    shared = set(engine.kv.tables[leader.request_id][0][:4]) & set(engine.kv.tables[follower.request_id][0])
+    assert len(shared) == 4
+    engine.run()
+    assert follower.num_cached_tokens == 16
+    assert leader.output_token_ids == follower.output_token_ids
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    hybrid=st.booleans(),
+    num_blocks=st.integers(12, 80),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(4, 64),
+    chunked=st.booleans(),
+    caching=st.booleans(),
+)
+def test_random_workloads_keep_accounting_and_outputs(seed, hybrid, num_blocks, block_size, budget, chunked, caching):
+    rng = random.Random(seed)
+    groups = HYBRID if hybrid else FULL
+    engine = FakeEngine(groups, num_blocks, block_size, max_batch_size=rng.randint(1, 8), max_num_tokens=budget,
+                        chunked=chunked, prefix_caching=caching)
+    max_tokens_per_req = 6
+    # every request must fit the pool alone, and without chunking the budget too
+    limit = min((num_blocks - 1) // len(groups) * block_size, budget if not chunked else 10**9) - max_tokens_per_req
+    if limit < 2:
+        return
+    prompts = [p[:limit] for p in _prompts(rng, rng.randint(1, 10), shared_prefix=rng.choice([0, 9]))]
+    reqs, aborted = [], set()
+    for p in prompts:
+        reqs.append(engine.add(p, max_tokens_per_req, priority=rng.randint(0, 2)))
+        for _ in range(rng.randint(0, 2)):
+            engine.step()
+        if rng.random() < 0.15:
+            victim = rng.choice(reqs)
+            engine.sched.abort(victim)
+            aborted.add(victim.request_id)
+            engine.kv.check_invariants()
+    engine.run()
+    assert engine.kv.pool.num_used == 0
+    for req, p in zip(reqs, prompts):
+        if req.request_id not in aborted:
+            assert req.output_token_ids == engine.expected_output(p, max_tokens_per_req)
