@@ -1,0 +1,101 @@
+"""EngineConfig: trtllm-serve option names, YAML merging, and errors that name the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from brisk.config import ConfigError, EngineConfig, ModelConfig
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "opts.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_options_with_trtllm_names(tmp_path):
+    yaml_path = _write(tmp_path, """
+max_batch_size: 16
+max_num_tokens: 2048
+kv_cache_free_gpu_memory_fraction: 0.8
+enable_chunked_prefill: false
+kv_cache_config:
+  enable_block_reuse: false
+  tokens_per_block: 64
+cuda_graph_config:
+  max_batch_size: 8
+  enable_padding: true
+moe_config:
+  backend: torch
+stream_interval: 4
+enable_attention_dp: false
+""")
+    cfg = EngineConfig.build("m", yaml_path)
+    assert (cfg.max_batch_size, cfg.max_num_tokens, cfg.stream_interval) == (16, 2048, 4)
+    assert cfg.block_size == 64 and not cfg.enable_prefix_caching and not cfg.enable_chunked_prefill
+    assert cfg.cuda_graph_config.max_batch_size == 8 and cfg.moe_config.backend == "torch"
+    assert cfg.memory_fraction == 0.8
+
+
+def test_cli_options_override_yaml_and_accept_dashes(tmp_path):
+    yaml_path = _write(tmp_path, "max_batch_size: 16\n")
+    cfg = EngineConfig.build("m", yaml_path, **{"max-batch-size": 4, "tokens_per_block": 16})
+    assert cfg.max_batch_size == 4 and cfg.block_size == 16
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("max_batch_sise: 4\n", "max_batch_sise"),
+        ("kv_cache_config:\n  enable_block_reus: true\n", "kv_cache_config.enable_block_reus"),
+        ("max_batch_size: many\n", "max_batch_size"),
+        ("moe_config:\n  backend: cutlass-ish\n", "moe_config.backend"),
+        ("kv_cache_free_gpu_memory_fraction: 1.5\n", "kv_cache_free_gpu_memory_fraction"),
+        ("cuda_graph_config:\n  enable_padding: maybe\n", "cuda_graph_config.enable_padding"),
+    ],
+)
+def test_bad_options_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        EngineConfig.build("m", _write(tmp_path, text))
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="mapping"):
+        EngineConfig.build("m", _write(tmp_path, "- a\n- b\n"))
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        EngineConfig.build("m", tmp_path / "nope.yaml")
+
+
+def test_multi_gpu_options_rejected_until_built():
+    with pytest.raises(ConfigError, match="tp_size"):
+        EngineConfig.build("m", tp_size=2)
+
+
+def test_model_config_defaults_from_config_and_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512,
+    }))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6], "temperature": 0.6, "top_p": 0.9}))
+    mc = ModelConfig.from_pretrained(str(tmp_path))
+    assert mc.architecture == "LlamaForCausalLM" and mc.head_dim == 16 and mc.num_kv_heads == 2
+    assert mc.eos_token_ids == [5, 6] and mc.max_position_embeddings == 512
+    assert mc.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert mc.sliding_window is None and mc.layer_types == ["full_attention"] * 2
+
+
+def test_gpt_oss_config_layer_types():
+    from pathlib import Path
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "models" / "gpt-oss-120b"
+    mc = ModelConfig.from_pretrained(str(shared))
+    assert mc.architecture == "GptOssForCausalLM" and mc.num_layers == 36
+    assert mc.layer_types[0] == "sliding_attention" and mc.layer_types[1] == "full_attention"
+    assert mc.sliding_window == 128 and mc.vocab_size == 201088
+    assert 200002 in mc.eos_token_ids
