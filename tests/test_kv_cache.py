@@ -40,7 +40,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.cache(block, key)
         found = self.pool.lookup(key)
         if found is not None:
-            assert self.pool.blocks[found].key == key
+            assert self.pool.keys[found] == key
             self.pool.touch(found)
             self.held.append(found)
 
@@ -52,7 +52,7 @@ class PoolMachine(RuleBasedStateMachine):
     def accounting(self):
         self.pool.check_invariants()
         assert self.pool.num_used == len(set(self.held))
-        assert sum(b.ref_cnt for b in self.pool.blocks[1:]) == len(self.held)
+        assert sum(self.pool.ref_cnt[1:]) == len(self.held)
 
 
 TestBlockPool = PoolMachine.TestCase

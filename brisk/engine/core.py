@@ -28,7 +28,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, self.device.type)
         self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, self.device)
+        self.runner = ModelRunner(config, self.model_config, self.device, self.max_seq_len)
         self.kv = self.runner.make_kv_manager()
         self.scheduler = Scheduler(
             self.kv,

@@ -64,16 +64,15 @@ class OutputProcessor:
                 for lp in eo.logprobs:
                     comp.logprobs.append({lp.token_id: lp.logprob, **dict(lp.top)})
                     comp.cumulative_logprob += lp.logprob
-            update = detok.update(eo.new_token_ids)
-            delta = update.text_delta
-            if update.stop_reason is not None:
-                comp.finish_reason, comp.stop_reason = "stop", update.stop_reason
+            delta = detok.update(eo.new_token_ids).text_delta
+            if eo.finished:
+                delta += detok.flush()  # may still reveal a stop string held back as incomplete text
+            if detok.stop_reason is not None:
+                comp.finish_reason, comp.stop_reason = "stop", detok.stop_reason
                 if not eo.finished:
                     aborts.append((eo.request_id, eo.index))
             elif eo.finished:
                 comp.finish_reason, comp.stop_reason = eo.finish_reason, eo.stop_reason
-            if comp.finished:
-                delta += detok.flush()
             comp.text = detok.output_text
             state.output.num_cached_tokens = eo.num_cached_tokens
             deltas[(eo.request_id, eo.index)] = deltas.get((eo.request_id, eo.index), "") + delta

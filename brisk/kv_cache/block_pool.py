@@ -23,20 +23,15 @@ class BlockKey:
     token_ids: tuple[int, ...]
 
 
-@dataclass
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    key: BlockKey | None = None  # set while the block is in the prefix-cache index
-
-
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.blocks[NULL_BLOCK].ref_cnt = 1  # pinned forever
+        # Flat per-block arrays rather than objects: pools of 10^5-10^6 blocks are built at start-up.
+        self.ref_cnt = [0] * num_blocks
+        self.ref_cnt[NULL_BLOCK] = 1  # pinned forever
+        self.keys: list[BlockKey | None] = [None] * num_blocks  # set while a block is in the prefix index
         # LRU order: allocation pops from the front, so cached content freed longest ago goes first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
@@ -59,63 +54,59 @@ class BlockPool:
         ids = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            self._uncache(block)
-            block.ref_cnt = 1
+            self._uncache(block_id)
+            self.ref_cnt[block_id] = 1
             ids.append(block_id)
         return ids
 
     def touch(self, block_id: int) -> None:
         """Take one more reference (a prefix-cache hit or a shared prefix)."""
-        block = self.blocks[block_id]
-        if block.ref_cnt == 0:
+        if self.ref_cnt[block_id] == 0:
             del self.free_queue[block_id]
-        block.ref_cnt += 1
+        self.ref_cnt[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each; pass a sequence's blocks tail first so its tail is evicted first."""
         for block_id in block_ids:
             if block_id == NULL_BLOCK:
                 continue
-            block = self.blocks[block_id]
-            if block.ref_cnt <= 0:
+            if self.ref_cnt[block_id] <= 0:
                 raise RuntimeError(f"KV block {block_id} freed more often than taken")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
 
     def lookup(self, key: BlockKey) -> int | None:
         """The block holding exactly this content, if cached (tokens and parent verified, not just the hash)."""
         block_id = self.cached.get((key.group, key.block_hash))
-        if block_id is None or self.blocks[block_id].key != key:
+        if block_id is None or self.keys[block_id] != key:
             return None
         return block_id
 
     def cache(self, block_id: int, key: BlockKey) -> None:
-        block = self.blocks[block_id]
-        if block.key is not None or (key.group, key.block_hash) in self.cached:
+        if self.keys[block_id] is not None or (key.group, key.block_hash) in self.cached:
             return  # already indexed, or another block holds the same content
-        block.key = key
+        self.keys[block_id] = key
         self.cached[(key.group, key.block_hash)] = block_id
 
-    def _uncache(self, block: KVBlock) -> None:
-        if block.key is not None:
-            self.cached.pop((block.key.group, block.key.block_hash), None)
-            block.key = None
+    def _uncache(self, block_id: int) -> None:
+        key = self.keys[block_id]
+        if key is not None:
+            self.cached.pop((key.group, key.block_hash), None)
+            self.keys[block_id] = None
 
     def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._uncache(block)
+        for block_id in list(self.cached.values()):
+            self._uncache(block_id)
 
     def check_invariants(self) -> None:
         free = set(self.free_queue)
-        for block in self.blocks[1:]:
-            if (block.ref_cnt == 0) != (block.block_id in free):
-                raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free queue {block.block_id in free}")
-            if block.ref_cnt < 0:
-                raise AssertionError(f"block {block.block_id} has negative ref_cnt")
+        for block_id in range(1, self.num_blocks):
+            ref = self.ref_cnt[block_id]
+            if ref < 0 or (ref == 0) != (block_id in free):
+                raise AssertionError(f"block {block_id}: ref_cnt {ref}, in free queue {block_id in free}")
         for (group, h), block_id in self.cached.items():
-            key = self.blocks[block_id].key
+            key = self.keys[block_id]
             if key is None or (key.group, key.block_hash) != (group, h):
                 raise AssertionError(f"prefix index entry ({group}, {h}) points at block {block_id} with key {key}")
         if self.num_free + self.num_used != self.num_usable:

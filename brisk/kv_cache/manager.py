@@ -147,7 +147,7 @@ class KVCacheManager:
         needed = [max(0, total_blocks - len(t)) for t in tables]
         reused_free = 0
         if hit is not None:
-            reused_free = sum(1 for t in tables for b in t if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 0)
+            reused_free = sum(1 for t in tables for b in t if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
         if sum(needed) + reused_free > self.pool.num_free:
             return False
         if hit is not None:
@@ -187,8 +187,8 @@ class KVCacheManager:
                 for b in table:
                     if b != NULL_BLOCK:
                         refs[b] = refs.get(b, 0) + 1
-        for block in self.pool.blocks[1:]:
-            if block.ref_cnt != refs.get(block.block_id, 0):
+        for block_id in range(1, self.pool.num_blocks):
+            if self.pool.ref_cnt[block_id] != refs.get(block_id, 0):
                 raise AssertionError(
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} table entries"
+                    f"block {block_id}: ref_cnt {self.pool.ref_cnt[block_id]} but {refs.get(block_id, 0)} table entries"
                 )

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from brisk.config import EngineConfig, ModelConfig
-from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec
+from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.scheduler.request import Request
 from brisk.scheduler.scheduler import SchedulerOutput
 
-CPU_KV_CACHE_CAP_BYTES = 4 << 30  # a CPU box runs small models; never take more than this by default
+CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
 
 
 def kv_groups_for(model_config: ModelConfig) -> list[KVGroupSpec]:
@@ -47,8 +47,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int) -> None:
         self.config = config
+        self.max_seq_len = max_seq_len
         self.model_config = model_config
         self.device = device
         self.block_size = config.block_size
@@ -82,7 +83,9 @@ class ModelRunner:
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(available * self.config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
-        return max(2, int(budget // self.bytes_per_block))
+        # More blocks than a full batch of max-length requests could ever hold is wasted memory.
+        most_useful = len(self.kv_groups) * cdiv(self.max_seq_len, self.block_size) * self.config.max_batch_size + 1
+        return max(2, min(int(budget // self.bytes_per_block), most_useful))
 
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config

@@ -1,0 +1,298 @@
+"""Batched sampling of the next token, with per-request sampling parameters.
+
+Each step the model runner builds a `SamplingBatch` from the requests' `SamplingParams` and token histories,
+then calls `Sampler()(logits, batch)`. The work is vectorised over the batch; the only Python loop over rows
+draws the noise of seeded requests from their own generators. Steps that no row needs are skipped: the
+batch holds `None` for them, so e.g. a batch without penalties builds no penalty tensors.
+
+Order of operations (as in vLLM):
+    logit_bias -> min_tokens (mask stop ids) -> repetition penalty -> presence/frequency penalties
+    -> greedy rows: argmax
+    -> other rows: temperature -> top_k -> top_p -> min_p -> exponential race (argmax of probs / Exp(1) noise)
+Logprobs are the log_softmax of the raw model logits, before any of the above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from brisk.sampling_params import SamplingParams
+
+# Temperatures below this sample greedily (as in vLLM): dividing by them can overflow float32 logits.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingBatch:
+    """How to sample each row of one step's logits. A tensor is None when no row needs that processing step."""
+
+    batch_size: int
+    vocab_size: int
+    all_greedy: bool
+    greedy_rows: torch.Tensor | None  # [B] bool; None when no row (or every row) is greedy
+    temperature: torch.Tensor | None  # [B, 1]; 1.0 on greedy rows
+    top_k: torch.Tensor | None  # [B] int64; vocab_size where disabled
+    max_top_k: int  # largest enabled top_k, kept on the host so that applying top_k needs no device sync
+    top_p: torch.Tensor | None  # [B]; inf where disabled, so float rounding of cumulative sums never cuts there
+    min_p: torch.Tensor | None  # [B, 1]; 0.0 where disabled
+    logit_bias_rows: torch.Tensor | None  # [N] int64, with logit_bias_token_ids and logit_bias_values
+    logit_bias_token_ids: torch.Tensor | None  # [N] int64
+    logit_bias_values: torch.Tensor | None  # [N] float32
+    masked_stop_rows: torch.Tensor | None  # [M] int64: stop ids banned while a row is shorter than min_tokens
+    masked_stop_token_ids: torch.Tensor | None  # [M] int64
+    repetition_penalty: torch.Tensor | None  # [B, 1]; 1.0 where disabled
+    seen_token_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt or the output
+    presence_penalty: torch.Tensor | None  # [B, 1]; set together with frequency_penalty and output_token_counts
+    frequency_penalty: torch.Tensor | None  # [B, 1]
+    output_token_counts: torch.Tensor | None  # [B, V] float32: occurrences of each token in the output
+    generators: list[torch.Generator | None]  # per row; only used on sampled (non-greedy) rows
+    num_logprobs: list[int | None]  # per row: params.logprobs
+    max_num_logprobs: int | None  # None when no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        stop_ids: Sequence[set[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Gather the per-row parameters into tensors on `device`.
+
+        stop_ids[i] holds the token ids that end request i (eos unless ignore_eos, plus stop_token_ids); they are
+        masked while len(output_ids[i]) < params[i].min_tokens. generators[i] is the request's seeded generator
+        (on `device`), or None to share the default generator.
+        """
+        batch_size = len(params)
+        if not len(prompt_ids) == len(output_ids) == len(generators) == len(stop_ids) == batch_size:
+            raise ValueError("params, prompt_ids, output_ids, generators and stop_ids must have the same length")
+        device = torch.device(device)
+
+        def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def column(values: list[float]) -> torch.Tensor:
+            return row_tensor(values, torch.float32).unsqueeze(1)
+
+        greedy = [p.greedy or p.temperature < MIN_SAMPLING_TEMPERATURE for p in params]
+        sampled = [not g for g in greedy]
+        all_greedy = all(greedy)
+        # Sampling parameters only matter on sampled rows; disabled values make a step a no-op for a row.
+        temperatures = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
+        top_ks = [p.top_k if s and 0 < p.top_k < vocab_size else vocab_size for p, s in zip(params, sampled)]
+        enabled_top_ks = [k for k in top_ks if k < vocab_size]
+        top_ps = [p.top_p if s and p.top_p < 1.0 else float("inf") for p, s in zip(params, sampled)]
+        min_ps = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
+
+        bias_rows, bias_token_ids, bias_values = [], [], []
+        for row, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                bias_rows.append(row)
+                bias_token_ids.append(_checked_token_id(int(token_id), vocab_size, "logit_bias"))
+                bias_values.append(float(bias))
+
+        stop_rows, stop_token_ids = [], []
+        for row, (p, out, row_stop_ids) in enumerate(zip(params, output_ids, stop_ids)):
+            if len(out) < p.min_tokens:
+                for token_id in sorted(row_stop_ids):
+                    stop_rows.append(row)
+                    stop_token_ids.append(_checked_token_id(token_id, vocab_size, "stop_ids"))
+
+        repetition_penalties = [p.repetition_penalty for p in params]
+        seen_token_mask = None
+        if any(r != 1.0 for r in repetition_penalties):
+            # Rows without the penalty contribute no tokens: their penalty of 1.0 would be a no-op anyway.
+            seen = [
+                [*prompt, *out] if penalty != 1.0 else []
+                for prompt, out, penalty in zip(prompt_ids, output_ids, repetition_penalties)
+            ]
+            seen_token_mask = _token_occurrences(seen, vocab_size, device) > 0
+
+        presence_penalties = [p.presence_penalty for p in params]
+        frequency_penalties = [p.frequency_penalty for p in params]
+        output_token_counts = None
+        if any(presence_penalties) or any(frequency_penalties):
+            counted = [
+                list(out) if presence or frequency else []
+                for out, presence, frequency in zip(output_ids, presence_penalties, frequency_penalties)
+            ]
+            output_token_counts = _token_occurrences(counted, vocab_size, device)
+
+        num_logprobs = [p.logprobs for p in params]
+        requested_logprobs = [n for n in num_logprobs if n is not None]
+        has_bias, has_stop_mask = bool(bias_rows), bool(stop_rows)
+        has_output_penalties = output_token_counts is not None
+        return cls(
+            batch_size=batch_size,
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            greedy_rows=row_tensor(greedy, torch.bool) if any(greedy) and not all_greedy else None,
+            temperature=column(temperatures) if any(t != 1.0 for t in temperatures) else None,
+            top_k=row_tensor(top_ks, torch.int64) if enabled_top_ks else None,
+            max_top_k=max(enabled_top_ks, default=vocab_size),
+            top_p=row_tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
+            min_p=column(min_ps) if any(min_ps) else None,
+            logit_bias_rows=row_tensor(bias_rows, torch.int64) if has_bias else None,
+            logit_bias_token_ids=row_tensor(bias_token_ids, torch.int64) if has_bias else None,
+            logit_bias_values=row_tensor(bias_values, torch.float32) if has_bias else None,
+            masked_stop_rows=row_tensor(stop_rows, torch.int64) if has_stop_mask else None,
+            masked_stop_token_ids=row_tensor(stop_token_ids, torch.int64) if has_stop_mask else None,
+            repetition_penalty=column(repetition_penalties) if seen_token_mask is not None else None,
+            seen_token_mask=seen_token_mask,
+            presence_penalty=column(presence_penalties) if has_output_penalties else None,
+            frequency_penalty=column(frequency_penalties) if has_output_penalties else None,
+            output_token_counts=output_token_counts,
+            generators=[g if s else None for g, s in zip(generators, sampled)],
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [B] sampled token per row
+    logprobs: list[float] | None  # [B] raw logprob of the sampled token; None when no row asked for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None  # [B] params.logprobs best (token, logprob), best first
+
+
+class Sampler:
+    """Picks one token per row of `logits` [B, V] according to `batch`; `logits` is left unchanged."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
+            raise ValueError(
+                f"logits must have shape ({batch.batch_size}, {batch.vocab_size}), got {tuple(logits.shape)}"
+            )
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+        logits = logits.to(torch.float32, copy=True)  # processed in place from here on
+        _apply_logit_bias(logits, batch)
+        _apply_min_tokens(logits, batch)
+        _apply_repetition_penalty(logits, batch)
+        _apply_presence_frequency_penalties(logits, batch)
+
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            greedy_token_ids = logits.argmax(dim=-1) if batch.greedy_rows is not None else None
+            token_ids = _sample(logits, batch)
+            if greedy_token_ids is not None:
+                token_ids = torch.where(batch.greedy_rows, greedy_token_ids, token_ids)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
+        return _with_logprobs(token_ids, raw_logprobs, batch)
+
+
+def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if batch.logit_bias_rows is not None:
+        logits.index_put_((batch.logit_bias_rows, batch.logit_bias_token_ids), batch.logit_bias_values, accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if batch.masked_stop_rows is not None:
+        logits[batch.masked_stop_rows, batch.masked_stop_token_ids] = float("-inf")
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    # HF semantics: seen tokens get less likely whatever the sign of their logit.
+    if batch.seen_token_mask is not None:
+        penalty = batch.repetition_penalty
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(batch.seen_token_mask, penalized, logits))
+
+
+def _apply_presence_frequency_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    # OpenAI semantics: logit -= frequency * count + presence * (count > 0), over output tokens only.
+    if batch.output_token_counts is not None:
+        counts = batch.output_token_counts
+        logits -= batch.frequency_penalty * counts + batch.presence_penalty * (counts > 0)
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Random token per row from the processed `logits` (overwritten); greedy rows get a meaningless token."""
+    if batch.temperature is not None:
+        logits.div_(batch.temperature)
+    if batch.top_p is not None:
+        _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    elif batch.top_k is not None:
+        _apply_top_k(logits, batch.top_k, batch.max_top_k)
+    probs = logits.softmax(dim=-1)
+    if batch.min_p is not None:
+        probs.masked_fill_(probs < batch.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return _exponential_race(probs, batch.generators)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
+    """Keep the top_k largest logits per row (and any tied with the k-th); cheaper than a full sort."""
+    top_values = logits.topk(max_top_k, dim=-1).values
+    kth_value = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    kth_value.masked_fill_(top_k.unsqueeze(1) >= logits.shape[1], float("-inf"))  # disabled rows keep all
+    logits.masked_fill_(logits < kth_value, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> None:
+    """top_k, then nucleus: keep the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, sorted_token_ids = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device)
+        sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # A token is kept while the tokens before it have not reached top_p, so the top token is always kept.
+    probability_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits.masked_fill_(probability_before >= top_p.unsqueeze(1), float("-inf"))
+    logits.scatter_(1, sorted_token_ids, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) per token draws a token with probability proportional to probs.
+
+    Seeded rows draw q from their own generator, so their tokens do not depend on the rest of the batch; the other
+    rows share one draw from the default generator. probs need not be normalised.
+    """
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # An Exp(1) draw of exactly 0 would turn a zero probability into 0/0 = nan, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in range(batch.batch_size)]
+    if batch.max_num_logprobs:
+        top_values, top_token_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)  # sorted, best first
+        rows = zip(top_token_ids.tolist(), top_values.tolist(), batch.num_logprobs)
+        for row, (token_ids_by_rank, values, count) in enumerate(rows):
+            if count:
+                top_logprobs[row] = list(zip(token_ids_by_rank[:count], values[:count]))
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(), top_logprobs=top_logprobs)
+
+
+def _token_occurrences(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 count of each token id in each row, by scatter_add over a padded [B, L] id tensor."""
+    width = max(map(len, rows), default=0)
+    # Padding uses the extra column vocab_size, dropped at the end, so pads are counted nowhere.
+    padded = torch.tensor([row + [vocab_size] * (width - len(row)) for row in rows], dtype=torch.int64, device=device)
+    padded = padded.view(len(rows), width)  # keeps the shape [B, 0] when every row is empty
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _checked_token_id(token_id: int, vocab_size: int, what: str) -> int:
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"{what} token id {token_id} is outside the vocabulary [0, {vocab_size})")
+    return token_id

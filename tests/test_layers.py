@@ -1,0 +1,306 @@
+"""Layer-level checks: MXFP4 vs HF, tensor-parallel weight slicing (tp_size 2 and 4), RoPE and RMSNorm vs HF,
+the MoE reference backend vs HF's experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.config import ParallelConfig
+from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from brisk.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from brisk.layers.moe import FusedMoE, select_experts
+from brisk.layers.mxfp4 import dequantize_mxfp4
+from brisk.layers.norm import RMSNorm
+from brisk.layers.rotary import RotaryEmbedding
+from brisk.models.registry import get_model_class
+from tests.tiny_models import quantize_mxfp4
+
+
+def ranks(tp_size: int) -> list[ParallelConfig]:
+    return [ParallelConfig(tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
+
+
+def load(layer: torch.nn.Module, name: str, tensor: torch.Tensor, shard_id: object = None) -> None:
+    param = getattr(layer, name)
+    param.weight_loader(param, tensor, shard_id)
+
+
+# ---------------------------------------------------------------- MXFP4
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_mxfp4_matches_hf(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, dtype)  # [E, out, in]
+    hf = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+    assert ours.shape == (3, 8, 128) and ours.dtype == dtype
+    assert torch.equal(ours, hf.transpose(1, 2))
+
+
+def test_dequantize_mxfp4_nibble_order_and_scale():
+    blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x2F  # low nibble 0xF = -6 (element 0), high nibble 0x2 = 1.0 (element 1)
+    scales = torch.tensor([[129]], dtype=torch.uint8)  # 2^2
+    out = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert out[0, :2].tolist() == [-24.0, 4.0] and out[0, 2:].abs().sum() == 0
+
+
+def test_test_quantizer_round_trips_representable_values():
+    weight = torch.tensor([0.5, -1.5, 3.0, 6.0, 0.0, -4.0, 2.0, 1.0] * 4).repeat(2, 1) * 2.0**-3
+    blocks, scales = quantize_mxfp4(weight)
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), weight)
+
+
+def test_dequantize_mxfp4_rejects_bad_inputs():
+    with pytest.raises(ValueError):
+        dequantize_mxfp4(torch.zeros(2, 4, 16), torch.zeros(2, 4, dtype=torch.uint8), torch.float32)
+    with pytest.raises(ValueError):
+        dequantize_mxfp4(torch.zeros(2, 4, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), torch.float32)
+
+
+# ---------------------------------------------------------------- tensor-parallel slicing
+
+def test_column_parallel_slices_output_rows():
+    full_w, full_b = torch.arange(48.0).view(8, 6), torch.arange(8.0)
+    x = torch.randn(3, 6)
+    outs = []
+    for p in ranks(2):
+        layer = ColumnParallelLinear(6, 8, bias=True, parallel=p)
+        load(layer, "weight", full_w)
+        load(layer, "bias", full_b)
+        rows = slice(4 * p.tp_rank, 4 * p.tp_rank + 4)
+        assert torch.equal(layer.weight, full_w[rows]) and torch.equal(layer.bias, full_b[rows])
+        outs.append(layer(x))
+    torch.testing.assert_close(torch.cat(outs, -1), torch.nn.functional.linear(x, full_w, full_b))
+
+
+def test_row_parallel_slices_input_columns_and_adds_bias_once():
+    full_w, full_b = torch.randn(5, 6), torch.randn(5)
+    x = torch.randn(3, 6)
+    total = torch.zeros(3, 5)
+    for p in ranks(2):
+        layer = RowParallelLinear(6, 5, bias=True, parallel=p, reduce_results=False)
+        load(layer, "weight", full_w)
+        load(layer, "bias", full_b)
+        cols = slice(3 * p.tp_rank, 3 * p.tp_rank + 3)
+        assert torch.equal(layer.weight, full_w[:, cols]) and torch.equal(layer.bias, full_b)
+        total += layer(x[:, cols])  # what the all-reduce would compute
+    torch.testing.assert_close(total, torch.nn.functional.linear(x, full_w, full_b))
+
+
+def test_merged_column_parallel_keeps_gate_and_up_shards_together():
+    gate, up = torch.arange(24.0).view(4, 6), 100 + torch.arange(24.0).view(4, 6)
+    for p in ranks(2):
+        layer = MergedColumnParallelLinear(6, [4, 4], parallel=p)
+        load(layer, "weight", gate, 0)
+        load(layer, "weight", up, 1)
+        rows = slice(2 * p.tp_rank, 2 * p.tp_rank + 2)
+        assert torch.equal(layer.weight, torch.cat([gate[rows], up[rows]]))
+    with pytest.raises(ValueError):
+        load(MergedColumnParallelLinear(6, [4, 4]), "weight", gate, 2)
+
+
+def qkv_weights(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int):
+    # Row values encode (projection, head): q rows 0.., k rows 1000.., v rows 2000..
+    def proj(base, heads):
+        return (base + torch.arange(heads * head_dim, dtype=torch.float32))[:, None].expand(-1, hidden).clone()
+    return proj(0, num_heads), proj(1000, num_kv_heads), proj(2000, num_kv_heads)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_qkv_parallel_splits_heads_and_replicates_kv_heads(tp_size):
+    heads, kv_heads, d, hidden = 8, 2, 2, 3
+    q, k, v = qkv_weights(heads, kv_heads, d, hidden)
+    for p in ranks(tp_size):
+        layer = QKVParallelLinear(hidden, d, heads, kv_heads, bias=True, parallel=p)
+        for shard_id, w in zip("qkv", (q, k, v)):
+            load(layer, "weight", w, shard_id)
+            load(layer, "bias", w[:, 0], shard_id)
+        q_heads = heads // tp_size
+        kv_head = p.tp_rank // (tp_size // kv_heads) if tp_size >= kv_heads else None
+        q_rows = slice(p.tp_rank * q_heads * d, (p.tp_rank + 1) * q_heads * d)
+        kv_rows = slice(kv_head * d, (kv_head + 1) * d)
+        expected = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]])
+        assert layer.num_kv_heads == 1 and layer.num_kv_head_replicas == tp_size // kv_heads
+        assert torch.equal(layer.weight, expected) and torch.equal(layer.bias, expected[:, 0])
+
+
+def test_qkv_parallel_tp2_with_more_kv_heads_than_ranks():
+    q, k, v = qkv_weights(4, 2, 2, 3)
+    for p in ranks(2):
+        layer = QKVParallelLinear(3, 2, 4, 2, parallel=p)
+        for shard_id, w in zip("qkv", (q, k, v)):
+            load(layer, "weight", w, shard_id)
+        r = p.tp_rank
+        assert torch.equal(layer.weight, torch.cat([q[4 * r : 4 * r + 4], k[2 * r : 2 * r + 2], v[2 * r : 2 * r + 2]]))
+
+
+def test_parallel_layers_reject_indivisible_sizes():
+    with pytest.raises(ValueError, match="tp_size"):
+        ColumnParallelLinear(4, 6, parallel=ParallelConfig(0, 4))
+    with pytest.raises(ValueError, match="tp_size"):
+        QKVParallelLinear(8, 2, 6, 3, parallel=ParallelConfig(0, 4))
+    with pytest.raises(ValueError, match="shape"):
+        load(ReplicatedLinear(4, 2), "weight", torch.zeros(2, 5))
+
+
+def test_vocab_parallel_embedding_and_lm_head_shard_rows():
+    full = torch.arange(15.0).view(5, 3)
+    for p in ranks(2):
+        emb = VocabParallelEmbedding(5, 3, parallel=p)
+        load(emb, "weight", full)
+        expected = full[:3] if p.tp_rank == 0 else torch.cat([full[3:], torch.zeros(1, 3)])
+        assert torch.equal(emb.weight, expected)
+    head = ParallelLMHead(5, 3)
+    load(head, "weight", full)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(head(x), x @ full.T)
+    emb = VocabParallelEmbedding(5, 3)
+    load(emb, "weight", full)
+    assert torch.equal(emb(torch.tensor([4, 0])), full[[4, 0]])
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_fused_moe_tp2_slices_intermediate_dim_and_sums_to_full(mxfp4):
+    e, h, i = 3, 32, 64
+    gen = torch.Generator().manual_seed(0)
+    hf_gate_up, hf_down = torch.randn(e, h, 2 * i, generator=gen), torch.randn(e, i, h, generator=gen)  # HF layout
+    gate_up_bias, down_bias = torch.randn(e, 2 * i, generator=gen), torch.randn(e, h, generator=gen)
+    if mxfp4:
+        tensors = dict(zip(("gate_up_proj_blocks", "gate_up_proj_scales"), quantize_mxfp4(hf_gate_up.transpose(1, 2))))
+        tensors.update(zip(("down_proj_blocks", "down_proj_scales"), quantize_mxfp4(hf_down.transpose(1, 2))))
+    else:
+        tensors = dict(gate_up_proj=hf_gate_up, down_proj=hf_down)
+    tensors.update(gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias)
+
+    def build(p):
+        moe = FusedMoE(e, 2, h, i, quantization="mxfp4" if mxfp4 else None, parallel=p)
+        for name, tensor in tensors.items():
+            load(moe, name, tensor)
+        return moe
+
+    x = torch.randn(5, h, generator=gen)
+    ids, weights = select_experts(torch.randn(5, e, generator=gen), 2)
+    full = build(ParallelConfig())
+    total = torch.zeros(5, h)
+    for p in ranks(2):
+        part = build(p)
+        gu_full, down_full = full.expert_weights(1, torch.float32)
+        gu, down = part.expert_weights(1, torch.float32)
+        assert torch.equal(gu, gu_full[p.tp_rank * i : (p.tp_rank + 1) * i])  # whole (gate, up) pairs
+        assert torch.equal(down, down_full[:, p.tp_rank * i // 2 : (p.tp_rank + 1) * i // 2])
+        total += part.backend.forward(part, x, ids, weights)  # what the all-reduce would compute
+    torch.testing.assert_close(total, full.backend.forward(full, x, ids, weights), atol=1e-4, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- MoE vs HF
+
+def test_torch_moe_backend_matches_hf_experts():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                       swiglu_limit=1.0)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    hf = GptOssMLP(cfg)
+    for param in hf.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    moe = FusedMoE(4, 2, 32, 16, swiglu_limit=1.0)
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        load(moe, name, getattr(hf.experts, name).detach())
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        expected, _ = hf(x[None])
+        router_logits = torch.nn.functional.linear(x, hf.router.weight, hf.router.bias)
+        torch.testing.assert_close(moe(x, router_logits), expected[0], atol=1e-5, rtol=1e-5)
+
+
+def test_moe_backend_choice():
+    with pytest.raises(ValueError, match="not built yet"):
+        FusedMoE(2, 1, 32, 32, moe_backend="triton")
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        FusedMoE(2, 1, 32, 32, moe_backend="cuda-magic")
+    assert FusedMoE(2, 1, 32, 32, moe_backend="auto").backend.name == "torch"
+
+
+# ---------------------------------------------------------------- RoPE and RMSNorm vs HF
+
+def rope_configs():
+    from transformers import GptOssConfig, LlamaConfig
+
+    yarn = GptOssConfig(head_dim=64, num_attention_heads=8, hidden_size=512)  # the real gpt-oss YaRN defaults
+    default = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope_type="default",
+                                                                                       rope_theta=10000.0))
+    llama3 = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192))
+    return {"yarn": yarn, "default": default, "llama3": llama3}
+
+
+@pytest.mark.parametrize("kind", ["yarn", "default", "llama3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_hf(kind, dtype):
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    from transformers.models.llama import modeling_llama
+
+    config = rope_configs()[kind]
+    hf_module = modeling_gpt_oss if kind == "yarn" else modeling_llama
+    hf_rope_class = modeling_gpt_oss.GptOssRotaryEmbedding if kind == "yarn" else modeling_llama.LlamaRotaryEmbedding
+    hf_rope = hf_rope_class(config)
+    d = config.head_dim
+    heads, kv_heads = 4, 2
+    positions = torch.tensor([0, 1, 7, 127, 128, 4095, 4097, 70000, 131071])
+    t = len(positions)
+    q, k = torch.randn(t, heads * d).to(dtype), torch.randn(t, kv_heads * d).to(dtype)
+
+    ours = RotaryEmbedding(config, d)
+    if kind == "yarn":
+        assert ours.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
+    q_ours, k_ours = ours(positions, q, k)
+    cos, sin = hf_rope(q, positions[None])
+    q_hf, k_hf = hf_module.apply_rotary_pos_emb(q.view(1, t, heads, d).transpose(1, 2),
+                                                k.view(1, t, kv_heads, d).transpose(1, 2), cos, sin)
+    assert torch.equal(q_ours, q_hf.transpose(1, 2).reshape(t, -1))
+    assert torch.equal(k_ours, k_hf.transpose(1, 2).reshape(t, -1))
+
+
+def test_unsupported_rope_type_is_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4,
+                         rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    with pytest.raises(ValueError, match="dynamic"):
+        RotaryEmbedding(config, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf(dtype):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = (3 * torch.randn(5, 64)).to(dtype)
+    weight = (1 + torch.randn(64) * 0.1).to(dtype)
+    for hf_class, fp32_weight in ((LlamaRMSNorm, False), (GptOssRMSNorm, True)):
+        hf, ours = hf_class(64, eps=1e-5).to(dtype), RMSNorm(64, 1e-5, weight_in_fp32=fp32_weight).to(dtype)
+        with torch.no_grad():
+            hf.weight.copy_(weight)
+            ours.weight.copy_(weight)
+        assert torch.equal(ours(x), hf(x))
+
+
+def test_registry_lists_supported_architectures():
+    assert get_model_class("GptOssForCausalLM").__name__ == "GptOssForCausalLM"
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        get_model_class("MistralForCausalLM")

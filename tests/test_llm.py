@@ -1,0 +1,135 @@
+"""Offline API semantics on a tiny Llama with a real (tiny) BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from brisk import LLM, SamplingParams
+from brisk.engine.core import InvalidRequestError
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "A", "def main():\n    return"]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model("llama", path, seed=0)
+    make_tiny_tokenizer(path)
+    return LLM(str(path), seed=0, tokens_per_block=4)
+
+
+def _tokens(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_text_and_token_prompts_agree(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    by_text = llm.generate(PROMPTS, params)
+    by_ids = llm.generate([llm.tokenizer.encode(p) for p in PROMPTS], params)
+    assert _tokens(by_text) == _tokens(by_ids)
+    for o in by_text:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 8 and c.finish_reason == "length"
+        assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_seed_gives_same_tokens_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], seeded)
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batched = llm.generate(PROMPTS, [others, seeded, others, others])
+    assert alone[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
+    other_seed = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=10, seed=4321, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+
+
+def test_n_completions_share_the_prompt(llm):
+    hits_before = llm.engine.kv.prefix_hits
+    prompt = "shared prompt " * 6
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.engine.kv.prefix_hits - hits_before >= 2 * 4 * (len(out.prompt_token_ids) // 4 - 1)
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def _straddling_stop(llm, token_ids: list[int]) -> str | None:
+    """A 3-character string made of the end of one output token and the start of the next (plain ASCII)."""
+    pieces = [llm.tokenizer.decode([t]) for t in token_ids]
+    for a, b in zip(pieces[1:], pieces[2:]):
+        if len(a) >= 2 and b and (a + b).isascii() and (a + b).isprintable():
+            return a[-2:] + b[:1]
+    return None
+
+
+def test_stop_string_spanning_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    found = [(p, o.outputs[0]) for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))]
+    prompt, full, stop = next((p, c, s) for p, c in found if (s := _straddling_stop(llm, c.token_ids)))
+    expected = full.text[: full.text.index(stop)]
+    c = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert c.text == expected and c.finish_reason == "stop" and c.stop_reason == stop
+    assert len(c.token_ids) < len(full.token_ids)  # the engine stopped generating
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == expected + stop
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_stop_token_ids_and_eos(llm):
+    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # the same id held back by min_tokens
+    late = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id],
+                                                   min_tokens=first + 1))[0].outputs[0]
+    assert len(late.token_ids) > first + 1 and stop_id not in late.token_ids[: first + 1]
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert tok in lp and len(lp) <= 4
+        assert lp[tok] == pytest.approx(max(lp.values()))  # greedy picks the most likely token
+        assert all(v <= 0 for v in lp.values())
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+
+
+def test_chat_uses_the_chat_template(llm):
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    expected = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert out.prompt_token_ids == list(expected)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_too_long_prompt_is_rejected_without_leaking(llm):
+    used = llm.engine.kv.pool.num_used
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        llm.generate([1] * (llm.engine.max_seq_len + 1), SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="exceeds max_seq_len"):
+        llm.generate([[1, 2], [1] * 10], SamplingParams(max_tokens=llm.engine.max_seq_len - 5))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([1, 2, 10**6], SamplingParams(max_tokens=1))
+    assert llm.engine.kv.pool.num_used == used and not llm.engine.has_unfinished_requests()
+
+
+def test_abort_releases_blocks(llm):
+    from brisk.engine.messages import EngineCoreRequest
+
+    engine = llm.engine
+    engine.add_request(EngineCoreRequest("x", [5, 6, 7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    assert engine.kv.pool.num_used > 0
+    outs = engine.abort_request("x")
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()

@@ -1,0 +1,144 @@
+"""brisk models vs Hugging Face transformers on tiny random checkpoints (fp32, CPU): logits must match.
+
+Each model runs over a paged KV cache bound by the test itself (one KV group, consecutive blocks per
+sequence starting at block 1; block 0 is the null block), through prefill, batched and chunked steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from brisk.config import ModelConfig
+from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.model_runner.loader import load_model
+from tests.tiny_models import hf_reference, make_tiny_model
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+VARIANTS = {
+    "llama": dict(arch="llama"),
+    "qwen3": dict(arch="qwen3"),
+    "gpt_oss": dict(arch="gpt_oss"),
+    "gpt_oss_mxfp4": dict(arch="gpt_oss", mxfp4=True),
+}
+
+
+class PagedKV:
+    """Binds zeroed KV caches to every Attention layer and builds AttentionMetadata for flat steps."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS) -> None:
+        for layer in model.modules():
+            if isinstance(layer, Attention):
+                layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+                layer.v_cache = torch.zeros_like(layer.k_cache)
+                layer.kv_group = 0
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.next_block = 1  # block 0 is the null block
+        self.tables: list[list[int]] = []
+        self.lens: list[int] = []
+
+    def add_sequence(self, max_len: int) -> int:
+        n = math.ceil(max_len / self.block_size)
+        if self.next_block + n > self.num_blocks:
+            raise ValueError("test KV cache too small")
+        self.tables.append(list(range(self.next_block, self.next_block + n)))
+        self.next_block += n
+        self.lens.append(0)
+        return len(self.tables) - 1
+
+    def step(self, chunks: list[tuple[int, torch.Tensor]]):
+        """chunks: (sequence id, its new token ids). Returns (input_ids, positions, meta)."""
+        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        for seq, new_ids in chunks:
+            pos = torch.arange(self.lens[seq], self.lens[seq] + len(new_ids))
+            table = torch.tensor(self.tables[seq])
+            ids.append(new_ids)
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            self.lens[seq] += len(new_ids)
+            starts.append(starts[-1] + len(new_ids))
+            seq_lens.append(self.lens[seq])
+        width = max(len(self.tables[seq]) for seq, _ in chunks)
+        block_table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for row, (seq, _) in enumerate(chunks):
+            block_table[row, : len(self.tables[seq])] = torch.tensor(self.tables[seq], dtype=torch.int32)
+        meta = AttentionMetadata(starts, seq_lens, [block_table], [torch.cat(slots)], self.block_size)
+        return torch.cat(ids), torch.cat(positions), meta
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def models(request, tmp_path_factory):
+    """(brisk model, HF reference, ModelConfig) for one variant."""
+    variant = VARIANTS[request.param]
+    path = make_tiny_model(variant["arch"], tmp_path_factory.mktemp(request.param), mxfp4=variant.get("mxfp4", False))
+    model_config = ModelConfig.from_pretrained(path)
+    model = load_model(model_config, device="cpu")
+    return model, hf_reference(path), model_config
+
+
+def random_tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    return hf_model(ids[None]).logits[0].float()
+
+
+@torch.no_grad()
+def brisk_logits(model, ids, positions, meta) -> torch.Tensor:
+    return model.compute_logits(model(ids, positions, meta))
+
+
+def test_prefill_matches_hf(models):
+    model, hf_model, model_config = models
+    ids = random_tokens(40, seed=1)  # longer than the gpt-oss window (8)
+    kv = PagedKV(model)
+    seq = kv.add_sequence(len(ids))
+    logits = brisk_logits(model, *kv.step([(seq, ids)]))
+    assert logits.dtype == torch.float32 and logits.shape == (40, model_config.vocab_size)
+    torch.testing.assert_close(logits, hf_logits(hf_model, ids), atol=ATOL, rtol=0)
+
+
+def test_batch_of_three_sequences_in_one_forward(models):
+    model, hf_model, _ = models
+    prompts = [random_tokens(n, seed=10 + n) for n in (33, 5, 17)]
+    kv = PagedKV(model)
+    seqs = [kv.add_sequence(len(p)) for p in prompts]
+    logits = brisk_logits(model, *kv.step(list(zip(seqs, prompts))))
+    offset = 0
+    for prompt in prompts:
+        expected = hf_logits(hf_model, prompt)
+        torch.testing.assert_close(logits[offset : offset + len(prompt)], expected, atol=ATOL, rtol=0)
+        offset += len(prompt)
+
+
+def test_chunked_prefill_then_decode(models):
+    """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode."""
+    model, hf_model, _ = models
+    full_a, full_b = random_tokens(36, seed=2), random_tokens(15, seed=3)
+    kv = PagedKV(model)
+    a, b = kv.add_sequence(len(full_a)), kv.add_sequence(len(full_b))
+    steps = [[(a, full_a[:18])], [(a, full_a[18:30]), (b, full_b[:9])]]
+    steps += [[(a, full_a[30 + i : 31 + i]), (b, full_b[9 + i : 10 + i])] for i in range(6)]
+    ref = {a: hf_logits(hf_model, full_a), b: hf_logits(hf_model, full_b)}
+    for chunks in steps:
+        starts = {seq: kv.lens[seq] for seq, _ in chunks}
+        logits = brisk_logits(model, *kv.step(chunks))
+        offset = 0
+        for seq, new_ids in chunks:
+            expected = ref[seq][starts[seq] : starts[seq] + len(new_ids)]
+            torch.testing.assert_close(logits[offset : offset + len(new_ids)], expected, atol=ATOL, rtol=0)
+            offset += len(new_ids)
+
+
+def test_attention_layers_follow_layer_types(models):
+    model, _, model_config = models
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert [m.layer_idx for m in layers] == list(range(model_config.num_layers))
+    expected = [model_config.sliding_window if t == "sliding_attention" else None for t in model_config.layer_types]
+    assert [m.sliding_window for m in layers] == expected
