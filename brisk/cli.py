@@ -1,4 +1,4 @@
-"""Command line: `brisk generate` (offline, one prompt) and `brisk serve` (HTTP server, next milestone)."""
+"""Command line: `brisk serve` (OpenAI-compatible HTTP server) and `brisk generate` (offline, one prompt)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load_format", "--load-format", dest="load_format", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
+    p.add_argument("--moe_backend", "--moe-backend", dest="moe_backend", choices=["auto", "torch", "triton"])
+    p.add_argument("--max_num_waiting", "--max-num-waiting", dest="max_num_waiting", type=int)
+    p.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true",
+                   default=None, help="accepted for compatibility; brisk runs no model code from checkpoints")
+
+
+def _engine_options(args: argparse.Namespace, exclude: tuple[str, ...]) -> dict:
+    """EngineConfig keyword options from the parsed flags that were given."""
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "model", *exclude) and v is not None}
+    if "moe_backend" in options:
+        options["moe_config"] = {"backend": options.pop("moe_backend")}
+    return options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,23 +38,34 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max_tokens", "--max-tokens", dest="max_tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     _add_engine_args(gen)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (no MODEL: the bundled demo model)")
     serve.add_argument("model", nargs="?")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", "--served_model_name", dest="served_model_name")
+    serve.add_argument("--api-key", "--api_key", dest="api_key")
+    serve.add_argument("--max-request-body-size", "--max_request_body_size", dest="max_request_body_size",
+                       type=int, default=8 << 20)
     _add_engine_args(serve)
     args = parser.parse_args(argv)
 
-    if args.command == "serve":
-        print("brisk serve: the HTTP server is not built yet (see the server issue); use `brisk generate`.",
-              file=sys.stderr)
-        return 2
-
-    from brisk import LLM, SamplingParams
     from brisk.config import ConfigError
 
-    options = {k: v for k, v in vars(args).items()
-               if k not in ("command", "model", "prompt", "max_tokens", "temperature") and v is not None}
+    if args.command == "serve":
+        from brisk.server.serve import run
+
+        server_keys = ("host", "port", "served_model_name", "api_key", "max_request_body_size", "extra_llm_api_options")
+        try:
+            return run(args.model, **{k: getattr(args, k) for k in server_keys},
+                       **_engine_options(args, exclude=server_keys))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    from brisk import LLM, SamplingParams
+
     try:
-        llm = LLM(args.model, **options)
+        llm = LLM(args.model, **_engine_options(args, exclude=("prompt", "max_tokens", "temperature")))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

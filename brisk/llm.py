@@ -109,10 +109,9 @@ class LLM:
             processed = self.output_processor.process(self.engine.step())
             for rid, index in processed.aborts:
                 self.engine.abort_request(rid, index)
-            for out in processed.request_outputs:
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
+            for out in processed.finished:
+                finished[out.request_id] = out
+                bar.update(1)
         bar.close()
         return [finished[rid] for rid in order]
 

@@ -19,57 +19,53 @@ REFERENCE_SUBDIR = "reference"
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MXFP4_BLOCK = 32
 
-COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    # Large init: logits far apart, so greedy decoding has no near-ties that would make token tests flaky.
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=0,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+TINY_ARCHS = ("llama", "qwen3", "gpt_oss")
 
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        intermediate_size=128,
-        tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=128),
-    ),
-    "qwen3": dict(intermediate_size=128, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
-    # Scaled-down real gpt-oss: YaRN like its config (factor = max_pos / original), window 8 so that
-    # short prompts cross it, a low swiglu_limit so the clamps actually bite.
-    "gpt_oss": dict(
-        num_hidden_layers=4,
-        intermediate_size=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=8,
-        swiglu_limit=1.5,
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
-                             truncate=False, original_max_position_embeddings=128),
-    ),
-}
+
+def tiny_config_kwargs(arch: str) -> dict[str, Any]:
+    """Fresh (HF mutates rope dicts in place) config kwargs for one tiny architecture."""
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        # Large init: logits far apart, so greedy decoding rarely meets near-ties that rounding could flip.
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return {**common, "intermediate_size": 128, "tie_word_embeddings": True,
+                "rope_parameters": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=128)}
+    if arch == "qwen3":
+        return {**common, "intermediate_size": 128,
+                "rope_parameters": dict(rope_type="default", rope_theta=1000000.0)}
+    if arch == "gpt_oss":
+        # Scaled-down real gpt-oss: YaRN like its config (factor = max_pos / original), window 8 so that
+        # short prompts cross it, a low swiglu_limit so the clamps actually bite.
+        return {**common, "num_hidden_layers": 4, "intermediate_size": 64, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 1.5,
+                "rope_parameters": dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
+                                        beta_slow=1.0, truncate=False, original_max_position_embeddings=128)}
+    raise ValueError(f"unknown tiny arch '{arch}'; choose one of {', '.join(TINY_ARCHS)}")
 
 
 def tiny_config(arch: str, **overrides: Any):
     from transformers import GptOssConfig, LlamaConfig, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt_oss": GptOssConfig}
-    if arch not in classes:
-        raise ValueError(f"unknown tiny arch '{arch}'; choose one of {sorted(classes)}")
-    kwargs = {**COMMON, **ARCH_DEFAULTS[arch], **overrides}
+    kwargs = {**tiny_config_kwargs(arch), **overrides}
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt_oss": GptOssConfig}[arch]
     if arch == "gpt_oss" and "layer_types" not in overrides:
         pattern = ("sliding_attention", "full_attention")
         kwargs["layer_types"] = [pattern[i % 2] for i in range(kwargs["num_hidden_layers"])]
-    config = classes[arch](**kwargs)
+    config = config_class(**kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config
 

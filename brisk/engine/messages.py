@@ -35,3 +35,43 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# ---- over the wire between the API server process and the engine-core process ------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    targets: list[tuple[str, int]]  # (request id, completion index); index -1 aborts all n completions
+
+
+class EngineInfo(msgspec.Struct, tag=True):
+    """Sent once by the engine process when the model is loaded and the KV cache allocated."""
+
+    architecture: str
+    vocab_size: int
+    max_seq_len: int
+    num_kv_blocks: int
+    block_size: int
+    num_kv_groups: int
+
+
+class RequestFailure(msgspec.Struct, array_like=True):
+    request_id: str
+    message: str
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[EngineCoreOutput]
+    failures: list[RequestFailure] = []
+    # scheduler gauges for /metrics, sampled after the step
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+ToEngine = AddRequest | AbortRequests
+FromEngine = EngineInfo | EngineOutputs

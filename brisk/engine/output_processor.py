@@ -15,16 +15,29 @@ from brisk.sampling_params import SamplingParams
 
 
 @dataclass
+class CompletionDelta:
+    """What one completion gained in one engine step (what a stream chunk carries)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    output: RequestOutput = field(repr=False)  # the cumulative result so far
+
+
+@dataclass
 class _RequestState:
     output: RequestOutput
     detokenizers: list[IncrementalDetokenizer]
-    text_deltas: list[str] = field(default_factory=list)
 
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]  # requests that changed this step
-    text_deltas: dict[tuple[str, int], str]  # (request id, index) -> new text this step
+    deltas: list[CompletionDelta]
+    finished: list[RequestOutput]  # requests whose completions are all done
     aborts: list[tuple[str, int]]  # completions the engine core must stop (stop string hit)
 
 
@@ -34,9 +47,10 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+        with_logprobs = params.logprobs is not None
         outputs = [
-            CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
-                             cumulative_logprob=0.0 if params.logprobs is not None else None)
+            CompletionOutput(index=i, logprobs=[] if with_logprobs else None,
+                             cumulative_logprob=0.0 if with_logprobs else None)
             for i in range(params.n)
         ]
         self.states[request_id] = _RequestState(
@@ -48,9 +62,7 @@ class OutputProcessor:
         return bool(self.states)
 
     def process(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        changed: dict[str, RequestOutput] = {}
-        deltas: dict[tuple[str, int], str] = {}
-        aborts: list[tuple[str, int]] = []
+        result = ProcessedOutputs([], [], [])
         for eo in engine_outputs:
             state = self.states.get(eo.request_id)
             if state is None:
@@ -60,26 +72,28 @@ class OutputProcessor:
                 continue
             detok = state.detokenizers[eo.index]
             comp.token_ids.extend(eo.new_token_ids)
+            new_logprobs = None
             if eo.logprobs is not None and comp.logprobs is not None:
-                for lp in eo.logprobs:
-                    comp.logprobs.append({lp.token_id: lp.logprob, **dict(lp.top)})
-                    comp.cumulative_logprob += lp.logprob
-            delta = detok.update(eo.new_token_ids).text_delta
+                new_logprobs = [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in eo.logprobs]
+                comp.logprobs.extend(new_logprobs)
+                comp.cumulative_logprob += sum(lp.logprob for lp in eo.logprobs)
+            text = detok.update(eo.new_token_ids).text_delta
             if eo.finished:
-                delta += detok.flush()  # may still reveal a stop string held back as incomplete text
+                text += detok.flush()  # may still reveal a stop string held back as incomplete text
             if detok.stop_reason is not None:
                 comp.finish_reason, comp.stop_reason = "stop", detok.stop_reason
                 if not eo.finished:
-                    aborts.append((eo.request_id, eo.index))
+                    result.aborts.append((eo.request_id, eo.index))
             elif eo.finished:
                 comp.finish_reason, comp.stop_reason = eo.finish_reason, eo.stop_reason
             comp.text = detok.output_text
             state.output.num_cached_tokens = eo.num_cached_tokens
-            deltas[(eo.request_id, eo.index)] = deltas.get((eo.request_id, eo.index), "") + delta
-            changed[eo.request_id] = state.output
+            result.deltas.append(CompletionDelta(eo.request_id, eo.index, text, list(eo.new_token_ids), new_logprobs,
+                                                 comp.finish_reason, comp.stop_reason, state.output))
             if state.output.finished:
+                result.finished.append(state.output)
                 del self.states[eo.request_id]
-        return ProcessedOutputs(list(changed.values()), deltas, aborts)
+        return result
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -1,0 +1,76 @@
+"""The engine-core process: a busy loop that owns the model, fed and drained over ZMQ.
+
+The API server binds two IPC sockets in a private directory; this process connects to them, loads the
+model, announces `EngineInfo`, then alternates between draining requests (blocking only when idle)
+and running one `EngineCore.step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from brisk.config import EngineConfig
+from brisk.engine.core import EngineCore, InvalidRequestError
+from brisk.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineInfo,
+    EngineOutputs,
+    RequestFailure,
+    ToEngine,
+)
+
+logger = logging.getLogger("brisk.engine")
+IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
+
+
+def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(to_engine_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(from_engine_addr)
+    try:
+        config = EngineConfig.model_validate_json(config_json)
+        core = EngineCore(config)
+        _serve(core, inbox, outbox)
+    except Exception:  # noqa: BLE001 - the process must report why it died, then exit non-zero
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        sys.exit(1)
+
+
+def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToEngine)
+    mc = core.model_config
+    outbox.send(encoder.encode(EngineInfo(
+        mc.architecture, mc.vocab_size, core.max_seq_len, core.runner.num_blocks, core.config.block_size,
+        len(core.runner.kv_groups),
+    )))
+    while True:
+        timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+        batch = EngineOutputs([])
+        while inbox.poll(timeout):
+            timeout = 0
+            msg = decoder.decode(inbox.recv())
+            if isinstance(msg, AddRequest):
+                try:
+                    core.add_request(msg.request)
+                except InvalidRequestError as exc:
+                    batch.failures.append(RequestFailure(msg.request.request_id, str(exc)))
+            elif isinstance(msg, AbortRequests):
+                for rid, index in msg.targets:
+                    batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
+        if core.has_unfinished_requests():
+            batch.outputs.extend(core.step())
+        if batch.outputs or batch.failures:
+            sched, kv = core.scheduler, core.kv
+            batch.num_running, batch.num_waiting = len(sched.running), len(sched.waiting)
+            batch.kv_usage, batch.prefix_queries, batch.prefix_hits = kv.usage, kv.prefix_queries, kv.prefix_hits
+            outbox.send(encoder.encode(batch))

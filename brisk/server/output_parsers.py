@@ -1,0 +1,93 @@
+"""Per-choice output parsers: generated tokens -> chat message fields, streamed or whole.
+
+Plain models: the text is the content. gpt-oss: the harmony parser splits reasoning (analysis channel),
+content (final channel) and tool calls (commentary to=functions.NAME); streaming and non-streaming use
+the same parser, so they agree by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from brisk.server.errors import APIError
+
+
+class PlainChoiceParser:
+    has_tool_calls = False
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def feed(self, token_ids: list[int], text: str) -> dict[str, Any]:
+        self.text += text
+        return {"content": text} if text else {}
+
+    def finish_stream(self) -> dict[str, Any]:
+        return {}
+
+    def finish(self) -> dict[str, Any]:
+        return {"content": self.text}
+
+
+class HarmonyChoiceParser:
+    def __init__(self, tokenizer, prefix_ids: list[int]) -> None:
+        from brisk.harmony import HarmonyParser
+
+        self.parser = HarmonyParser.from_tokenizer(tokenizer)
+        self.has_tool_calls = False
+        if prefix_ids:
+            self.parser.feed(prefix_ids)
+
+    def feed(self, token_ids: list[int], text: str) -> dict[str, Any]:
+        return self._fields(self.parser.feed(token_ids))
+
+    def finish_stream(self) -> dict[str, Any]:
+        return self._fields(self.parser.flush())
+
+    def finish(self) -> dict[str, Any]:
+        result = self.parser.finish()
+        message: dict[str, Any] = {"content": result.content or None}
+        if result.reasoning_content:
+            message["reasoning_content"] = result.reasoning_content
+        if result.tool_calls:
+            self.has_tool_calls = True
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in result.tool_calls
+            ]
+        return message
+
+    def _fields(self, delta) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if delta.reasoning_content:
+            fields["reasoning_content"] = delta.reasoning_content
+        if delta.content:
+            fields["content"] = delta.content
+        if delta.tool_calls:
+            self.has_tool_calls = True
+            fields["tool_calls"] = [_tool_call_delta(c) for c in delta.tool_calls]
+        return fields
+
+
+def _tool_call_delta(c) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": c.index, "function": {"arguments": c.arguments or ""}}
+    if c.id:
+        out["id"], out["type"] = c.id, "function"
+    if c.name:
+        out["function"]["name"] = c.name
+    return out
+
+
+def make_choice_parser(state, prefix_ids: list[int]):
+    return HarmonyChoiceParser(state.tokenizer, prefix_ids) if state.is_harmony else PlainChoiceParser()
+
+
+def tool_call_prefix(state, tool_choice) -> list[int]:
+    """For tool_choice 'required' or a named function, start the assistant turn as a harmony tool call,
+    so the model can only answer with a call (prompting alone leaves tool_calls empty too often)."""
+    if not state.is_harmony:
+        raise APIError(400, "Function tools are supported for gpt-oss (harmony) models only.", param="tools")
+    if tool_choice in ("auto", "none"):
+        return []
+    name = "" if tool_choice == "required" else tool_choice.function.name + " <|constrain|>json<|message|>"
+    return state.tokenizer.encode("<|channel|>commentary to=functions." + name, add_special_tokens=False)
