@@ -46,17 +46,18 @@ BUILD_VERSION = "1"
 
 
 def make_gpt_oss_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
-    """Build (or reuse) the gpt-oss tokenizer in `path` and return it loaded from there."""
+    """Build the gpt-oss tokenizer into `path` (or load it from there if it was built already) and return it."""
     path = Path(path)
     stamp = _inputs_stamp()
     stamp_path = path / STAMP_FILE
-    if not (stamp_path.is_file() and stamp_path.read_text() == stamp):
-        _build(path)
-        stamp_path.write_text(stamp)
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    if stamp_path.is_file() and stamp_path.read_text() == stamp:
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    tokenizer = _build(path)
+    stamp_path.write_text(stamp)  # last, so an interrupted build is redone
+    return tokenizer
 
 
-def _build(path: Path) -> None:
+def _build(path: Path) -> PreTrainedTokenizerFast:
     config = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
     special_tokens = {int(token_id): entry["content"] for token_id, entry in config["added_tokens_decoder"].items()}
     backend = _o200k_base_backend()
@@ -80,6 +81,7 @@ def _build(path: Path) -> None:
     )
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))  # writes chat_template.jinja beside tokenizer_config.json
+    return tokenizer
 
 
 def _o200k_base_backend() -> Tokenizer:

@@ -65,7 +65,9 @@ class TorchMoEBackend(MoEBackend):
             gate_up = F.linear(hidden[token_idx], w_gate_up, layer.gate_up_proj_bias[expert])
             act = clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit)
             y = F.linear(act, w_down, layer.down_proj_bias[expert] if add_down_bias else None)
-            out.index_add_(0, token_idx, (y * topk_weights[token_idx, slot, None]).to(out.dtype))
+            # A token picks an expert at most once, so indices are unique; index_put_ is ~20x faster
+            # than index_add_ on CPU for these small updates.
+            out.index_put_((token_idx,), (y * topk_weights[token_idx, slot, None]).to(out.dtype), accumulate=True)
         return out
 
 

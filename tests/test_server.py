@@ -1,0 +1,242 @@
+"""A live `brisk serve` process on a tiny Llama, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import RunningServer
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_server")
+    make_tiny_model("llama", path, seed=0)
+    make_tiny_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = RunningServer(model_dir, "--served-model-name", "tiny", "--max_batch_size", "16", "--max_num_tokens", "256")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_tokenize(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == "Hello world"
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_chat_plain_and_streaming_agree(server, client):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, **GREEDY)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    prompt_tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+    assert full.usage.prompt_tokens == prompt_tokens
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == prompt_tokens + 12
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == prompt_tokens
+
+
+def test_completions_all_prompt_forms(server, client):
+    kw = dict(model="tiny", max_tokens=6, **GREEDY)
+    one = client.completions.create(prompt="The king", **kw)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The king"}).json()["tokens"]
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert by_ids.choices[0].text == one.choices[0].text
+    many = client.completions.create(prompt=["The king", "A queen"], **kw)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == one.choices[0].text
+    many_ids = client.completions.create(prompt=[ids, ids], **kw)
+    assert [c.text for c in many_ids.choices] == [one.choices[0].text] * 2
+    assert many.usage.completion_tokens == 12
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt="The king", stream=True, **kw))
+    assert streamed == one.choices[0].text
+
+
+def test_n_seed_and_logprobs(client):
+    kw = dict(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seed reproducible across requests
+    assert len({c.text for c in a.choices}) > 1 and [c.index for c in a.choices] == [0, 1, 2]
+    lp = client.completions.create(model="tiny", prompt="Once", max_tokens=4, logprobs=2, **GREEDY)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 4
+    assert all(len(t) >= 1 for t in lp.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy = top-1
+
+
+def test_stop_sequences(client):
+    base = client.completions.create(model="tiny", prompt="The king", max_tokens=12, **GREEDY).choices[0].text
+    stop = base[4:6]
+    out = client.completions.create(model="tiny", prompt="The king", max_tokens=12, stop=[stop], **GREEDY).choices[0]
+    assert out.text == base[: base.index(stop)] and out.finish_reason == "stop"
+
+
+def _status(url: str, method: str = "post", **kw) -> tuple[int, dict]:
+    r = getattr(httpx, method)(url, timeout=30, **kw)
+    return r.status_code, r.json()
+
+
+def test_error_statuses(server):
+    u = server.url
+    code, body = _status(f"{u}/v1/completions", json={"prompt": "x", "bogus": 1})
+    assert code == 400 and body["error"]["param"] == "bogus" and body["error"]["type"] == "invalid_request_error"
+    code, body = _status(f"{u}/v1/completions", json={"prompt": "x", "max_tokens": 5000})
+    assert code == 400 and body["error"]["code"] == "context_length_exceeded"
+    code, body = _status(f"{u}/v1/completions", json={"prompt": [1, 2, 10**7], "max_tokens": 2})
+    assert code == 400 and "vocabulary" in body["error"]["message"]
+    code, body = _status(f"{u}/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert code == 400
+    code, body = _status(f"{u}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert code == 404 and body["error"]["code"] == "model_not_found"
+    code, body = _status(f"{u}/v1/nothing-here", json={})
+    assert code == 404 and "error" in body
+    code, body = _status(f"{u}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert code == 400
+    code, body = _status(f"{u}/v1/completions", json={"prompt": "x" * (9 << 20)})
+    assert code == 413
+    code, body = _status(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "response_format": {"type": "json_object"}})
+    assert code == 400
+    assert httpx.get(f"{u}/health").status_code == 200  # still serving
+
+
+async def _stream_text(aclient, prompt: str) -> str:
+    stream = await aclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=8, stream=True, **GREEDY)
+    return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+
+def test_64_concurrent_streams_complete(client, aclient):
+    prompts = [f"request number {i}" for i in range(64)]
+    expected = {p: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                  max_tokens=8, **GREEDY).choices[0].message.content
+                for p in prompts[:8]}
+
+    async def run():
+        return await asyncio.gather(*(_stream_text(aclient, p) for p in prompts))
+
+    results = asyncio.run(run())
+    assert all(results)
+    for p, text in zip(prompts, results):
+        if p in expected:
+            assert text == expected[p]
+
+
+def _wait_until(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)  # polling an observable condition with a deadline
+    return False
+
+
+def test_disconnects_release_kv_blocks(server):
+    async def connect_and_drop(i: int):
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{server.url}/v1/completions",
+                                   json={"prompt": f"drop {i}", "max_tokens": 400, "stream": True,
+                                         "ignore_eos": True}) as r:
+                async for _ in r.aiter_lines():
+                    break  # first chunk, then hang up
+
+    async def run():
+        await asyncio.gather(*(connect_and_drop(i) for i in range(16)))
+
+    asyncio.run(run())
+    key = 'brisk:kv_cache_usage_perc{model_name="tiny"}'
+    assert _wait_until(lambda: server.metrics().get(key) == 0.0
+                       and server.metrics().get('brisk:num_requests_running{model_name="tiny"}') == 0.0)
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_exposed(server, client):
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=3, **GREEDY)
+    m = server.metrics()
+    assert m['brisk:generation_tokens_total{model_name="tiny"}'] >= 3
+    assert m['brisk:request_success_total{finished_reason="length",model_name="tiny"}'] >= 1
+    assert any(k.startswith("brisk:time_to_first_token_seconds_bucket") for k in m)
+    assert 'brisk:prefix_cache_queries{model_name="tiny"}' in m
+
+
+def test_api_key_and_queue_limit(model_dir):
+    srv = RunningServer(model_dir, "--api-key", "sekret", "--max_batch_size", "1", "--max_num_waiting", "0")
+    try:
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # health needs no key
+        code, body = _status(f"{srv.url}/v1/models", method="get")
+        assert code == 401 and body["error"]["code"] == "invalid_api_key"
+        code, _ = _status(f"{srv.url}/v1/models", method="get", headers={"Authorization": "Bearer wrong"})
+        assert code == 401
+        ok = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
+        assert ok.models.list().data
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60, headers={"Authorization": "Bearer sekret"}) as http:
+                async with http.stream("POST", f"{srv.url}/v1/completions",
+                                       json={"prompt": "hold", "max_tokens": 300, "stream": True,
+                                             "ignore_eos": True}) as r:
+                    async for _ in r.aiter_lines():
+                        second = await http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                        return second
+
+        second = asyncio.run(run())
+        assert second.status_code == 429 and second.headers["retry-after"]
+        assert second.json()["error"]["code"] == "queue_full"
+    finally:
+        srv.stop()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_engine_death_fails_health_and_exits_nonzero(model_dir):
+    srv = RunningServer(model_dir)
+    try:
+        engine_pids = _children(srv.proc.pid)  # the engine core is the server's only child process
+        assert engine_pids
+        for pid in engine_pids:
+            os.kill(pid, signal.SIGKILL)
+        code = srv.proc.wait(timeout=30)
+        assert code != 0
+    finally:
+        srv.stop()
