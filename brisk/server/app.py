@@ -180,10 +180,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    from brisk.server import chat, completions
+    from brisk.server import chat, completions, responses
 
     chat.register(app, state)
     completions.register(app, state)
+    responses.register(app, state)
     return app
 
 

@@ -129,3 +129,53 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesFunctionTool(_Request):
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesReasoning(_Request):
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    reasoning: ResponsesReasoning | None = None
+    stream: bool = False
+    store: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # extensions shared with the other endpoints
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        return SamplingParams(
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0), seed=self.seed,
+            max_tokens=self.max_output_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            priority=self.priority,
+        )

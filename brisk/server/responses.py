@@ -1,0 +1,234 @@
+"""POST /v1/responses (gpt-oss's native API): input items -> chat messages -> the chat machinery -> output items.
+
+Non-streaming returns the finished response; streaming emits the Responses API events (created,
+output_item.added, *.delta, *.done, completed). Both are built from the same per-choice parser fields,
+so they agree.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from brisk.server.app import ServerState, sse, stream_with_errors
+from brisk.server.chat import render_chat_prompt
+from brisk.server.errors import APIError
+from brisk.server.output_parsers import make_choice_parser, tool_call_prefix
+from brisk.server.protocol import NamedToolChoice, ResponsesRequest
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise APIError(400, "message content must be a string or a list of text parts", param="input")
+
+
+def input_to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return messages + [{"role": "user", "content": req.input}]
+    pending_reasoning = None
+    for item in req.input:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "assistant", "system"):
+                raise APIError(400, f"unsupported message role {item.get('role')!r}", param="input")
+            msg = {"role": role, "content": _text_of(item.get("content", ""))}
+            if role == "assistant" and pending_reasoning:
+                msg["reasoning_content"], pending_reasoning = pending_reasoning, None
+            messages.append(msg)
+        elif kind == "reasoning":
+            pending_reasoning = _text_of(item.get("content") or item.get("summary") or [])
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if pending_reasoning:
+                    msg["reasoning_content"], pending_reasoning = pending_reasoning, None
+                messages.append(msg)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_of(item.get("output", ""))})
+        else:
+            raise APIError(400, f"unsupported input item type {kind!r}", param="input")
+    return messages
+
+
+class _OutputItems:
+    """Builds output items from parser fields, and the stream events that describe them."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._call_index: int | None = None
+
+    def _start(self, item: dict[str, Any]) -> None:
+        self.close()
+        self.items.append(item)
+        self._open = item
+        self.events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                            "item": dict(item, content=[]) if "content" in item else dict(item)})
+        if item["type"] == "message":
+            self.events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index":
+                                len(self.items) - 1, "content_index": 0,
+                                "part": {"type": "output_text", "text": "", "annotations": []}})
+
+    def add(self, fields: dict[str, Any]) -> None:
+        idx = self._index
+        if fields.get("reasoning_content"):
+            if self._open is None or self._open["type"] != "reasoning":
+                self._start({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                             "content": [{"type": "reasoning_text", "text": ""}]})
+            self._open["content"][0]["text"] += fields["reasoning_content"]
+            self.events.append({"type": "response.reasoning_text.delta", "item_id": self._open["id"],
+                                "output_index": idx(), "content_index": 0, "delta": fields["reasoning_content"]})
+        if fields.get("content"):
+            if self._open is None or self._open["type"] != "message":
+                self._start({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                             "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]})
+            self._open["content"][0]["text"] += fields["content"]
+            self.events.append({"type": "response.output_text.delta", "item_id": self._open["id"],
+                                "output_index": idx(), "content_index": 0, "delta": fields["content"]})
+        for call in fields.get("tool_calls", []):
+            if call.get("id") or self._open is None or self._open["type"] != "function_call" \
+                    or self._call_index != call["index"]:
+                self._start({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.get("id"),
+                             "name": call["function"].get("name", ""), "arguments": "", "status": "in_progress"})
+                self._call_index = call["index"]
+            delta = call["function"].get("arguments", "")
+            if delta:
+                self._open["arguments"] += delta
+                self.events.append({"type": "response.function_call_arguments.delta", "item_id": self._open["id"],
+                                    "output_index": idx(), "delta": delta})
+
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    def close(self) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        i = len(self.items) - 1
+        if item["type"] == "reasoning":
+            self.events.append({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
+                                "content_index": 0, "text": item["content"][0]["text"]})
+        elif item["type"] == "message":
+            part = item["content"][0]
+            self.events.append({"type": "response.output_text.done", "item_id": item["id"], "output_index": i,
+                                "content_index": 0, "text": part["text"]})
+            self.events.append({"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
+                                "content_index": 0, "part": part})
+        else:
+            self.events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                                "output_index": i, "arguments": item["arguments"]})
+        item["status"] = "completed"
+        if item["type"] == "reasoning":
+            item.pop("status")
+        self.events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+
+def _chat_tool_choice(req: ResponsesRequest, tools: list[dict] | None):
+    choice = req.tool_choice or ("auto" if tools else "none")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not choice.get("name"):
+            raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
+        choice = NamedToolChoice(function={"name": choice["name"]})
+    return choice
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest):
+        state.check_model(req.model)
+        state.admit()
+        params = state.sampling_params(req)
+        tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                 for t in req.tools] if req.tools else None
+        choice = _chat_tool_choice(req, tools)
+        if choice != "none" and not tools:
+            raise APIError(400, "tool_choice needs 'tools'.", param="tool_choice")
+        effort = req.reasoning.effort if req.reasoning else None
+        prompt_ids = render_chat_prompt(state, input_to_messages(req), tools if choice != "none" else None, effort, {})
+        forced = tool_call_prefix(state, choice) if tools else []
+        prompt_ids += forced
+        state.check_prompt(prompt_ids, params)
+        parser = make_choice_parser(state, forced)
+        items = _OutputItems()
+        rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+
+        def response_body(status: str, final=None) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
+                "output": items.items, "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+                "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "temperature": params.temperature, "top_p": params.top_p, "max_output_tokens": req.max_output_tokens,
+                "instructions": req.instructions, "metadata": req.metadata or {}, "error": None,
+                "incomplete_details": None, "usage": None, "text": {"format": {"type": "text"}},
+                "reasoning": {"effort": effort, "summary": None},
+            }
+            if final is not None:
+                out = final.outputs[0]
+                if out.finish_reason == "length":
+                    body["status"] = "incomplete"
+                    body["incomplete_details"] = {"reason": "max_output_tokens"}
+                reasoning_text = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
+                body["usage"] = {
+                    "input_tokens": len(prompt_ids), "output_tokens": len(out.token_ids),
+                    "total_tokens": len(prompt_ids) + len(out.token_ids),
+                    "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+                    # re-encoding the reasoning text counts its tokens without the channel headers
+                    "output_tokens_details": {"reasoning_tokens": len(state.tokenizer.encode(
+                        reasoning_text, add_special_tokens=False)) if reasoning_text else 0},
+                }
+            return body
+
+        deltas = state.generate(prompt_ids, params)
+        if not req.stream:
+            final = None
+            async for delta in deltas:
+                items.add(parser.feed(delta.token_ids, delta.text))
+                final = delta.output
+            items.add(parser.finish_stream())
+            items.close()
+            return response_body("completed", final)
+
+        async def events():
+            seq = 0
+
+            def event(body: dict[str, Any]) -> str:
+                nonlocal seq
+                seq += 1
+                return f"event: {body['type']}\n" + sse({**body, "sequence_number": seq - 1})
+
+            yield event({"type": "response.created", "response": response_body("in_progress")})
+            yield event({"type": "response.in_progress", "response": response_body("in_progress")})
+            final = None
+            async for delta in deltas:
+                items.add(parser.feed(delta.token_ids, delta.text))
+                final = delta.output
+                for e in items.take_events():
+                    yield event(e)
+            items.add(parser.finish_stream())
+            items.close()
+            for e in items.take_events():
+                yield event(e)
+            yield event({"type": "response.completed", "response": response_body("completed", final)})
+
+        return StreamingResponse(stream_with_errors(events()), media_type="text/event-stream")
