@@ -9,7 +9,6 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4,
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
@@ -19,8 +18,11 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q -x tests
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
 serve: install
-	$(PY) -m brisk.cli serve
+	$(PY) -m brisk.cli serve --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,23 +11,23 @@ from fastapi.responses import StreamingResponse
 
 from brisk.server.app import ServerState, sse, stream_with_errors, usage
 from brisk.server.errors import APIError
-from brisk.server.output_parsers import make_choice_parser, tool_call_prefix
+from brisk.server.output_parsers import make_choice_parser, merge_delta_fields, tool_call_prefix
 from brisk.server.protocol import ChatCompletionRequest
 
 
 def render_chat_prompt(state: ServerState, messages: list[dict], tools: list[dict] | None,
                        reasoning_effort: str | None, template_kwargs: dict, add_generation_prompt: bool = True
                        ) -> list[int]:
-    kwargs = dict(template_kwargs)
-    if state.is_harmony:
-        from brisk.harmony import to_template_messages
-
-        messages = to_template_messages(messages)
-        if reasoning_effort is not None:
-            kwargs["reasoning_effort"] = reasoning_effort
     try:
+        if state.is_harmony:
+            from brisk.harmony import render_with_template
+
+            return render_with_template(state.tokenizer, messages, tools, reasoning_effort or "medium",
+                                        **template_kwargs)
         out = state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=True, **kwargs)
+                                                  tokenize=True, **template_kwargs)
+    except APIError:
+        raise
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's malformed messages
         raise APIError(400, f"Cannot render the messages with the chat template: {exc}", param="messages") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -102,7 +102,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 final = delta.output
                 p = pending.setdefault(delta.index, {"fields": {}, "logprobs": [], "tokens": 0})
                 for key, value in parsers[delta.index].feed(delta.token_ids, delta.text).items():
-                    _merge_delta(p["fields"], key, value)
+                    merge_delta_fields(p["fields"], key, value)
                 if req.logprobs and delta.logprobs:
                     p["logprobs"] += [_logprobs_entry(state.tokenizer, t, lp, top_n)
                                       for t, lp in zip(delta.token_ids, delta.logprobs)]
@@ -112,7 +112,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 reason = delta.finish_reason
                 if reason is not None:
                     for key, value in parsers[delta.index].finish_stream().items():
-                        _merge_delta(p["fields"], key, value)
+                        merge_delta_fields(p["fields"], key, value)
                     if parsers[delta.index].has_tool_calls and reason == "stop":
                         reason = "tool_calls"
                 pending.pop(delta.index)
@@ -125,16 +125,3 @@ def register(app: FastAPI, state: ServerState) -> None:
                 yield chunk([], usage(len(prompt_ids), completion_tokens, final.num_cached_tokens))
 
         return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
-
-
-def _merge_delta(fields: dict, key: str, value: Any) -> None:
-    """Accumulate delta fields of several engine steps into one chunk (strings concatenate, lists extend)."""
-    if key == "tool_calls":
-        calls = fields.setdefault("tool_calls", [])
-        for call in value:
-            if calls and calls[-1]["index"] == call["index"]:  # fragments of one call: one entry per chunk
-                calls[-1]["function"]["arguments"] += call["function"].get("arguments", "")
-            else:
-                calls.append({**call, "function": dict(call["function"])})
-    elif value:
-        fields[key] = fields.get(key, "") + value

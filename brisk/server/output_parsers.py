@@ -35,17 +35,27 @@ class HarmonyChoiceParser:
 
         self.parser = HarmonyParser.from_tokenizer(tokenizer)
         self.has_tool_calls = False
-        if prefix_ids:
-            self.parser.feed(prefix_ids)
+        self._result = None
+        # A forced tool-call prefix opens the call (id, name) before the model says anything: send that
+        # with the first real delta.
+        self._prefix_fields = self._fields(self.parser.feed(prefix_ids)) if prefix_ids else {}
 
     def feed(self, token_ids: list[int], text: str) -> dict[str, Any]:
-        return self._fields(self.parser.feed(token_ids))
+        fields = self._fields(self.parser.feed(token_ids))
+        if self._prefix_fields:
+            prefix, self._prefix_fields = self._prefix_fields, {}
+            for key, value in fields.items():
+                merge_delta_fields(prefix, key, value)
+            fields = prefix
+        return fields
 
     def finish_stream(self) -> dict[str, Any]:
-        return self._fields(self.parser.flush())
+        """The text only the end of output releases (a held-back character or a cut-off header)."""
+        self._result = self.parser.finish()
+        return self._fields(self._result.last_delta)
 
     def finish(self) -> dict[str, Any]:
-        result = self.parser.finish()
+        result = self._result or self.parser.finish()
         message: dict[str, Any] = {"content": result.content or None}
         if result.reasoning_content:
             message["reasoning_content"] = result.reasoning_content
@@ -67,6 +77,19 @@ class HarmonyChoiceParser:
             self.has_tool_calls = True
             fields["tool_calls"] = [_tool_call_delta(c) for c in delta.tool_calls]
         return fields
+
+
+def merge_delta_fields(fields: dict, key: str, value: Any) -> None:
+    """Accumulate message delta fields (strings concatenate; fragments of one tool call join)."""
+    if key == "tool_calls":
+        calls = fields.setdefault("tool_calls", [])
+        for call in value:
+            if calls and calls[-1]["index"] == call["index"]:
+                calls[-1]["function"]["arguments"] += call["function"].get("arguments", "")
+            else:
+                calls.append({**call, "function": dict(call["function"])})
+    elif value:
+        fields[key] = fields.get(key, "") + value
 
 
 def _tool_call_delta(c) -> dict[str, Any]:

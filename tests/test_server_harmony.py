@@ -1,0 +1,135 @@
+"""gpt-oss through the live server: a tiny random gpt-oss with the real o200k_harmony vocab and chat template.
+
+Random weights write nonsense, so these tests check what must hold whatever the model says: the
+prompt is the harmony render, streaming and non-streaming agree field by field, a named tool choice
+yields a call to that function, and malformed output never fails a request.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from brisk.harmony import render_with_harmony
+from tests.harmony_tokenizer import TIKTOKEN_DIR, make_gpt_oss_tokenizer
+from tests.server_utils import RunningServer
+from tests.tiny_models import make_tiny_model
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss_harmony")
+    make_tiny_model("gpt_oss", path, seed=0, vocab_size=201088)
+    shutil.copy(SHARED / "models" / "gpt-oss-20b" / "generation_config.json", path / "generation_config.json")
+    make_gpt_oss_tokenizer(path)
+    srv = RunningServer(str(path), "--served-model-name", "gpt-oss-tiny", "--max_batch_size", "8")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def harmony():
+    """openai-harmony's renderer, loading the shared o200k_base file offline."""
+    import openai_harmony
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIKTOKEN_ENCODINGS_BASE", str(TIKTOKEN_DIR))
+        encoding = openai_harmony.load_harmony_encoding(openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+    return lambda messages, tools=None: render_with_harmony(messages, tools, encoding=encoding)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _chat(client, stream: bool, **kw):
+    args = dict(model="gpt-oss-tiny", max_tokens=24, temperature=0, **kw)
+    if not stream:
+        return client.chat.completions.create(**args).choices[0]
+    fields = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        fields["content"] += d.content or ""
+        fields["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            call = fields["tool_calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or tc.id
+            call["name"] += (tc.function.name or "") if tc.function else ""
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return fields, finish
+
+
+def test_prompt_is_the_harmony_render(server, harmony):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"model": "gpt-oss-tiny", "messages": messages, "max_tokens": 1}
+    usage = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] == len(harmony(messages))
+
+
+def test_streaming_and_non_streaming_agree(client):
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    whole = _chat(client, False, messages=messages, reasoning_effort="low")
+    streamed, finish = _chat(client, True, messages=messages, reasoning_effort="low")
+    assert (whole.message.content or "") == streamed["content"]
+    assert (getattr(whole.message, "reasoning_content", None) or "") == streamed["reasoning_content"]
+    assert len(whole.message.tool_calls or []) == len(streamed["tool_calls"])
+    assert whole.finish_reason == finish
+    for text in (streamed["content"], streamed["reasoning_content"]):
+        assert "<|channel|>" not in text and "<|message|>" not in text  # no harmony tokens leak
+
+
+def test_named_tool_choice_calls_that_function(client):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = _chat(client, False, messages=messages, tools=TOOLS, tool_choice=choice)
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+    assert whole.message.tool_calls[0].id.startswith("call_")
+    streamed, _ = _chat(client, True, messages=messages, tools=TOOLS, tool_choice=choice)
+    assert [c["name"] for c in streamed["tool_calls"].values()] == ["get_weather"]
+    assert streamed["tool_calls"][0]["arguments"] == whole.message.tool_calls[0].function.arguments
+
+
+def test_multi_turn_tool_use_renders(server, harmony):
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temp_c": 3})},
+    ]
+    body = {"model": "gpt-oss-tiny", "messages": messages, "tools": TOOLS, "max_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens"] == len(harmony(messages, TOOLS))
+
+
+def test_responses_api_function_call(client):
+    tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    r = client.responses.create(model="gpt-oss-tiny", input="Weather in Rome?", tools=tools,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=16,
+                                temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather"]
+    events = list(client.responses.create(model="gpt-oss-tiny", input="Weather in Rome?", tools=tools,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=16, temperature=0, stream=True))
+    done = events[-1]
+    assert done.type == "response.completed"
+    assert [i.name for i in done.response.output if i.type == "function_call"] == ["get_weather"]
+    assert [i.arguments for i in done.response.output if i.type == "function_call"] == [c.arguments for c in calls]
