@@ -47,7 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-request-body-size", "--max_request_body_size", dest="max_request_body_size",
                        type=int, default=8 << 20)
     _add_engine_args(serve)
+    from brisk.bench import add_subcommands as add_bench_subcommands
+
+    add_bench_subcommands(sub.add_parser("bench", help="benchmark a running server (`brisk bench serve --help`)"))
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        import shlex
+
+        from brisk.bench import run as run_bench
+
+        return run_bench(args, "brisk " + shlex.join(sys.argv[1:] if argv is None else argv))
 
     from brisk.config import ConfigError
 

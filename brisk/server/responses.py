@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from brisk.server.app import ServerState, sse, stream_with_errors
 from brisk.server.chat import render_chat_prompt
 from brisk.server.errors import APIError
-from brisk.server.output_parsers import make_choice_parser, tool_call_prefix
+from brisk.server.output_parsers import make_choice_parser, prepare_tools
 from brisk.server.protocol import NamedToolChoice, ResponsesRequest
 
 
@@ -144,12 +144,12 @@ class _OutputItems:
         return events
 
 
-def _chat_tool_choice(req: ResponsesRequest, tools: list[dict] | None):
-    choice = req.tool_choice or ("auto" if tools else "none")
+def _chat_tool_choice(choice: str | dict[str, Any] | None):
+    """The Responses API names a function as {type, name}; chat completions as {type, function: {name}}."""
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):
             raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
-        choice = NamedToolChoice(function={"name": choice["name"]})
+        return NamedToolChoice(function={"name": choice["name"]})
     return choice
 
 
@@ -159,15 +159,11 @@ def register(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         state.admit()
         params = state.sampling_params(req)
-        tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                 for t in req.tools] if req.tools else None
-        choice = _chat_tool_choice(req, tools)
-        if choice != "none" and not tools:
-            raise APIError(400, "tool_choice needs 'tools'.", param="tool_choice")
+        tools, forced = prepare_tools(
+            state, [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                    for t in req.tools or []], _chat_tool_choice(req.tool_choice))
         effort = req.reasoning.effort if req.reasoning else None
-        prompt_ids = render_chat_prompt(state, input_to_messages(req), tools if choice != "none" else None, effort, {})
-        forced = tool_call_prefix(state, choice) if tools else []
-        prompt_ids += forced
+        prompt_ids = render_chat_prompt(state, input_to_messages(req), tools, effort, {}) + forced
         state.check_prompt(prompt_ids, params)
         parser = make_choice_parser(state, forced)
         items = _OutputItems()

@@ -1,0 +1,79 @@
+"""From request results to one benchmark point: throughputs and latency distributions, vLLM's definitions.
+
+TTFT: request sent to first output chunk. E2E: request sent to end of stream. TPOT per request: the decode time
+over the tokens after the first, (E2E - TTFT) / (output_tokens - 1). ITL: gaps between output chunks.
+Output tok/s per user: 1 / mean TPOT, the decode speed one user sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from brisk.bench.client import RequestResult
+
+STATS = ("mean", "p50", "p90", "p99")
+ERRORS_KEPT = 5  # distinct error messages recorded per point
+
+
+def distribution_ms(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles in milliseconds; None everywhere when there is nothing to measure."""
+    if not values_s:
+        return {stat: None for stat in STATS}
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
+            "p99": float(np.percentile(ms, 99))}
+
+
+def tpot_s(result: RequestResult) -> float | None:
+    if result.error is not None or result.output_tokens < 2:
+        return None  # a single token has no decode time
+    return (result.e2e_s - result.ttft_s) / (result.output_tokens - 1)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def request_record(result: RequestResult) -> dict[str, Any]:
+    return {"prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
+            "output_tokens_from_usage": result.output_tokens_from_usage, "ttft_ms": _ms(result.ttft_s),
+            "e2e_ms": _ms(result.e2e_s), "itl_ms": [round(s * 1000.0, 4) for s in result.itl_s], "error": result.error}
+
+
+def summarize_point(results: list[RequestResult], duration_s: float, concurrency: int | None,
+                    request_rate: float | None, num_gpus: int) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    errors: list[str] = []
+    for r in results:
+        if r.error is not None and r.error not in errors and len(errors) < ERRORS_KEPT:
+            errors.append(r.error)
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    with_usage = sum(r.output_tokens_from_usage is not None for r in ok)
+    tpots = [t for t in map(tpot_s, ok) if t is not None]
+    tpot = distribution_ms(tpots)
+    output_throughput = output_tokens / duration_s if duration_s > 0 else 0.0
+    return {
+        "concurrency": concurrency,
+        "request_rate": request_rate,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "output_tokens_source": "usage" if with_usage == len(ok) else "chunks" if with_usage == 0 else "mixed",
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": output_throughput,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput_per_gpu": output_throughput / num_gpus,
+        "output_throughput_per_user": 1000.0 / tpot["mean"] if tpot["mean"] else None,
+        "ttft_ms": distribution_ms([r.ttft_s for r in ok]),
+        "tpot_ms": tpot,
+        "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
+        "e2e_ms": distribution_ms([r.e2e_s for r in ok]),
+        "requests": [request_record(r) for r in results],
+    }

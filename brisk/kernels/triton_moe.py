@@ -1,0 +1,457 @@
+"""Fused MoE Triton kernels for gpt-oss experts: MXFP4 (W4A16) or bf16 weights, bf16 activations.
+
+Pipeline for hidden [T, H] and a routing topk_ids / topk_weights [T, k] ("slot" s = t * k + j names one pick):
+    route_topk            torch ops: top-k logits, softmax over those k (two small launches; a fused kernel
+                          would save one launch and is not worth its code).
+    moe_align_block_size  one Triton program: slots grouped by expert, each expert's run padded to BLOCK_M,
+                          the expert of every BLOCK_M block. Experts nobody picked get no blocks. Sized by an
+                          upper bound, so there is no host sync and the pipeline can be captured in a CUDA graph.
+    fused_moe_gate_up     grouped GEMM per block: hidden rows @ gate_up[e]^T + bias, clamped SwiGLU in the
+                          epilogue -> act [T*k, I] (bf16, one row per slot).
+    fused_moe_down        grouped GEMM: act @ down[e]^T + bias, times the routing weight -> [T*k, H], then a
+                          sum over k -> [T, H].
+
+Combining in fused_moe_down writes [T, k, H] and sums with torch rather than atomically adding into [T, H]:
+the result is deterministic (atomics make the rounding order, and so the logits, vary run to run), needs no
+zero-filled fp32 buffer or final cast, and the extra traffic (T*k*H*2 bytes written and read once) is small
+next to the weights at decode and next to the FLOPs at prefill.
+
+MXFP4 weights are read packed (half a byte per weight plus one scale byte per 32) and dequantized in
+registers: each nibble is moved into an fp16 bit pattern (no lookup table), scaled by 2^(s-127) built from
+the scale byte's bits, cast to the activation dtype and fed to tl.dot with fp32 accumulation. Because the
+slots are grouped by expert, each program reads one expert's weight tile once for up to BLOCK_M slots; at
+decode every touched expert's weights are read exactly once when BLOCK_M covers its slots (default_config
+picks BLOCK_M = 16 for small batches).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MXFP4_GROUP = 32  # values sharing one E8M0 scale; also the K granularity of the MXFP4 kernels
+_GROUP: tl.constexpr = tl.constexpr(MXFP4_GROUP)  # the same, readable from inside @triton.jit code
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------- routing
+
+def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing with torch ops (same as brisk.layers.moe.select_experts): ids [T, k], weights [T, k]."""
+    top_values, topk_ids = torch.topk(router_logits, top_k, dim=-1)
+    return topk_ids, torch.softmax(top_values, dim=-1, dtype=top_values.dtype)
+
+
+# ---------------------------------------------------------------- alignment
+
+@dataclass(frozen=True)
+class MoEAlignment:
+    """Slots grouped by expert for the grouped GEMMs.
+
+    sorted_token_ids int32 [max_blocks * block_m]: slot ids (t * k + j), each expert's run padded to block_m
+        with `num_slots` (an invalid slot the GEMMs mask out). Entries past num_tokens_post_padded are padding.
+    expert_ids int32 [max_blocks]: expert of each block_m block; -1 past the last used block.
+    num_tokens_post_padded int32 [1]: used length of sorted_token_ids.
+    """
+
+    sorted_token_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor
+    block_m: int
+    num_slots: int
+
+
+@triton.jit
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                      num_slots, num_experts, max_blocks,
+                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    # A single program: at decode the whole job is a few hundred integer ops, and one launch beats a
+    # histogram/scan/scatter kernel chain. The work is O(num_slots * E) on one SM, tens of microseconds for a
+    # few thousand tokens at E = 128; a multi-program variant is the fix if long prefills show it in profiles.
+    experts = tl.arange(0, E_P2)
+
+    # 1. Slots per expert: one-hot rows summed over each chunk (deterministic, no atomics).
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+        ids = tl.where(ids < num_experts, ids, -1)  # out-of-range ids (none today) match no expert
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+
+    # 2. Each expert owns a run of sorted_token_ids padded to a multiple of BLOCK_M; an empty expert's run is
+    #    empty, so it gets no blocks.
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
+
+    # The expert of block b is the one whose run contains b * BLOCK_M, i.e. the number of runs that end at or
+    # before it (empty runs before it are counted too, which keeps the index right). Past the end: all runs.
+    for b0 in range(0, max_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+
+    # 3. Every slot of the buffer starts as padding; step 4 overwrites the real ones.
+    total_len = max_blocks * BLOCK_M
+    for p0 in range(0, total_len, FILL):
+        offs = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_slots, mask=offs < total_len)
+    tl.debug_barrier()  # step 4 rewrites some of those addresses from other threads of this program
+
+    # 4. Slot s goes to its expert's start + the number of earlier slots with the same expert (stable order).
+    seen = tl.zeros([E_P2], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < num_slots
+        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+        ids = tl.where(ids < num_experts, ids, -1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + (starts + seen)[None, :]
+        dest = tl.sum(onehot * before, axis=1)
+        tl.store(sorted_ids_ptr + dest, offs, mask=valid & (ids >= 0))
+        seen += tl.sum(onehot, axis=0)
+
+
+def max_num_blocks(num_slots: int, block_m: int, num_experts: int) -> int:
+    """Upper bound on sum_e ceil(count_e / block_m): every expert with slots adds at most one partial block."""
+    return triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAlignment:
+    """Group the slots of topk_ids [T, k] by expert, padded per expert to block_m (see MoEAlignment)."""
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_slots = ids.numel()
+    max_blocks = max_num_blocks(num_slots, block_m, num_experts)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    e_p2 = triton.next_power_of_2(num_experts)
+    # ~8K one-hot elements per step keeps registers in check at E = 128 (64 slots per step).
+    chunk = max(16, min(8192 // e_p2, triton.next_power_of_2(max(num_slots, max_blocks))))
+    _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_padded, num_slots, num_experts, max_blocks,
+                            BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, FILL=1024, num_warps=4)
+    return MoEAlignment(sorted_ids, expert_ids, num_post_padded, block_m, num_slots)
+
+
+# ---------------------------------------------------------------- MXFP4 in registers
+
+@triton.jit
+def _e2m1_to_f32(nibble):
+    # E2M1 nibble = sign | exponent (2 bits, bias 1) | mantissa (1 bit). Put the sign at fp16 bit 15 and the other
+    # three bits at fp16 bits 11..9 (exponent field's low bits + mantissa's top bit): the fp16 number is exactly
+    # value * 2^-14 (0.5 becomes an fp16 subnormal, which the conversion to fp32 handles exactly). Shifts, an or,
+    # a conversion and an exact multiply: no table lookup. (Folding the 2^14 into the scale would save the
+    # multiply but overflow scales above 240.)
+    bits = ((nibble & 0x8).to(tl.uint16) << 12) | ((nibble & 0x7).to(tl.uint16) << 9)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e8m0_to_f32(scale):
+    # 2^(s - 127) is s in the fp32 exponent field; s = 0 (2^-127) is the one subnormal: mantissa bit 22.
+    # s = 255 gives inf, as the torch reference (exp2(128) in fp32) does.
+    s = scale.to(tl.uint32)
+    return tl.where(s == 0, s + 0x400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_mxfp4_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Weights [BLOCK_N, BLOCK_K] (fp32) of rows offs_n, inputs k0 .. k0 + BLOCK_K, from one expert's packed rows.
+
+    A row of blocks [K/32, 16] is K/2 contiguous bytes (byte i holds inputs 2i, 2i+1), so the tile is a plain
+    [BLOCK_N, BLOCK_K/2] byte load: 16-byte vectors along K, no gather. Its scales are [BLOCK_N, BLOCK_K/32].
+    """
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_g = k0 // _GROUP + tl.arange(0, BLOCK_K // _GROUP)
+    b_mask = n_mask[:, None]
+    g_mask = n_mask[:, None]
+    if not EVEN_K:  # K is a multiple of 32, so the tail is whole groups: mask whole bytes and scales
+        b_mask = b_mask & (offs_b < K // 2)[None, :]
+        g_mask = g_mask & (offs_g < K // _GROUP)[None, :]
+    packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :], mask=b_mask, other=0)
+    scales = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_mask, other=127)
+    # Low nibble first: interleave puts lo[i], hi[i] at columns 2i, 2i+1.
+    values = tl.interleave(_e2m1_to_f32(packed & 0xF), _e2m1_to_f32(packed >> 4))
+    values = tl.reshape(values, [BLOCK_N, BLOCK_K // _GROUP, _GROUP]) * _e8m0_to_f32(scales)[:, :, None]
+    return tl.reshape(values, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _mxfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Exposes the GEMMs' in-register dequantization for exact testing against dequantize_mxfp4.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w = _load_mxfp4_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, K // 2, K // _GROUP, BLOCK_N, BLOCK_K, False)
+    mask = n_mask[:, None] & (offs_k < K)[None, :]
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Triton twin of brisk.layers.mxfp4.dequantize_mxfp4: [..., out, G, 16] + [..., out, G] -> [..., out, G*32]."""
+    *lead, groups, half = blocks.shape
+    if half != MXFP4_GROUP // 2 or tuple(scales.shape) != (*lead, groups):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    k = groups * MXFP4_GROUP
+    n = blocks.numel() // (groups * half)
+    out = torch.empty((*lead, k), dtype=dtype, device=blocks.device)
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, 64))
+    _mxfp4_dequant_kernel[grid](blocks.contiguous(), scales.contiguous(), out, n, k, BLOCK_N=32, BLOCK_K=64)
+    return out
+
+
+# ---------------------------------------------------------------- grouped GEMM
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, routing_ptr,
+    sorted_ids_ptr, expert_ids_ptr,
+    num_slots, num_m_blocks, N, K,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
+    swiglu_alpha, swiglu_limit,
+    A_ROW_DIV: tl.constexpr,   # slot -> row of A: top_k for gate_up (A = hidden), 1 for down (A = act)
+    MXFP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTING: tl.constexpr,
+    EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[slot, n-tile] for BLOCK_M slots of one expert x BLOCK_N weight rows.
+
+    With SWIGLU the BLOCK_N weight rows are BLOCK_N/2 interleaved (gate, up) pairs and the program writes
+    BLOCK_N/2 activation columns; otherwise it writes BLOCK_N output columns.
+    """
+    # Grouped ordering: GROUP_M consecutive M blocks (mostly one expert) sweep the N tiles together, so a
+    # weight tile fetched from DRAM is reused from L2 by the expert's other M blocks (prefill).
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # block past the used part of the (upper-bound sized) grid
+        return
+
+    slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slot < num_slots  # padding slots hold num_slots
+    a_rows = (slot // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_expert = w_ptr + expert * stride_we
+    s_expert = s_ptr + expert * stride_se
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        if MXFP4:
+            w = _load_mxfp4_tile(w_expert, s_expert, offs_n, n_mask, k0, K, stride_wn, stride_sn,
+                                 BLOCK_N, BLOCK_K, EVEN_K)
+        else:
+            w_ptrs = w_expert + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        w = tl.trans(w.to(a.dtype))  # [BLOCK_K, BLOCK_N]: MXFP4 values times 2^k are exact in bf16
+        if FP32_DOT:
+            # fp32 activations: full-precision products, not tf32. Also taken for bf16 under the CPU interpreter,
+            # whose tl.dot multiplies bf16's raw uint16 storage; bf16 x bf16 products are exact in fp32, so
+            # this matches the tensor cores up to summation order.
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+
+    # Epilogue in fp32: bias, activation, routing weight, then one rounding to the output dtype.
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if SWIGLU:
+        # Columns alternate gate, up: split the pairs and write one activation per pair.
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        out = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out_mask = offs_out < N // 2
+    else:
+        out = acc
+        offs_out = offs_n
+        out_mask = n_mask
+    if MUL_ROUTING:
+        route = tl.load(routing_ptr + slot, mask=m_mask, other=0.0).to(tl.float32)
+        out = out * route[:, None]
+    out_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + offs_out[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & out_mask[None, :])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile shape and launch parameters of one grouped GEMM. block_m must match the alignment's."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, *, mxfp4: bool) -> MoEConfig:
+    """Heuristic Hopper tiles for one GEMM with n weight rows and k inputs (untuned first guesses).
+
+    block_m follows the expected slots per expert so that, at decode, every touched expert is one M block and
+    its weights are read once; small block_m also means few wasted MMA rows (tl.dot needs M >= 16). Small
+    batches are bandwidth-bound: narrow N tiles give more programs to keep every SM loading, 4 stages keep
+    bytes in flight. The dequantized tile is BLOCK_N x BLOCK_K fp32 in registers before its bf16 cast, so
+    BLOCK_N * BLOCK_K / (32 * num_warps) is kept at <= 64 registers a thread. Large batches use 64/128-row
+    tiles (wgmma) with GROUP_M ordering for L2 reuse of weight tiles.
+    """
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    # Small batches: a K step reads whole 128-byte lines per weight row (256 MXFP4 values; 128 bf16 values).
+    small_n, small_k = (32, 256) if mxfp4 else (64, 128)
+    if per_expert <= 8:
+        cfg = MoEConfig(16, small_n, small_k, group_m=1, num_warps=4, num_stages=4)
+    elif per_expert <= 24:
+        cfg = MoEConfig(32, small_n, small_k, group_m=4, num_warps=4, num_stages=4)
+    elif per_expert <= 96:
+        cfg = MoEConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
+    else:
+        cfg = MoEConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+    # Tiny layers (tests): do not tile far past the matrix.
+    block_n = min(cfg.block_n, max(32, triton.next_power_of_2(n)))
+    block_k = min(cfg.block_k, max(32, triton.next_power_of_2(k)))
+    return MoEConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+
+
+def _check_weights(weight: torch.Tensor, scales: torch.Tensor | None, k: int, what: str) -> None:
+    if scales is None:
+        if weight.dim() != 3 or weight.shape[2] != k:
+            raise ValueError(f"{what}: expected weights [E, N, {k}], got {tuple(weight.shape)}")
+        return
+    e, n = weight.shape[:2]
+    if weight.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{what}: MXFP4 blocks/scales must be uint8, got {weight.dtype}/{scales.dtype}")
+    groups = k // MXFP4_GROUP
+    if tuple(weight.shape) != (e, n, groups, MXFP4_GROUP // 2) or tuple(scales.shape) != (e, n, groups):
+        raise ValueError(f"{what}: MXFP4 blocks {tuple(weight.shape)} / scales {tuple(scales.shape)} "
+                         f"do not fit {k} inputs")
+    # The kernel walks a row's packed bytes (and scales) as one contiguous run.
+    if weight.stride(3) != 1 or weight.stride(2) != MXFP4_GROUP // 2 or scales.stride(2) != 1:
+        raise ValueError(f"{what}: MXFP4 blocks/scales must be contiguous within a row")
+
+
+def _launch_gemm(a: torch.Tensor, a_row_div: int, weight: torch.Tensor, scales: torch.Tensor | None,
+                 bias: torch.Tensor | None, out: torch.Tensor, routing: torch.Tensor | None,
+                 align: MoEAlignment, swiglu: tuple[float, float] | None, config: MoEConfig) -> None:
+    mxfp4 = scales is not None
+    k = a.shape[1]
+    n = weight.shape[1]
+    if config.block_m != align.block_m:
+        raise ValueError(f"config block_m {config.block_m} != alignment block_m {align.block_m}")
+    if mxfp4 and config.block_k % MXFP4_GROUP:
+        raise ValueError(f"MXFP4 needs block_k divisible by {MXFP4_GROUP}, got {config.block_k}")
+    if swiglu is not None and config.block_n % 2:
+        raise ValueError("the SwiGLU epilogue needs an even block_n (whole gate/up pairs)")
+    if a.stride(1) != 1:
+        raise ValueError("activations must be contiguous along features")
+    num_m_blocks = align.expert_ids.numel()
+    grid = (num_m_blocks * triton.cdiv(n, config.block_n),)
+    alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
+    stride_wk = 1 if mxfp4 else weight.stride(2)
+    s = scales if mxfp4 else weight  # unused pointer when not MXFP4
+    _moe_gemm_kernel[grid](
+        a, weight, s, bias if bias is not None else weight, out, routing if routing is not None else a,
+        align.sorted_token_ids, align.expert_ids,
+        align.num_slots, num_m_blocks, n, k,
+        a.stride(0), weight.stride(0), weight.stride(1), stride_wk,
+        s.stride(0), s.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        alpha, limit,
+        A_ROW_DIV=a_row_div, MXFP4=mxfp4, SWIGLU=swiglu is not None, HAS_BIAS=bias is not None,
+        MUL_ROUTING=routing is not None, EVEN_K=k % config.block_k == 0,
+        FP32_DOT=a.dtype == torch.float32 or interpreting(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def fused_moe_gate_up(hidden: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
+                      bias: torch.Tensor | None, align: MoEAlignment, top_k: int, swiglu_alpha: float,
+                      swiglu_limit: float, config: MoEConfig) -> torch.Tensor:
+    """act [T*k, I]: row t*k+j = clamped_swiglu(hidden[t] @ gate_up[e]^T + bias[e]), e = topk_ids[t, j].
+
+    weight: MXFP4 blocks [E, 2I, H/32, 16] with scales [E, 2I, H/32], or plain [E, 2I, H] with scales None.
+    """
+    num_tokens, h = hidden.shape
+    _check_weights(weight, scales, h, "gate_up")
+    if align.num_slots != num_tokens * top_k:
+        raise ValueError(f"alignment has {align.num_slots} slots, expected {num_tokens} x {top_k}")
+    act = hidden.new_empty((num_tokens * top_k, weight.shape[1] // 2))
+    _launch_gemm(hidden, top_k, weight, scales, bias, act, None, align, (swiglu_alpha, swiglu_limit), config)
+    return act
+
+
+def fused_moe_down(act: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
+                   bias: torch.Tensor | None, align: MoEAlignment, topk_weights: torch.Tensor,
+                   config: MoEConfig) -> torch.Tensor:
+    """[T, H] = sum_j topk_weights[t, j] * (act[t*k+j] @ down[e]^T + bias[e]); bias None skips it (TP rank > 0).
+
+    weight: MXFP4 blocks [E, H, I/32, 16] with scales [E, H, I/32], or plain [E, H, I] with scales None.
+    """
+    num_tokens, top_k = topk_weights.shape
+    _check_weights(weight, scales, act.shape[1], "down")
+    routing = topk_weights.reshape(-1)
+    if not routing.is_contiguous():
+        routing = routing.contiguous()
+    # Written per slot, then summed (see the module docstring for why not atomics).
+    y = act.new_empty((num_tokens, top_k, weight.shape[1]))
+    _launch_gemm(act, 1, weight, scales, bias, y.view(num_tokens * top_k, -1), routing, align, None, config)
+    return y.view(num_tokens, -1) if top_k == 1 else y.sum(dim=1)
+
+
+def fused_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                  gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
+                  down: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
+                  swiglu_alpha: float, swiglu_limit: float,
+                  configs: tuple[MoEConfig, MoEConfig] | None = None) -> torch.Tensor:
+    """The MoE layer: hidden [T, H] routed by topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype.
+
+    Weights are MXFP4 (blocks + scales) or plain (scales None), per projection. configs overrides the
+    (gate_up, down) tiles; both must share block_m.
+    """
+    num_tokens, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return hidden.new_zeros((0, h))
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    num_experts, two_i = gate_up.shape[:2]
+    if configs is None:
+        configs = (default_config(num_tokens, top_k, num_experts, two_i, h, mxfp4=gate_up_scales is not None),
+                   default_config(num_tokens, top_k, num_experts, h, two_i // 2, mxfp4=down_scales is not None))
+    up_cfg, down_cfg = configs
+    if up_cfg.block_m != down_cfg.block_m:
+        raise ValueError("gate_up and down configs must share block_m (they share one alignment)")
+    align = moe_align_block_size(topk_ids, up_cfg.block_m, num_experts)
+    act = fused_moe_gate_up(hidden, gate_up, gate_up_scales, gate_up_bias, align, top_k,
+                            swiglu_alpha, swiglu_limit, up_cfg)
+    return fused_moe_down(act, down, down_scales, down_bias, align, topk_weights, down_cfg)

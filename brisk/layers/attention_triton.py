@@ -1,0 +1,104 @@
+"""Triton attention backend: the GPU kernels of `brisk.kernels.triton_attention` behind `AttentionBackend`.
+
+Mixed batches: sequences with one new token go to the split-K decode kernel, the others to the
+prefill kernel; both write their own rows of one output tensor. The split costs nothing extra since
+both kernels find their tokens through cu_seqlens (no gather or scatter of q/out), and it keeps each
+kernel on its best shape: the prefill kernel's tiles would waste all but one token row on a decode
+sequence, while the decode kernel packs the query heads of a KV head into the rows and splits long
+contexts over many programs, which matters most when decodes dominate the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from brisk.kernels.triton_attention import (
+    default_prefill_block_q,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_tiles,
+    store_kv_cache,
+)
+from brisk.layers.attention import Attention, AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """Device-side view of one step's metadata, shared by every layer that runs the step."""
+
+    query_start_loc: list[int]  # the host lists this plan was built from (cache key)
+    seq_lens_list: list[int]
+    block_q: int
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    decode_seqs: torch.Tensor  # [Nd] int32 sequences with exactly one new token
+    tile_seqs: torch.Tensor  # [Nt] int32 prefill tiles (sequence, first new token)
+    tile_starts: torch.Tensor
+    max_decode_len: int  # longest context among decode sequences
+
+    def matches(self, meta: AttentionMetadata, block_q: int) -> bool:
+        return (self.block_q == block_q and self.query_start_loc == meta.query_start_loc
+                and self.seq_lens_list == meta.seq_lens)
+
+
+def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device) -> _StepPlan:
+    qsl, lens = list(meta.query_start_loc), list(meta.seq_lens)
+    n_new = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(n_new) if n == 1]
+    prefill = [i for i, n in enumerate(n_new) if n > 1]  # n == 0: nothing to compute
+    tile_seqs, tile_starts = prefill_tiles(qsl, lens, block_q, prefill)
+    # One host-to-device copy for everything, sliced into views.
+    flat = torch.tensor(qsl + lens + decode + tile_seqs + tile_starts, dtype=torch.int32, device=device)
+    cuts = [len(qsl), len(lens), len(decode), len(tile_seqs), len(tile_starts)]
+    cu, sl, dec, ts, tst = torch.split(flat, cuts)
+    return _StepPlan(qsl, lens, block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode), default=0))
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention on the GPU. Share one instance across layers: the step plan (device copies of
+    the metadata lists and the prefill tile list) is then built once per step instead of per layer."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        prefill_block_m: int = 128,  # prefill tile rows (tokens x padded GQA group)
+        prefill_block_n: int = 64,
+        decode_block_n: int = 64,
+        decode_partition_size: int | None = None,  # None: sized to fill the GPU
+    ) -> None:
+        self.prefill_block_m = prefill_block_m
+        self.prefill_block_n = prefill_block_n
+        self.decode_block_n = decode_block_n
+        self.decode_partition_size = decode_partition_size
+        self._plan: _StepPlan | None = None
+
+    def _step_plan(self, meta: AttentionMetadata, block_q: int, device: torch.device) -> _StepPlan:
+        plan = self._plan
+        if plan is None or not plan.matches(meta, block_q) or plan.seq_lens.device != device:
+            plan = self._plan = build_step_plan(meta, block_q, device)
+        return plan
+
+    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata, sinks):
+        g = layer.kv_group
+        store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g])
+        block_q = default_prefill_block_q(layer.num_heads, layer.num_kv_heads, self.prefill_block_m)
+        plan = self._step_plan(meta, block_q, q.device)
+        block_table = meta.block_tables[g]
+        out = torch.empty_like(q)
+        common = dict(sliding_window=layer.sliding_window, sinks=sinks, out=out)
+        if plan.decode_seqs.numel():
+            paged_decode_attention(
+                q, layer.k_cache, layer.v_cache, block_table, plan.seq_lens, layer.scale,
+                seq_ids=plan.decode_seqs, cu_seqlens_q=plan.cu_seqlens_q, max_seq_len=plan.max_decode_len,
+                block_n=self.decode_block_n, partition_size=self.decode_partition_size, **common,
+            )
+        if plan.tile_seqs.numel():
+            paged_prefill_attention(
+                q, layer.k_cache, layer.v_cache, block_table, plan.cu_seqlens_q, plan.seq_lens, layer.scale,
+                tile_seqs=plan.tile_seqs, tile_starts=plan.tile_starts, block_q=block_q,
+                block_n=self.prefill_block_n, **common,
+            )
+        return out

@@ -1,0 +1,43 @@
+"""MoE backend running the fused Triton kernels of brisk.kernels.triton_moe (MXFP4 or bf16 experts)."""
+
+from __future__ import annotations
+
+import torch
+
+from brisk.kernels.triton_moe import fused_experts, interpreting
+from brisk.layers.moe import FusedMoE, MoEBackend, TorchMoEBackend
+
+
+class TritonMoEBackend(MoEBackend):
+    """Grouped-GEMM MoE: align slots by expert, gate_up + SwiGLU, down + routing weight, sum over k.
+
+    The kernels need CUDA tensors, or TRITON_INTERPRET=1 (tests) for CPU ones. With torch_fallback (what
+    moe_backend="auto" asks for) a layer on the CPU uses the torch reference instead of failing, so one process
+    can hold CPU and GPU models.
+    """
+
+    name = "triton"
+
+    def __init__(self, torch_fallback: bool = False) -> None:
+        self.torch_fallback = torch_fallback
+
+    def forward(self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        if not hidden.is_cuda and not interpreting():
+            if self.torch_fallback:
+                return TorchMoEBackend().forward(layer, hidden, topk_ids, topk_weights)
+            raise RuntimeError(f"moe backend 'triton' needs CUDA tensors, got {hidden.device} "
+                               "(set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)")
+        mxfp4 = layer.quantization == "mxfp4"
+        return fused_experts(
+            hidden, topk_ids, topk_weights,
+            gate_up=layer.gate_up_proj_blocks if mxfp4 else layer.gate_up_proj,
+            gate_up_scales=layer.gate_up_proj_scales if mxfp4 else None,
+            gate_up_bias=layer.gate_up_proj_bias,
+            down=layer.down_proj_blocks if mxfp4 else layer.down_proj,
+            down_scales=layer.down_proj_scales if mxfp4 else None,
+            # Partial outputs of TP ranks are all-reduced: only rank 0 adds the down bias.
+            down_bias=layer.down_proj_bias if layer.tp_rank == 0 else None,
+            swiglu_alpha=layer.swiglu_alpha,
+            swiglu_limit=layer.swiglu_limit,
+        )

@@ -1,0 +1,322 @@
+"""Triton paged attention vs the reference `TorchAttentionBackend`.
+
+Without CUDA the kernels run in the Triton interpreter on tiny shapes; with CUDA the same tests run
+compiled, plus the `real` shapes (gpt-oss: head_dim 64, 64 q heads / 8 KV heads, block 32, up to 8k).
+Every cache starts as NaN, so a read of the null block, of a released block or of an unwritten slot
+poisons the output and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from brisk.kernels.triton_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv_cache,
+)
+from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv  # noqa: E402
+from brisk.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="real shapes need a CUDA GPU")
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page: int  # KV cache block size
+    block_n: int  # kernel KV tile
+
+
+TINY = Shape(heads=4, kv_heads=2, head_dim=16, page=4, block_n=16)
+REAL = Shape(heads=64, kv_heads=8, head_dim=64, page=32, block_n=64)
+
+
+@dataclass
+class Case:
+    """One step over a paged cache: the inputs both backends get, plus fresh cache copies."""
+
+    shape: Shape
+    window: int | None
+    meta: AttentionMetadata
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    sinks: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def layer(self, backend) -> Attention:
+        s = self.shape
+        layer = Attention(s.heads, s.kv_heads, s.head_dim, s.head_dim**-0.5, 0, self.window)
+        layer.k_cache, layer.v_cache, layer.backend = self.k_cache.clone(), self.v_cache.clone(), backend
+        return layer
+
+    def run(self, backend, use_sinks: bool) -> tuple[torch.Tensor, Attention]:
+        layer = self.layer(backend)
+        out = backend.forward(layer, self.q, self.k, self.v, self.meta, self.sinks if use_sinks else None)
+        return out, layer
+
+    def reference(self, use_sinks: bool) -> torch.Tensor:
+        return self.run(TorchAttentionBackend(), use_sinks)[0]
+
+    def stored_layer(self) -> Attention:
+        """A layer whose cache already holds this step's new K/V (for calling the kernels directly)."""
+        layer = self.layer(None)
+        store_kv_cache(self.k, self.v, layer.k_cache, layer.v_cache, self.meta.slot_mappings[0])
+        return layer
+
+    def device_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cu = torch.tensor(self.meta.query_start_loc, dtype=torch.int32, device=DEVICE)
+        return cu, torch.tensor(self.meta.seq_lens, dtype=torch.int32, device=DEVICE)
+
+
+def make_case(
+    shape: Shape,
+    specs: list[tuple[int, int]],  # per sequence: (new tokens, context length after the step)
+    window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Case:
+    """Random step with shuffled block ids, spare null columns, and released (null) blocks before the
+    window. Cached context (the prefix) is filled in; everything never written stays NaN."""
+    g = torch.Generator().manual_seed(seed)
+    s = shape
+    pages = [-(-seq_len // s.page) for _, seq_len in specs]
+    num_blocks = 1 + sum(pages) + 3  # block 0 is the null block; a few spare ones leave holes
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    k_cache = torch.full((num_blocks, s.page, s.kv_heads, s.head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    width = max(pages) + 2
+    tables, slots, qsl = [], [], [0]
+    for (n_q, seq_len), n_pages in zip(specs, pages):
+        ctx = seq_len - n_q
+        first_k = 0 if window is None else max(0, ctx - window + 1)
+        live = first_k // s.page  # pages before this one have been released to the null block
+        row = [0] * live + [ids.pop() for _ in range(n_pages - live)]
+        tables.append(row + [0] * (width - n_pages))
+        for pos in range(live * s.page, ctx):  # cached context, written by earlier steps
+            blk, off = row[pos // s.page], pos % s.page
+            k_cache[blk, off] = torch.randn(s.kv_heads, s.head_dim, generator=g).to(dtype)
+            v_cache[blk, off] = torch.randn(s.kv_heads, s.head_dim, generator=g).to(dtype)
+        slots += [row[p // s.page] * s.page + p % s.page for p in range(ctx, seq_len)]
+        qsl.append(qsl[-1] + n_q)
+    t = qsl[-1]
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g).to(dtype).to(DEVICE)
+
+    meta = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=[seq_len for _, seq_len in specs],
+        block_tables=[torch.tensor(tables, dtype=torch.int32, device=DEVICE)],
+        slot_mappings=[torch.tensor(slots, dtype=torch.int64, device=DEVICE)],
+        block_size=s.page,
+    )
+    return Case(s, window, meta, rand(t, s.heads, s.head_dim), rand(t, s.kv_heads, s.head_dim),
+                rand(t, s.kv_heads, s.head_dim), rand(s.heads) * 2, k_cache.to(DEVICE), v_cache.to(DEVICE))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not out.isnan().any()
+    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[out.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def backend_for(shape: Shape, partition: int | None = None) -> TritonAttentionBackend:
+    return TritonAttentionBackend(prefill_block_n=shape.block_n, decode_block_n=shape.block_n,
+                                  decode_partition_size=partition)
+
+
+def _with_group(shape: Shape, group: int) -> Shape:
+    return Shape(shape.heads, shape.heads // group, shape.head_dim, shape.page, shape.block_n)
+
+
+# Tiny mixed batch: decodes (1 token), a fresh prompt, chunked prefills over cached prefixes, a
+# single-token prompt, and a sequence with nothing scheduled. Window 6 is not a multiple of page 4;
+# contexts run shorter than, equal to and longer than the windows.
+TINY_SPECS = [(1, 9), (5, 19), (7, 7), (1, 1), (0, 5), (9, 30), (1, 6), (1, 41), (3, 8)]
+REAL_SPECS = [(1, 8192), (1, 1000), (300, 300), (77, 4173), (1, 129), (513, 2048), (1, 128)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# store_kv_cache
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_cache_matches_reference(cache_dtype: torch.dtype) -> None:
+    s = Shape(heads=4, kv_heads=3, head_dim=16, page=4, block_n=16)  # 3 heads: padded head lanes
+    g = torch.Generator().manual_seed(1)
+    t = 11
+    qkv = torch.randn(t, 10, s.head_dim, generator=g).to(DEVICE)
+    k, v = qkv[:, 4:7], qkv[:, 7:10]  # strided views, as after a fused qkv projection
+    slots = torch.randperm(8 * s.page, generator=g)[:t]
+    slots[[2, 5]] = -1
+    slots = slots.to(DEVICE)
+    caches = [torch.zeros(8, s.page, s.kv_heads, s.head_dim, dtype=cache_dtype, device=DEVICE) for _ in range(4)]
+    store_kv_cache(k, v, caches[0], caches[1], slots)
+    layer = Attention(s.heads, s.kv_heads, s.head_dim, 1.0, 0)
+    layer.k_cache, layer.v_cache = caches[2], caches[3]
+    store_kv(layer, k, v, slots)
+    # fp32 -> bf16: the GPU rounds to nearest even, the CPU interpreter truncates; allow one ulp there.
+    exact = CUDA or cache_dtype == torch.float32
+    for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0 if exact else 2**-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend: mixed batches through both kernels
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 6, 8])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_backend_mixed_batch(group: int, window: int | None, use_sinks: bool) -> None:
+    case = make_case(_with_group(TINY, group), TINY_SPECS, window, seed=group)
+    backend = backend_for(case.shape, partition=16)  # decode contexts up to 41: several partitions
+    out, layer = case.run(backend, use_sinks)
+    ref_out, ref_layer = case.run(TorchAttentionBackend(), use_sinks)
+    assert_close(out, ref_out)
+    assert torch.equal(layer.k_cache.nan_to_num(), ref_layer.k_cache.nan_to_num())
+    assert torch.equal(layer.v_cache.nan_to_num(), ref_layer.v_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backend_half_precision(dtype: torch.dtype) -> None:
+    case = make_case(TINY, TINY_SPECS, window=6, dtype=dtype, seed=3)
+    assert_close(case.run(backend_for(TINY, 16), True)[0], case.reference(True))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_backend_odd_group_wide_head_small_tile(window: int | None) -> None:
+    # GQA group 3 (padded to 4 rows per KV head), head_dim 32, KV tiles of 16 inside 32-slot blocks.
+    shape = Shape(heads=6, kv_heads=2, head_dim=32, page=32, block_n=16)
+    case = make_case(shape, TINY_SPECS, window, seed=8)
+    assert_close(case.run(backend_for(shape, 16), True)[0], case.reference(True))
+
+
+def test_backend_reuses_plan_per_step_and_rebuilds_on_change() -> None:
+    backend = backend_for(TINY, 16)
+    a = make_case(TINY, TINY_SPECS, seed=4)
+    assert_close(a.run(backend, False)[0], a.reference(False))
+    plan = backend._plan
+    assert_close(a.run(backend, True)[0], a.reference(True))  # next layer, same step
+    assert backend._plan is plan
+    b = make_case(TINY, [(2, 12), (1, 20)], seed=5)
+    assert_close(b.run(backend, True)[0], b.reference(True))
+    assert backend._plan is not plan
+
+
+def test_backend_64bit_cache_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Caches of 2**31+ elements switch the gather to int64 offsets; force that path at a tiny shape.
+    import brisk.kernels.triton_attention as kernels
+
+    monkeypatch.setattr(kernels, "_needs_64bit_offsets", lambda cache: True)
+    case = make_case(TINY, TINY_SPECS, window=6, seed=6)
+    assert_close(case.run(backend_for(TINY, 16), True)[0], case.reference(True))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    specs=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 40)), min_size=1, max_size=5),
+    window=st.sampled_from([None, 1, 3, 5, 16, 23]),
+    group=st.sampled_from([1, 2, 4]),
+    use_sinks=st.booleans(),
+)
+def test_backend_random_batches(specs, window, group, use_sinks) -> None:
+    # (new tokens, cached prefix) -> (new tokens, context length)
+    case = make_case(_with_group(TINY, group), [(n, n + c) for n, c in specs], window, seed=len(specs))
+    assert_close(case.run(backend_for(case.shape, 16), use_sinks)[0], case.reference(use_sinks))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels called directly
+# ---------------------------------------------------------------------------------------------------
+DECODE_SPECS_TINY = [(1, 1), (1, 7), (1, 8), (1, 9), (1, 16), (1, 17), (1, 50), (1, 93)]
+
+
+@pytest.mark.parametrize("partition", [16, None])
+@pytest.mark.parametrize("window", [None, 7, 8, 33])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_decode_split_k(partition: int | None, window: int | None, use_sinks: bool) -> None:
+    # Partition 16 splits the 93-token context 6 ways; None lets the heuristic pick (one partition on CPU).
+    case = make_case(TINY, DECODE_SPECS_TINY, window, seed=7)
+    layer = case.stored_layer()
+    _, seq_lens = case.device_lists()
+    out = paged_decode_attention(
+        case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], seq_lens, layer.scale,
+        sliding_window=window, sinks=case.sinks if use_sinks else None,
+        block_n=TINY.block_n, partition_size=partition,
+    )
+    assert_close(out, case.reference(use_sinks))
+
+
+@pytest.mark.parametrize("block_q,block_n", [(8, 16), (16, 32), (32, 16)])
+@pytest.mark.parametrize("window", [None, 3, 6, 13])
+def test_prefill_tiles_and_windows(block_q: int, block_n: int, window: int | None) -> None:
+    # block_n 32 spans 8 pages per tile; window 3 is narrower than a tile, so no tile is mask-free.
+    specs = [(13, 13), (10, 37), (2, 2), (17, 25), (1, 11)]
+    case = make_case(TINY, specs, window, seed=11)
+    layer = case.stored_layer()
+    cu, seq_lens = case.device_lists()
+    out = paged_prefill_attention(
+        case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], cu, seq_lens, layer.scale,
+        sliding_window=window, sinks=case.sinks, block_q=block_q, block_n=block_n,
+    )
+    assert_close(out, case.reference(True))
+
+
+def test_prefill_kernel_handles_decode_rows() -> None:
+    # Any sequence may take the prefill path (one-token sequences included); the backend just doesn't.
+    case = make_case(TINY, [(1, 30), (4, 9), (1, 1)], window=6, seed=12)
+    layer = case.stored_layer()
+    cu, seq_lens = case.device_lists()
+    out = paged_prefill_attention(
+        case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], cu, seq_lens, layer.scale,
+        sliding_window=6, sinks=case.sinks, block_n=TINY.block_n,
+    )
+    assert_close(out, case.reference(True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real shapes (CUDA only)
+# ---------------------------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_real_backend_mixed_batch(dtype: torch.dtype, window: int | None, use_sinks: bool) -> None:
+    case = make_case(REAL, REAL_SPECS, window, dtype=dtype, seed=21)
+    assert_close(case.run(backend_for(REAL), use_sinks)[0], case.reference(use_sinks))
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("partition", [256, 1024, None])
+@pytest.mark.parametrize("window", [None, 128, 100])
+def test_real_decode(group: int, partition: int | None, window: int | None) -> None:
+    shape = _with_group(REAL, group)
+    specs = [(1, n) for n in (1, 31, 100, 128, 129, 1000, 4097, 8192)]
+    case = make_case(shape, specs, window, dtype=torch.bfloat16, seed=group)
+    assert_close(case.run(backend_for(shape, partition), True)[0], case.reference(True))
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("window", [None, 128])
+def test_real_chunked_prefill(group: int, window: int | None) -> None:
+    shape = _with_group(REAL, group)
+    case = make_case(shape, [(2048, 8192), (1000, 1000), (129, 700)], window, dtype=torch.bfloat16, seed=31)
+    assert_close(case.run(backend_for(shape), True)[0], case.reference(True))
