@@ -222,8 +222,9 @@ def main():
         json.dump({**tok_config, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
     minutes = (time.time() - t0) / 60
     with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write(README.format(steps=args.steps, threads=args.threads, batch=args.batch, seq=args.seq, loss=final_loss,
-                              minutes=minutes, argv=" ".join(sys.argv[1:]), params=sum(p.numel() for p in model.parameters()) / 1e6))
+        f.write(README.format(steps=args.steps, threads=args.threads, batch=args.batch, seq=args.seq,
+                              loss=final_loss, minutes=minutes, argv=" ".join(sys.argv[1:]),
+                              params=sum(p.numel() for p in model.parameters()) / 1e6))
 
     # Smoke test from the saved files: plain text and a harmony chat turn.
     tok = PreTrainedTokenizerFast.from_pretrained(args.out)
