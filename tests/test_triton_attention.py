@@ -109,10 +109,12 @@ def make_case(
         live = first_k // s.page  # pages before this one have been released to the null block
         row = [0] * live + [ids.pop() for _ in range(n_pages - live)]
         tables.append(row + [0] * (width - n_pages))
-        for pos in range(live * s.page, ctx):  # cached context, written by earlier steps
-            blk, off = row[pos // s.page], pos % s.page
-            k_cache[blk, off] = torch.randn(s.kv_heads, s.head_dim, generator=g).to(dtype)
-            v_cache[blk, off] = torch.randn(s.kv_heads, s.head_dim, generator=g).to(dtype)
+        # Cached context, written by earlier steps.
+        cached = torch.tensor([row[p // s.page] * s.page + p % s.page for p in range(live * s.page, ctx)],
+                              dtype=torch.long)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, s.kv_heads, s.head_dim)[cached] = torch.randn(
+                len(cached), s.kv_heads, s.head_dim, generator=g).to(dtype)
         slots += [row[p // s.page] * s.page + p % s.page for p in range(ctx, seq_len)]
         qsl.append(qsl[-1] + n_q)
     t = qsl[-1]

@@ -81,7 +81,15 @@ class TritonAttentionBackend(AttentionBackend):
             plan = self._plan = build_step_plan(meta, block_q, device)
         return plan
 
-    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata, sinks):
+    def forward(
+        self,
+        layer: Attention,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None,  # [H]
+    ) -> torch.Tensor:
         g = layer.kv_group
         store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g])
         block_q = default_prefill_block_q(layer.num_heads, layer.num_kv_heads, self.prefill_block_m)
