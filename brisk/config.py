@@ -64,6 +64,7 @@ class EngineConfig(_Strict):
     tokens_per_block: int | None = Field(None, ge=1, le=1024)
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
+    attn_backend: Literal["auto", "torch", "triton"] = "auto"
     stream_interval: int = Field(1, ge=1)
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)

@@ -143,3 +143,19 @@ class TorchAttentionBackend(AttentionBackend):
             o = torch.einsum("hgqk,khd->qhgd", probs, v_ctx)
             out[start:end] = o.reshape(n_q, layer.num_heads, d).to(out.dtype)
         return out
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """'torch': the reference; 'triton': the GPU kernels; 'auto': triton on CUDA, else torch.
+
+    One instance serves every layer, so per-step device metadata is built once per step, not per layer.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from brisk.layers.attention_triton import TritonAttentionBackend  # lazy: triton is a GPU extra
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend '{name}'; choose one of: auto, torch, triton")

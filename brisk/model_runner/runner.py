@@ -14,7 +14,7 @@ import torch
 
 from brisk.config import EngineConfig, ModelConfig
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
-from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.scheduler.request import Request
@@ -58,6 +58,9 @@ class ModelRunner:
         )
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        attention_backend = make_attention_backend(config.attn_backend, device)
+        for layer in self.attn_layers:
+            layer.backend = attention_backend
         self.kv_groups = kv_groups_for(model_config)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
