@@ -86,6 +86,19 @@ def test_completions_all_prompt_forms(server, client):
     assert streamed == one.choices[0].text
 
 
+def test_responses_plain_and_streaming(client):
+    kw = dict(model="tiny", max_output_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.responses.create(input="The king", **kw)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 10 and whole.output_text
+    events = list(client.responses.create(input=[{"role": "user", "content": "The king"}], stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 def test_n_seed_and_logprobs(client):
     kw = dict(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
     a = client.completions.create(n=3, **kw)
