@@ -8,12 +8,14 @@ from torch import nn
 
 from brisk.models.gpt_oss import GptOssForCausalLM
 from brisk.models.llama import LlamaForCausalLM
+from brisk.models.null import BriskNullForCausalLM
 from brisk.models.qwen3 import Qwen3ForCausalLM
 
 _MODEL_CLASSES = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "BriskNullForCausalLM": BriskNullForCausalLM,
 })
 
 
