@@ -18,44 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
 import torch
 
+from gpu_timing import copy_gbps, time_ms  # benchmarks/ is on sys.path when run as a script
+
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 64, 32
 L2_FLUSH_BYTES = 256 << 20  # cycle caches until this much KV is touched per pass (> H100/H200 L2)
-
-
-def time_ms(fn: Callable[[], object], iters: int, graph: bool) -> float:
-    """Mean milliseconds per call of fn, from CUDA events around `iters` back-to-back calls."""
-    for _ in range(3):  # compile + allocator warm-up
-        fn()
-    torch.cuda.synchronize()
-    run: Callable[[], object] = fn
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def copy_gbps(num_bytes: int = 2 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * num_bytes / time_ms(lambda: dst.copy_(src), iters=20, graph=False) / 1e6
 
 
 def paged_setup(batch: int, context: int, layers: int, gen: torch.Generator):

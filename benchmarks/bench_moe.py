@@ -18,43 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
 import torch
 
-
-def time_ms(fn: Callable[[], object], iters: int, graph: bool) -> float:
-    """Mean milliseconds per call of fn, from CUDA events around `iters` back-to-back calls."""
-    for _ in range(3):  # compile / autotune / allocator warm-up
-        fn()
-    torch.cuda.synchronize()
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm the side stream's allocator pool before capture
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run: Callable[[], object] = g.replay
-    else:
-        run = fn
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def copy_gbps(num_bytes: int = 2 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=20, graph=False)
-    return 2 * num_bytes / ms / 1e6
+from gpu_timing import copy_gbps, time_ms  # benchmarks/ is on sys.path when run as a script
 
 
 def random_layer(e: int, h: int, i: int, bf16_weights: bool, gen: torch.Generator) -> dict[str, torch.Tensor | None]:
