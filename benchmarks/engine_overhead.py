@@ -72,9 +72,6 @@ PROFILE_GROUPS: tuple[tuple[str, str | None, str], ...] = (
     ("model_runner/", None, "runner input preparation"),
     ("models/", None, "model (null)"),
     ("layers/", None, "model (null)"),
-    # EngineCore's non-finite logits guard wraps the runner's sampler: its reductions over the logits are sampling.
-    ("engine/core.py", "__call__", "sampler"),
-    ("engine/core.py", "take_bad_rows", "sampler"),
     ("detokenizer.py", None, "output processing / detokenizer"),
     ("engine/", None, "output processing / detokenizer"),  # EngineCore's own code builds the step's outputs
     ("outputs.py", None, "output processing / detokenizer"),

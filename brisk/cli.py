@@ -22,6 +22,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="accepted for compatibility; brisk runs no model code from checkpoints")
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def _engine_options(args: argparse.Namespace, exclude: tuple[str, ...]) -> dict:
     """EngineConfig keyword options from the parsed flags that were given."""
     options = {k: v for k, v in vars(args).items() if k not in ("command", "model", *exclude) and v is not None}
@@ -44,9 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", "--served_model_name", dest="served_model_name")
-    serve.add_argument("--api-key", "--api_key", dest="api_key")
+    serve.add_argument("--api-key", "--api_key", dest="api_key",
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)")
+    serve.add_argument("--api-key-file", "--api_key_file", dest="api_key_file",
+                       help="read the API key from the first line of this file (keeps it out of `ps`)")
     serve.add_argument("--max-request-body-size", "--max_request_body_size", dest="max_request_body_size",
-                       type=int, default=8 << 20)
+                       type=int, default=8 << 20, help="bytes; larger bodies get 413, chunked uploads included")
+    serve.add_argument("--allowed-origins", "--allowed_origins", dest="allowed_origins", type=_comma_list,
+                       help="comma-separated origins allowed by CORS ('*' for any); CORS is off without this flag")
+    serve.add_argument("--log-prompts", "--log_prompts", dest="log_prompts", action="store_true",
+                       help="log each request's prompt (off by default: request logs carry no prompt text)")
+    serve.add_argument("--request-timeout", "--request_timeout", dest="request_timeout", type=_positive_float,
+                       help="seconds; longer-running requests are aborted (finish_reason 'abort')")
+    serve.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout", type=_positive_float,
+                       default=30.0, help="seconds in-flight requests may run after SIGTERM before being aborted")
     _add_engine_args(serve)
     from brisk.bench import add_subcommands as add_bench_subcommands
 
@@ -65,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from brisk.server.serve import run
 
-        server_keys = ("host", "port", "served_model_name", "api_key", "max_request_body_size", "extra_llm_api_options")
+        server_keys = ("host", "port", "served_model_name", "api_key", "api_key_file", "max_request_body_size",
+                       "extra_llm_api_options", "allowed_origins", "log_prompts", "request_timeout",
+                       "shutdown_timeout")
         try:
             return run(args.model, **{k: getattr(args, k) for k in server_keys},
                        **_engine_options(args, exclude=server_keys))

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Integers cross the process boundary as msgpack int64/uint64; these bounds keep every field encodable.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**64 - 1  # torch generators take uint64 seeds; the API caps seeds lower so seed + i fits
+
 
 @dataclass
 class SamplingParams:
@@ -42,14 +46,18 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise bad(name, "must be a finite number")
-        if self.n < 1:
-            raise bad("n", "must be at least 1")
+        for name, low, high in (("n", 1, MAX_INT32), ("top_k", -1, MAX_INT32), ("min_tokens", 0, MAX_INT32),
+                                ("priority", -MAX_INT32, MAX_INT32)):
+            if not low <= getattr(self, name) <= high:
+                raise bad(name, f"must be in [{low}, {high}]")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
+            raise bad("max_tokens", f"must be in [1, {MAX_INT32}]")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad("seed", f"must be in [0, {MAX_SEED}]")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (disabled) or positive")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
         if self.repetition_penalty <= 0:
@@ -58,16 +66,18 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(not -MAX_INT32 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
+                if not -MAX_INT32 <= tok <= MAX_INT32:
+                    raise ValueError(f"logit_bias key {tok} is not a token id")
                 if not math.isfinite(bias):
                     raise ValueError(f"logit_bias for token {tok} must be finite, got {bias!r}")
 

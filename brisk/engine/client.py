@@ -1,8 +1,9 @@
 """API-server side of the engine: starts the engine-core process, talks to it over ZMQ, routes outputs.
 
 Tokenization and detokenization stay in this process (the `OutputProcessor`), so the engine loop
-never waits on text work. Each in-flight request has an asyncio queue of `CompletionDelta`s; a
-request whose consumer goes away (client disconnect) is aborted in the core, freeing its KV blocks.
+never waits on text work. Each in-flight request has a `DeltaBuffer` of `CompletionDelta`s; a
+request whose consumer goes away (client disconnect) or runs past its deadline is aborted in the
+core, freeing its KV blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -35,6 +38,8 @@ from brisk.sampling_params import SamplingParams
 
 logger = logging.getLogger("brisk.server")
 LIVENESS_POLL_S = 0.5  # how often a quiet output loop checks that the engine process is alive
+# A consumer this many deltas behind (a slow SSE reader) gets its pending deltas merged (see DeltaBuffer).
+MAX_PENDING_DELTAS = 64
 
 
 class EngineDeadError(RuntimeError):
@@ -43,6 +48,57 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(ValueError):
     """The engine core refused the request (e.g. it can never fit the KV cache)."""
+
+
+def merge_deltas(first: CompletionDelta, second: CompletionDelta) -> CompletionDelta:
+    """One delta carrying what two consecutive deltas of the same completion carried."""
+    logprobs = None
+    if first.logprobs is not None or second.logprobs is not None:
+        logprobs = (first.logprobs or []) + (second.logprobs or [])
+    return CompletionDelta(first.request_id, first.index, first.text + second.text,
+                           first.token_ids + second.token_ids, logprobs, second.finish_reason, second.stop_reason,
+                           second.output)
+
+
+class DeltaBuffer:
+    """The deltas of one request that its consumer has not taken yet, bounded.
+
+    The engine never waits for a consumer, so a client that stops reading its stream would otherwise
+    queue one delta per token. Past `max_pending` deltas the pending ones are coalesced, one per
+    completion: the client still receives every token, in fewer, larger chunks. Coalescing rather
+    than aborting because a slow network is not a fault; and what a coalesced delta holds is at most
+    the completion's output, which the request keeps anyway (bounded by max_tokens).
+    """
+
+    def __init__(self, max_pending: int = MAX_PENDING_DELTAS) -> None:
+        self.max_pending = max_pending
+        self._items: deque[CompletionDelta | Exception] = deque()
+        self._ready = asyncio.Event()
+        self.num_coalesced = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: CompletionDelta | Exception) -> None:
+        if isinstance(item, CompletionDelta) and len(self._items) >= self.max_pending:
+            self._coalesce()
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> CompletionDelta | Exception:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def _coalesce(self) -> None:
+        if not all(isinstance(item, CompletionDelta) for item in self._items):
+            return  # an error is pending: the consumer stops there anyway
+        merged: dict[int, CompletionDelta] = {}  # per completion index, in order of first appearance
+        for delta in self._items:
+            merged[delta.index] = merge_deltas(merged[delta.index], delta) if delta.index in merged else delta
+        self.num_coalesced += len(self._items) - len(merged)
+        self._items = deque(merged.values())
 
 
 @dataclass
@@ -63,7 +119,10 @@ class AsyncEngineClient:
         self.stats = EngineStats()
         self.dead = False
         self.on_engine_death = on_engine_death
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, DeltaBuffer] = {}
+        self._idle = asyncio.Event()  # set while no request is in flight (graceful shutdown waits on it)
+        self._idle.set()
+        self.num_coalesced_deltas = 0
         # Private directory: the IPC sockets are reachable only by this user (never TCP on 0.0.0.0).
         self._ipc_dir = tempfile.mkdtemp(prefix="brisk-ipc-")
         os.chmod(self._ipc_dir, 0o700)
@@ -73,6 +132,8 @@ class AsyncEngineClient:
         to_addr, from_addr = f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine"
         self._to_engine.bind(to_addr)
         self._from_engine.bind(from_addr)
+        for name in ("to_engine", "from_engine"):  # the directory already shuts others out; belt and braces
+            os.chmod(os.path.join(self._ipc_dir, name), 0o600)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._proc = multiprocessing.get_context("spawn").Process(
@@ -99,10 +160,10 @@ class AsyncEngineClient:
         if self._output_task is not None:
             self._output_task.cancel()
         if self._proc.is_alive():
-            self._proc.terminate()
+            # The engine ignores SIGTERM/SIGINT (a signal to the whole process group must not kill it
+            # before the server has drained), so it is stopped with SIGKILL; it holds nothing to flush.
+            self._proc.kill()
             self._proc.join(timeout=10)
-            if self._proc.is_alive():
-                self._proc.kill()
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -110,29 +171,63 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if some still are after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def abort_all(self) -> None:
+        """Abort every in-flight request: each ends with finish_reason "abort" (used at shutdown)."""
+        if self._queues and not self.dead:
+            await self._to_engine.send(self._encoder.encode(AbortRequests([(rid, -1) for rid in self._queues])))
+
     # ---- requests ------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[CompletionDelta]:
-        """Yields each completion delta until all n completions are finished; aborts if abandoned."""
+                       prompt: str | None = None, timeout: float | None = None) -> AsyncIterator[CompletionDelta]:
+        """Yields each completion delta until all n completions are finished; aborts if abandoned.
+
+        After `timeout` seconds the request is aborted in the core; the completions still running then
+        end with finish_reason "abort" (their output so far is kept).
+        """
         if self.dead:
             raise EngineDeadError("the engine core is not running")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        buffer = DeltaBuffer()
+        self._queues[request_id] = buffer
+        self._idle.clear()
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        num_unfinished = params.n  # completions whose final delta the consumer has not taken yet
         finished = False
         try:
             await self._to_engine.send(self._encoder.encode(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params))))
             while True:
-                item = await queue.get()
+                if deadline is None:
+                    item = await buffer.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(buffer.get(), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        deadline = None  # abort once; the core answers with the final "abort" outputs
+                        await self._to_engine.send(self._encoder.encode(AbortRequests([(request_id, -1)])))
+                        continue
                 if isinstance(item, Exception):
                     finished = True
                     raise item
                 yield item
-                if item.output.finished:
+                # Not `item.output.finished`: the cumulative output is shared by all deltas and is finished
+                # as soon as the engine is, while a slow consumer may still have deltas to take.
+                num_unfinished -= item.finish_reason is not None
+                if num_unfinished == 0:
                     finished = True
                     return
         finally:
             self._queues.pop(request_id, None)
+            self.num_coalesced_deltas += buffer.num_coalesced
+            if not self._queues:
+                self._idle.set()
             if not finished:  # client went away or the consumer stopped early
                 self.output_processor.abort(request_id)
                 if not self.dead:
@@ -159,14 +254,14 @@ class AsyncEngineClient:
         self.stats = EngineStats(msg.num_running, msg.num_waiting, msg.kv_usage, msg.prefix_queries, msg.prefix_hits)
         for failure in msg.failures:
             self.output_processor.abort(failure.request_id)
-            queue = self._queues.get(failure.request_id)
-            if queue is not None:
-                queue.put_nowait(RequestFailedError(failure.message))
+            buffer = self._queues.get(failure.request_id)
+            if buffer is not None:
+                buffer.put(RequestFailedError(failure.message))
         processed = self.output_processor.process(msg.outputs)
         for delta in processed.deltas:
-            queue = self._queues.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            buffer = self._queues.get(delta.request_id)
+            if buffer is not None:
+                buffer.put(delta)
         if processed.aborts:  # stop strings: the core stops generating those completions
             await self._to_engine.send(self._encoder.encode(AbortRequests(processed.aborts)))
 
@@ -175,7 +270,7 @@ class AsyncEngineClient:
             return
         self.dead = True
         logger.error("the engine core process died (exit code %s)", self._proc.exitcode)
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("the engine core died while serving this request"))
+        for buffer in self._queues.values():
+            buffer.put(EngineDeadError("the engine core died while serving this request"))
         if self.on_engine_death is not None:
             self.on_engine_death()

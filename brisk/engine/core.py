@@ -119,7 +119,18 @@ class EngineCore:
         if not sched:
             return []
         result = self.runner.execute(sched, self.kv)
-        return [self._to_output(t, result) for t in self.scheduler.update(sched, result.sampled)]
+        for req in result.failed:
+            # Finished before update(): its token is dropped and its (suspect) KV blocks are not cached.
+            logger.error("request %s: the model produced non-finite logits; finishing it with an error",
+                         req.request_id)
+            req.finish_reason = "error"
+            self.scheduler.abort(req)
+        outputs = [self._to_output(t, result) for t in self.scheduler.update(sched, result.sampled)]
+        for req in result.failed:
+            rid, _, idx = req.request_id.rpartition("#")
+            outputs.append(self._output(rid, int(idx), req, [], None))
+            self._forget_if_done(rid)
+        return outputs
 
     def _to_output(self, t: TokenOutput, result: StepResult) -> EngineCoreOutput:
         rid, _, idx = t.request.request_id.rpartition("#")

@@ -3,11 +3,17 @@
 The API server binds two IPC sockets in a private directory; this process connects to them, loads the
 model, announces `EngineInfo`, then alternates between draining requests (blocking only when idle)
 and running one `EngineCore.step()`.
+
+Its lifetime belongs to the API server: it ignores SIGINT/SIGTERM (a Ctrl-C or a SIGTERM sent to the
+whole process group must not kill it while the server drains in-flight requests), the server stops it
+with SIGKILL, and it exits by itself if the server disappears (so it is never left orphaned).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import traceback
 
@@ -31,6 +37,8 @@ IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
 
 def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(to_engine_addr)
@@ -53,7 +61,8 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         mc.architecture, mc.vocab_size, core.max_seq_len, core.runner.num_blocks, core.config.block_size,
         len(core.runner.kv_groups),
     )))
-    while True:
+    server_pid = os.getppid()
+    while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         batch = EngineOutputs([])
         while inbox.poll(timeout):
@@ -64,6 +73,10 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     core.add_request(msg.request)
                 except InvalidRequestError as exc:
                     batch.failures.append(RequestFailure(msg.request.request_id, str(exc)))
+                except Exception:  # noqa: BLE001 - one bad request must not take the engine down
+                    logger.exception("cannot add request %s", msg.request.request_id)
+                    failure = RequestFailure(msg.request.request_id, "the engine could not accept this request")
+                    batch.failures.append(failure)
             elif isinstance(msg, AbortRequests):
                 for rid, index in msg.targets:
                     batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
@@ -74,3 +87,4 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             batch.num_running, batch.num_waiting = len(sched.running), len(sched.waiting)
             batch.kv_usage, batch.prefix_queries, batch.prefix_hits = kv.usage, kv.prefix_queries, kv.prefix_hits
             outbox.send(encoder.encode(batch))
+    logger.error("the API server process is gone; the engine core exits")

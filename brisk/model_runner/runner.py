@@ -8,7 +8,7 @@ one `BlockPool`; a block's bytes are `num_slots * 2 * block_size * kv_heads * he
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,7 @@ class StepResult:
     sampled: dict[Request, int]
     sampler_output: SamplerOutput | None
     rows: list[Request]  # request of each sampler row
+    failed: list[Request] = field(default_factory=list)  # rows whose logits were not finite
 
 
 def resolve_device(name: str) -> torch.device:
@@ -149,6 +150,11 @@ class ModelRunner:
         if not rows:
             return StepResult({}, None, [])
         logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=dev)]).float()
+        # A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be
+        # sampled: zero it so the sampler never sees it, and fail only that request. The mask is read
+        # back after sampling, when the device has synchronised anyway.
+        bad = ~torch.isfinite(logits.amax(dim=-1))
+        logits.masked_fill_(bad.unsqueeze(-1), 0.0)
         batch = SamplingBatch.build(
             params=[r.params for r in rows],
             prompt_ids=[r.prompt_token_ids for r in rows],
@@ -159,7 +165,8 @@ class ModelRunner:
             device=dev,
         )
         out = self.sampler(logits, batch)
-        return StepResult(dict(zip(rows, out.token_ids)), out, rows)
+        failed = [rows[i] for i in bad.nonzero().flatten().tolist()]
+        return StepResult({r: t for r, t in zip(rows, out.token_ids) if r not in failed}, out, rows, failed)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

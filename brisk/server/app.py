@@ -1,17 +1,23 @@
-"""The FastAPI app: routes, auth, body limits, OpenAI-style errors, and the shared generation helper."""
+"""The FastAPI app: routes, OpenAI-style errors, and the shared generation helper.
+
+Auth, draining, body limits and the request log are in `middleware.py`; CORS is off unless origins
+are configured.
+"""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,9 +26,14 @@ from brisk.config import EngineConfig
 from brisk.engine.client import AsyncEngineClient, EngineDeadError, RequestFailedError
 from brisk.engine.output_processor import CompletionDelta
 from brisk.sampling_params import SamplingParams
-from brisk.server.errors import APIError, error_response
+from brisk.server.errors import APIError, error_body, error_response
 from brisk.server.metrics import ServerMetrics
+from brisk.server.middleware import GuardMiddleware
 from brisk.server.protocol import DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger("brisk.server")
+T = TypeVar("T")
+INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request."
 
 
 @dataclass
@@ -35,6 +46,10 @@ class ServerState:
     is_harmony: bool
     api_key: str | None = None
     max_request_body_size: int = 8 << 20
+    request_timeout: float | None = None  # server-wide cap on a request's run time, seconds
+    log_prompts: bool = False
+    allowed_origins: list[str] = field(default_factory=list)
+    draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
     metrics: ServerMetrics = field(init=False)
     started: float = field(default_factory=time.time)
 
@@ -69,22 +84,41 @@ class ServerState:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    def admit(self) -> None:
+    def admit(self, num_requests: int = 1) -> None:
+        """Refuse work the server cannot take now (429, retry) or ever (400), before doing any."""
         if self.client.dead:
             raise APIError(503, "The engine is not running.", code="engine_dead")
-        if self.client.num_in_flight >= self.config.max_batch_size + self.config.max_num_waiting:
+        capacity = self.config.max_batch_size + self.config.max_num_waiting
+        if num_requests > capacity:
+            raise APIError(400, f"A request may hold at most {capacity} prompts.", param="prompt")
+        if self.client.num_in_flight + num_requests > capacity:
             raise APIError(429, "The server is at capacity; retry later.", code="queue_full",
                            headers={"Retry-After": "1"})
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
-                       ) -> AsyncIterator[CompletionDelta]:
-        """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures."""
+    def timeout_for(self, requested: float | None) -> float | None:
+        """The request's own `timeout`, capped by the server's --request-timeout."""
+        limits = [t for t in (requested, self.request_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                       timeout: float | None = None) -> AsyncIterator[CompletionDelta]:
+        """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures.
+
+        A completion that ends with finish_reason "error" (the model produced non-finite logits) fails
+        the request: a 500, or an in-band error event once a stream has started.
+        """
         rid = uuid.uuid4().hex
+        if self.log_prompts:
+            logger.info("request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids,
+                        len(prompt_ids))
         start = time.perf_counter()
         token_times: list[float] = []
         last = None
         try:
-            async for delta in self.client.generate(rid, prompt_ids, params, prompt):
+            async for delta in self.client.generate(rid, prompt_ids, params, prompt, self.timeout_for(timeout)):
+                if delta.finish_reason == "error":
+                    raise APIError(500, "The model produced non-finite logits for this request.",
+                                   code="model_error")
                 if delta.token_ids:
                     token_times.append(time.perf_counter())
                 last = delta
@@ -105,18 +139,17 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="brisk", version=brisk.__version__)
     app.state.brisk = state
+    app.add_middleware(GuardMiddleware, state=state)
+    if state.allowed_origins:  # added last, so outermost: preflights and 401s carry the CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], allow_credentials=False)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if state.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {state.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return error_response(401, "Invalid or missing API key.", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_request_body_size:
-            return error_response(413, f"Request body larger than {state.max_request_body_size} bytes.")
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        # The traceback goes to the server log; the client gets a fixed message, never the exception
+        # text (it can hold paths or internals). (Starlette then re-raises, so uvicorn logs it too.)
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, INTERNAL_ERROR_MESSAGE, code="internal_error")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -135,12 +168,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         message = "Not found." if exc.status_code == 404 else str(exc.detail)
-        return error_response(exc.status_code, message)
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health():
         if state.client.dead or state.client.info is None:
             return error_response(503, "The engine is not running.", code="engine_dead")
+        if state.draining:
+            return error_response(503, "The server is shutting down.", code="shutting_down")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -157,6 +192,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         state.metrics.observe_engine(state.client.stats)
+        state.metrics.observe_client(state.client.num_in_flight, state.client.num_coalesced_deltas)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
@@ -204,9 +240,40 @@ async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield chunk
     except APIError as exc:
-        yield sse({"error": {"message": exc.message, "type": "server_error" if exc.status >= 500 else
-                             "invalid_request_error", "param": exc.param, "code": exc.code}})
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    except Exception:  # noqa: BLE001 - logged here with its traceback; the client gets a fixed message
+        logger.exception("unhandled error in a stream")
+        yield sse(error_body(500, INTERNAL_ERROR_MESSAGE, code="internal_error"))
     yield "data: [DONE]\n\n"
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run a non-streaming request's work, cancelling it if the client hangs up first.
+
+    A streaming response notices a disconnect by itself; a non-streaming one would otherwise generate
+    to the end for nobody, holding its KV blocks. Cancelling the work closes its generators, which
+    aborts the request in the engine.
+    """
+    work_task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(wait_for_disconnect())
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            try:
+                await work_task
+            except asyncio.CancelledError:
+                pass
+    if work_task.cancelled():
+        raise APIError(499, "The client closed the request.", code="client_closed_request")
+    return work_task.result()
 
 
 def json_response(body: dict) -> JSONResponse:

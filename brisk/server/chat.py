@@ -6,10 +6,10 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors, usage
+from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected, usage
 from brisk.server.errors import APIError
 from brisk.server.output_parsers import make_choice_parser, merge_delta_fields, prepare_tools
 from brisk.server.protocol import ChatCompletionRequest
@@ -44,7 +44,7 @@ def _logprobs_entry(tokenizer, token_id: int, logprobs: dict[int, float], top_n:
 
 def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
         state.check_model(req.model)
         state.admit()
         params = state.sampling_params(req)
@@ -56,9 +56,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         parsers = [make_choice_parser(state, forced) for _ in range(params.n)]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
         top_n = req.top_logprobs or 0
-        deltas = state.generate(prompt_ids, params)
+        deltas = state.generate(prompt_ids, params, timeout=req.timeout)
 
-        if not req.stream:
+        async def whole_response() -> dict[str, Any]:
             final = None
             async for delta in deltas:
                 final = delta.output
@@ -75,6 +75,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             completion_tokens = sum(len(o.token_ids) for o in final.outputs)
             return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                     "usage": usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)}
+
+        if not req.stream:
+            return await until_disconnected(raw, whole_response())
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         interval = state.config.stream_interval

@@ -6,10 +6,10 @@ import asyncio
 import time
 import uuid
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors, usage
+from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected, usage
 from brisk.server.errors import APIError
 from brisk.server.protocol import CompletionRequest
 
@@ -44,11 +44,12 @@ def _logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int,
 
 def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, raw: Request):
         state.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of other than n is not supported.", param="best_of")
-        state.admit()
+        single = isinstance(req.prompt, str) or all(isinstance(p, int) for p in req.prompt)
+        state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
         params = state.sampling_params(req)
         prompts = _prompts(state, req.prompt)
         for _, ids in prompts:
@@ -59,11 +60,11 @@ def register(app: FastAPI, state: ServerState) -> None:
         if not req.stream:
             async def run(text, ids):
                 final = None
-                async for delta in state.generate(ids, params, text):
+                async for delta in state.generate(ids, params, text, req.timeout):
                     final = delta.output
                 return final
 
-            finals = await asyncio.gather(*(run(text, ids) for text, ids in prompts))
+            finals = await until_disconnected(raw, asyncio.gather(*(run(text, ids) for text, ids in prompts)))
             choices = []
             for p, final in enumerate(finals):
                 for out in final.outputs:
@@ -82,11 +83,13 @@ def register(app: FastAPI, state: ServerState) -> None:
         interval = state.config.stream_interval
 
         async def chunks():
-            queue: asyncio.Queue = asyncio.Queue()
+            # Bounded: with a slow reader the pumps wait, so the backlog stays in the engine client's
+            # coalescing buffers instead of growing here.
+            queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
 
             async def pump(p: int, text, ids):
                 try:
-                    async for delta in state.generate(ids, params, text):
+                    async for delta in state.generate(ids, params, text, req.timeout):
                         await queue.put((p, delta))
                 except APIError as exc:
                     await queue.put((p, exc))

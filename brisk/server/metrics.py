@@ -23,6 +23,9 @@ class ServerMetrics:
         self.ttft = Histogram("brisk:time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("brisk:inter_token_latency_seconds", "Time between tokens", labels, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("brisk:e2e_request_latency_seconds", "Request latency", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("brisk:num_requests_in_flight", "Requests the API server is serving", labels, registry=r)
+        self.coalesced = Gauge("brisk:stream_deltas_coalesced", "Deltas merged because a client read its stream "
+                               "too slowly (monotonic)", labels, registry=r)
         self.model_name = model_name
 
     def observe_engine(self, stats) -> None:
@@ -32,6 +35,10 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(stats.kv_usage)
         self.prefix_queries.labels(m).set(stats.prefix_queries)
         self.prefix_hits.labels(m).set(stats.prefix_hits)
+
+    def observe_client(self, num_in_flight: int, num_coalesced_deltas: int) -> None:
+        self.in_flight.labels(self.model_name).set(num_in_flight)
+        self.coalesced.labels(self.model_name).set(num_coalesced_deltas)
 
     def observe_request(self, num_prompt: int, num_generated: int, finish_reasons: list[str | None],
                         ttft: float | None, token_times: list[float], e2e: float) -> None:

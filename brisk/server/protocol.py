@@ -1,16 +1,64 @@
-"""OpenAI request schemas (pydantic). Unknown fields are rejected (400), never silently ignored."""
+"""OpenAI request schemas (pydantic). Unknown fields are rejected (400), never silently ignored.
+
+Hostile input is stopped here, before any work: JSON NaN/Infinity literals are refused, integers are
+bounded so they always fit the engine's int64 messages, stop strings are bounded in number and length,
+and every request body is bounded in nesting depth and may not hold lone UTF-16 surrogates (which
+cannot be encoded back to UTF-8 by the tokenizer or in a response).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from brisk.sampling_params import SamplingParams
 
+MAX_INT32 = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries
+MAX_TOOLS = 128
+MAX_NAME_CHARS = 256  # model and function names (they are echoed in error messages)
+MAX_JSON_DEPTH = 64  # of a whole request body, so a tool schema may nest about 60 levels
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+TokenId = Annotated[int, Field(ge=-MAX_INT32, le=MAX_INT32)]  # range-checked against the vocabulary later
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise ValueError if a parsed JSON value nests deeper than max_depth or holds a lone surrogate.
+
+    Iterative, so a hostile body cannot exhaust the Python stack here; scalars are checked in place
+    rather than pushed, since a body can hold a million-token prompt.
+    """
+    stack: list[tuple[Any, int]] = [([value], 0)]
+    while stack:
+        container, depth = stack.pop()
+        if depth > max_depth:
+            raise ValueError(f"the request nests deeper than {max_depth} levels")
+        for child in (list(container) + list(container.values()) if isinstance(container, dict) else container):
+            if isinstance(child, str):
+                if _SURROGATE.search(child):
+                    raise ValueError("strings must be valid Unicode (a lone UTF-16 surrogate was found)")
+            elif isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Body(_Request):
+    """A whole request body: checked for depth and surrogates before field validation recurses into it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_json(cls, data: Any) -> Any:
+        check_json_value(data)
+        return data
 
 
 class StreamOptions(_Request):
@@ -18,31 +66,32 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     """Parameters shared by every generation endpoint: OpenAI's plus the vLLM/TensorRT-LLM extensions."""
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
+    timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]) -> SamplingParams:
         def pick(name: str, fallback: Any) -> Any:
@@ -50,7 +99,10 @@ class _SamplingFields(_Request):
             return value if value is not None else defaults.get(name, fallback)
 
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids") from None
         return SamplingParams(
             n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
@@ -63,7 +115,7 @@ class _SamplingFields(_Request):
 
 
 class FunctionDefinition(_Request):
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -75,7 +127,7 @@ class ToolDefinition(_Request):
 
 
 class NamedToolChoiceFunction(_Request):
-    name: str
+    name: str = Field(max_length=MAX_NAME_CHARS)
 
 
 class NamedToolChoice(_Request):
@@ -89,11 +141,11 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
@@ -107,8 +159,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
     best_of: int | None = None
@@ -118,22 +170,22 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
-class TokenizeRequest(_Request):
-    model: str | None = None
+class TokenizeRequest(_Body):
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(_Body):
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tokens: list[TokenId]
 
 
 class ResponsesFunctionTool(_Request):
     type: Literal["function"] = "function"
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -144,14 +196,14 @@ class ResponsesReasoning(_Request):
     summary: str | None = None
 
 
-class ResponsesRequest(_Request):
-    model: str | None = None
+class ResponsesRequest(_Body):
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    tools: list[ResponsesFunctionTool] | None = None
+    tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     reasoning: ResponsesReasoning | None = None
@@ -161,12 +213,13 @@ class ResponsesRequest(_Request):
     user: str | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     # extensions shared with the other endpoints
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    priority: int = 0
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
+    timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         def pick(name: str, fallback: Any) -> Any:

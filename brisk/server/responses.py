@@ -11,10 +11,10 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors
+from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected
 from brisk.server.chat import render_chat_prompt
 from brisk.server.errors import APIError
 from brisk.server.output_parsers import make_choice_parser, prepare_tools
@@ -155,7 +155,7 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
 
 def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest):
+    async def responses(req: ResponsesRequest, raw: Request):
         state.check_model(req.model)
         state.admit()
         params = state.sampling_params(req)
@@ -184,6 +184,9 @@ def register(app: FastAPI, state: ServerState) -> None:
                 if out.finish_reason == "length":
                     body["status"] = "incomplete"
                     body["incomplete_details"] = {"reason": "max_output_tokens"}
+                elif out.finish_reason == "abort":  # timeout or server shutdown
+                    body["status"] = "incomplete"
+                    body["incomplete_details"] = {"reason": "aborted"}
                 reasoning_text = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
                 body["usage"] = {
                     "input_tokens": len(prompt_ids), "output_tokens": len(out.token_ids),
@@ -195,8 +198,9 @@ def register(app: FastAPI, state: ServerState) -> None:
                 }
             return body
 
-        deltas = state.generate(prompt_ids, params)
-        if not req.stream:
+        deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+
+        async def whole_response() -> dict[str, Any]:
             final = None
             async for delta in deltas:
                 items.add(parser.feed(delta.token_ids, delta.text))
@@ -204,6 +208,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             items.add(parser.finish_stream())
             items.close()
             return response_body("completed", final)
+
+        if not req.stream:
+            return await until_disconnected(raw, whole_response())
 
         async def events():
             seq = 0

@@ -5,22 +5,52 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 
 import uvicorn
 from transformers import AutoTokenizer
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import ConfigError, EngineConfig, ModelConfig
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.model_runner.loader import resolve_model_path
 from brisk.server.app import ServerState, build_app
+from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
 
 logger = logging.getLogger("brisk.server")
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
+API_KEY_ENV = "BRISK_API_KEY"
+# Idle keep-alive connections are closed after this long. It must exceed the idle timeout of whatever
+# pools connections in front of us (load balancers: 60 s; HTTP client pools): if the server closes
+# first, a request sent on the closing connection fails as a connection error (uvicorn's default is 5 s).
+KEEP_ALIVE_TIMEOUT_S = 75
+
+
+def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $BRISK_API_KEY; None: no auth.
+
+    A file or the environment keep the key out of the process list (`ps` shows command lines).
+    """
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError("give either --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            with open(api_key_file) as f:
+                api_key = f.readline().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {api_key_file}: {exc.strerror}") from None
+        if not api_key:
+            raise ConfigError(f"--api-key-file {api_key_file} is empty")
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    return api_key
 
 
 async def serve(model: str | None, *, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                extra_llm_api_options: str | None, max_request_body_size: int, **engine_options) -> int:
+                extra_llm_api_options: str | None, max_request_body_size: int, api_key_file: str | None = None,
+                allowed_origins: list[str] | None = None, log_prompts: bool = False,
+                request_timeout: float | None = None, shutdown_timeout: float = 30.0, **engine_options) -> int:
+    api_key = resolve_api_key(api_key, api_key_file)
     path = resolve_model_path(model) if model else str(DEMO_MODEL)
     config = EngineConfig.build(path, extra_llm_api_options, **engine_options)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
@@ -45,9 +75,12 @@ async def serve(model: str | None, *, host: str, port: int, served_model_name: s
         await client.shutdown()
         return 1
     state = ServerState(client, tokenizer, config, name, model_config.generation_defaults, is_harmony, api_key,
-                        max_request_body_size)
+                        max_request_body_size, request_timeout, log_prompts, list(allowed_origins or []))
     app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False))
+    # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                                           timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+                                           timeout_graceful_shutdown=ABORT_GRACE_S), state, shutdown_timeout)
     server_box["server"] = server
     print(f"brisk serve: ready: '{name}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
           f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}", flush=True)

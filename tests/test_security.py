@@ -1,0 +1,292 @@
+"""Security of `brisk serve`: the API key (flag, file, env) on every route but /health, CORS, error
+bodies without internals, request logs without prompts, and the engine's private IPC.
+
+One live server (key from a file, one allowed origin) plus in-process apps where a fault must be
+injected (an unexpected exception) or a second configuration is needed (CORS off, prompt logging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
+
+from brisk.config import ConfigError
+from brisk.engine.output_processor import CompletionDelta
+from brisk.outputs import CompletionOutput, RequestOutput
+from brisk.sampling_params import SamplingParams
+from brisk.server import middleware
+from brisk.server.app import ServerState, build_app, stream_with_errors
+from brisk.server.serve import API_KEY_ENV, resolve_api_key
+from tests.server_utils import RunningServer
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+API_KEY = "s3cret-key-for-tests"
+ORIGIN = "https://app.example"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SECRET_PROMPT = "PROMPT-THAT-MUST-NOT-BE-LOGGED"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_security")
+    make_tiny_model("llama", path, seed=0)
+    make_tiny_tokenizer(path)
+    key_file = path / "api_key"
+    key_file.write_text(API_KEY + "\n")
+    # --request-timeout is tested here too: it only needs a server, and this one is already running.
+    srv = RunningServer(str(path), "--served-model-name", "tiny", "--api-key-file", str(key_file),
+                        "--allowed-origins", ORIGIN, "--request-timeout", "1",
+                        env={API_KEY_ENV: "not-this-one"})  # the file wins over the environment
+    yield srv
+    srv.stop()
+
+
+def assert_still_serving(server: RunningServer) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+# ---- API key ---------------------------------------------------------------------------------------
+def test_api_key_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key(None, None) == "from-env"
+    assert resolve_api_key("from-flag", None) == "from-flag"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n\n")
+    assert resolve_api_key(None, str(key_file)) == "from-file"
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key("a", str(key_file))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_api_key(None, str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_api_key(None, str(tmp_path / "missing"))
+
+
+def test_serve_refuses_an_unreadable_key_file(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "brisk.cli", "serve", "--api-key-file", str(tmp_path / "nope")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "cannot read --api-key-file" in result.stderr
+
+
+def test_key_check_is_constant_time(monkeypatch):
+    compared: list[tuple[bytes, bytes]] = []
+    compare_digest = hmac.compare_digest
+
+    def recording_compare_digest(a, b):
+        compared.append((a, b))
+        return compare_digest(a, b)
+
+    monkeypatch.setattr(middleware.hmac, "compare_digest", recording_compare_digest)
+    assert middleware.api_key_matches(f"Bearer {API_KEY}", API_KEY)
+    for wrong in ("", "Bearer", f"Bearer {API_KEY[:-1]}", f"Bearer {API_KEY}x", f"bearer {API_KEY}", API_KEY):
+        assert not middleware.api_key_matches(wrong, API_KEY)
+    # Every check went through compare_digest, on digests of equal length whatever the input's length.
+    assert len(compared) == 7 and {(len(a), len(b)) for a, b in compared} == {(32, 32)}
+
+
+def test_every_route_but_health_needs_the_key(server):
+    paths = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()["paths"]
+    routes = [(method.upper(), path) for path, methods in paths.items() for method in methods]
+    routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/v1/unknown"),
+               ("POST", "/v1/unknown")]
+    assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
+    for method, path in routes:
+        url = f"{server.url}{path}"
+        if path == "/health":
+            assert httpx.request(method, url).status_code == 200
+            continue
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                        {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": "Bearer ключ".encode()}):
+            r = httpx.request(method, url, headers=headers, json={})
+            assert r.status_code == 401, (method, path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.request(method, url, headers=AUTH, json={}).status_code != 401
+    assert_still_serving(server)
+
+
+# ---- CORS ------------------------------------------------------------------------------------------
+def preflight(client, url: str, origin: str) -> httpx.Response:
+    return client.options(url, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_allows_only_the_configured_origin(server):
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.Client() as http:
+        ok = preflight(http, url, ORIGIN)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        bad = preflight(http, url, "https://evil.example")
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+        # Simple requests: the browser may read the answer (even a 401) only for the allowed origin.
+        assert http.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": ORIGIN}).headers[
+            "access-control-allow-origin"] == ORIGIN
+        assert http.get(f"{server.url}/v1/models", headers={"Origin": ORIGIN}).headers[
+            "access-control-allow-origin"] == ORIGIN
+        assert "access-control-allow-origin" not in http.get(
+            f"{server.url}/v1/models", headers={**AUTH, "Origin": "https://evil.example"}).headers
+    assert_still_serving(server)
+
+
+def fake_state(**overrides) -> ServerState:
+    """A ServerState over a fake engine client, for in-process apps (no engine process)."""
+    client = SimpleNamespace(dead=False, info=SimpleNamespace(max_seq_len=64, vocab_size=64), num_in_flight=0,
+                             num_coalesced_deltas=0)
+    config = SimpleNamespace(model="fake", max_batch_size=4, max_num_waiting=4, stream_interval=1)
+    return ServerState(client, None, config, "fake", {}, False, **overrides)
+
+
+def test_cors_is_off_by_default():
+    http = TestClient(build_app(fake_state()))
+    r = preflight(http, "/v1/chat/completions", ORIGIN)
+    assert "access-control-allow-origin" not in r.headers and r.status_code == 405
+    assert "access-control-allow-origin" not in http.get("/version", headers={"Origin": ORIGIN}).headers
+
+
+# ---- errors never show internals -------------------------------------------------------------------
+def test_unexpected_errors_are_opaque_500s_and_logged(caplog):
+    internal = "/srv/brisk/secret_module.py line 42"
+    app = build_app(fake_state())
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError(internal)
+
+    @app.get("/boom-stream")
+    async def boom_stream():
+        async def chunks():
+            yield "data: {}\n\n"
+            raise KeyError(internal)
+
+        return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+
+    http = TestClient(app, raise_server_exceptions=False)
+    with caplog.at_level(logging.ERROR, logger="brisk.server"):
+        r = http.get("/boom")
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "The server had an internal error while processing the request.",
+                                     "type": "server_error", "param": None, "code": "internal_error"}
+        stream = http.get("/boom-stream")
+    assert stream.status_code == 200
+    assert '"code": "internal_error"' in stream.text and stream.text.endswith("data: [DONE]\n\n")
+    for body in (r.text, stream.text):
+        assert "secret_module" not in body and "Traceback" not in body and "/srv" not in body
+    logged = "\n".join(rec.getMessage() + str(rec.exc_info) for rec in caplog.records)
+    assert "/boom" in logged and internal in logged  # the server log keeps what the client must not see
+    assert sum(rec.exc_info is not None for rec in caplog.records) == 2  # with tracebacks
+
+
+# ---- logs ------------------------------------------------------------------------------------------
+def test_request_log_has_no_prompt_text(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": SECRET_PROMPT, "max_tokens": 2}, headers=AUTH)
+    assert r.status_code == 200
+    assert wait_for_log(server, "POST /v1/completions 200")
+    assert SECRET_PROMPT not in server.log()
+
+
+def wait_for_log(server: RunningServer, text: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in server.log():
+            return True
+        time.sleep(0.1)  # polling the log file with a deadline
+    return False
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_log_prompts_flag(caplog, log_prompts):
+    """--log-prompts (ServerState.log_prompts) is the only way a prompt reaches the log."""
+    params = SamplingParams(max_tokens=1)
+    output = RequestOutput("r", SECRET_PROMPT, [5], [CompletionOutput(index=0)])
+    output.outputs[0].finish_reason = "length"
+
+    async def generate(*_args, **_kwargs):
+        yield CompletionDelta("r", 0, "x", [6], None, "length", None, output)
+
+    state = fake_state(log_prompts=log_prompts)
+    state.client.generate = generate
+
+    async def run() -> None:
+        async for _ in state.generate([5], params, SECRET_PROMPT):
+            pass
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+    assert (SECRET_PROMPT in caplog.text) == log_prompts
+
+
+# ---- timeouts (server flag) ------------------------------------------------------------------------
+def test_server_request_timeout_caps_every_request(server):
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": "long", "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "timeout": 600})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+    assert r.json()["usage"]["completion_tokens"] < 1000 and time.monotonic() - start < 30
+    assert_still_serving(server)
+
+
+# ---- the engine's IPC ------------------------------------------------------------------------------
+def socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def tcp_listening_ports(inodes: set[int]) -> set[int]:
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], int(fields[9])
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def unix_socket_paths(inodes: set[int]) -> set[str]:
+    paths = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and int(fields[6]) in inodes:
+            paths.add(fields[7])
+    return paths
+
+
+def test_engine_ipc_is_private_and_only_http_listens(server):
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        pids = [server.proc.pid, *(int(p) for p in f.read().split())]
+    inodes = set().union(*(socket_inodes(pid) for pid in pids))
+    assert tcp_listening_ports(inodes) == {server.port}  # no TCP port but the HTTP one, engine included
+
+    ipc_paths = {p for p in unix_socket_paths(inodes) if "brisk-ipc-" in p}
+    assert {Path(p).name for p in ipc_paths} == {"to_engine", "from_engine"}
+    ipc_dir = Path(next(iter(ipc_paths))).parent
+    dir_stat = ipc_dir.stat()
+    assert stat.S_IMODE(dir_stat.st_mode) == 0o700 and dir_stat.st_uid == os.getuid()
+    for path in ipc_paths:
+        assert stat.S_IMODE(Path(path).stat().st_mode) & 0o077 == 0  # no access for group or others
+    assert_still_serving(server)
