@@ -65,6 +65,9 @@ class EngineConfig(_Strict):
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Verify KV block accounting (free + used = total, one reference per table entry) after every step:
+    # for soak tests and debugging, it walks every block.
+    check_kv_invariants: bool = False
     stream_interval: int = Field(1, ge=1)
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)

@@ -212,8 +212,11 @@ def test_metrics_exposed(server, client):
     assert 'brisk:prefix_cache_queries{model_name="tiny"}' in m
 
 
-def test_api_key_and_queue_limit(model_dir):
-    srv = RunningServer(model_dir, "--api-key", "sekret", "--max_batch_size", "1", "--max_num_waiting", "0")
+def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):
+    options = tmp_path / "options.yaml"
+    options.write_text("stream_interval: 4\n")
+    srv = RunningServer(model_dir, "--api-key", "sekret", "--max_batch_size", "1", "--max_num_waiting", "0",
+                        "--extra_llm_api_options", str(options))
     try:
         assert httpx.get(f"{srv.url}/health").status_code == 200  # health needs no key
         code, body = _status(f"{srv.url}/v1/models", method="get")
@@ -235,6 +238,11 @@ def test_api_key_and_queue_limit(model_dir):
         second = asyncio.run(run())
         assert second.status_code == 429 and second.headers["retry-after"]
         assert second.json()["error"]["code"] == "queue_full"
+
+        # stream_interval 4: 10 tokens arrive in 3 chunks (4 + 4 + the final 2), never one per token
+        chunks = list(ok.completions.create(model=model_dir, prompt="The king", max_tokens=10, stream=True,
+                                            temperature=0, extra_body={"ignore_eos": True}))
+        assert len(chunks) == 3 and chunks[-1].choices[0].finish_reason == "length"
     finally:
         srv.stop()
 

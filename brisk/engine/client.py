@@ -108,6 +108,7 @@ class EngineStats:
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    num_preemptions: int = 0
 
 
 class AsyncEngineClient:
@@ -251,7 +252,8 @@ class AsyncEngineClient:
             self._engine_died()
 
     async def _dispatch(self, msg: EngineOutputs) -> None:
-        self.stats = EngineStats(msg.num_running, msg.num_waiting, msg.kv_usage, msg.prefix_queries, msg.prefix_hits)
+        self.stats = EngineStats(msg.num_running, msg.num_waiting, msg.kv_usage, msg.prefix_queries, msg.prefix_hits,
+                                 msg.num_preemptions)
         for failure in msg.failures:
             self.output_processor.abort(failure.request_id)
             buffer = self._queues.get(failure.request_id)

@@ -126,6 +126,8 @@ class EngineCore:
             req.finish_reason = "error"
             self.scheduler.abort(req)
         outputs = [self._to_output(t, result) for t in self.scheduler.update(sched, result.sampled)]
+        if self.config.check_kv_invariants:
+            self.kv.check_invariants()
         for req in result.failed:
             rid, _, idx = req.request_id.rpartition("#")
             outputs.append(self._output(rid, int(idx), req, [], None))

@@ -71,6 +71,7 @@ class EngineOutputs(msgspec.Struct, tag=True):
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    num_preemptions: int = 0
 
 
 ToEngine = AddRequest | AbortRequests

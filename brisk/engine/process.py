@@ -86,5 +86,6 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             sched, kv = core.scheduler, core.kv
             batch.num_running, batch.num_waiting = len(sched.running), len(sched.waiting)
             batch.kv_usage, batch.prefix_queries, batch.prefix_hits = kv.usage, kv.prefix_queries, kv.prefix_hits
+            batch.num_preemptions = sched.num_preemptions
             outbox.send(encoder.encode(batch))
     logger.error("the API server process is gone; the engine core exits")

@@ -17,6 +17,7 @@ class ServerMetrics:
         self.kv_usage = Gauge("brisk:kv_cache_usage_perc", "Fraction of KV blocks in use", labels, registry=r)
         self.prefix_queries = Gauge("brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
         self.prefix_hits = Gauge("brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r)
+        self.preemptions = Gauge("brisk:num_preemptions", "Requests preempted (recomputed) so far", labels, registry=r)
         self.prompt_tokens = Counter("brisk:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("brisk:generation_tokens", "Tokens generated", labels, registry=r)
         self.request_success = Counter("brisk:request_success", "Finished requests", labels + ["finished_reason"], registry=r)
@@ -35,6 +36,7 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(stats.kv_usage)
         self.prefix_queries.labels(m).set(stats.prefix_queries)
         self.prefix_hits.labels(m).set(stats.prefix_hits)
+        self.preemptions.labels(m).set(stats.num_preemptions)
 
     def observe_client(self, num_in_flight: int, num_coalesced_deltas: int) -> None:
         self.in_flight.labels(self.model_name).set(num_in_flight)

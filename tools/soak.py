@@ -1,0 +1,215 @@
+"""Soak test: a mixed workload against one `brisk serve` for a fixed time.
+
+The server runs with `check_kv_invariants: true` (KV block accounting verified after every engine step;
+a violation kills the engine, which the soak sees as failed requests and a failing /health) and a KV
+pool small enough that long prompts force preemption. Meanwhile the soak samples the RSS of the server
+and engine processes and the server's metrics. At the end it waits for the server to go idle, checks
+that every KV block is free, stops the server with SIGTERM and expects exit code 0.
+
+    python tools/soak.py --minutes 10 --out soak.json        # prints a markdown summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "brisk" / "demo_model"
+SERVER_OPTIONS = """\
+check_kv_invariants: true
+max_batch_size: 16
+max_num_tokens: 512
+kv_cache_config:
+  max_blocks: 80        # 79 usable blocks of 32 tokens, 2 KV groups: a few long prompts fill it
+"""
+WORDS = "thou art the king of all that is and was in this fair land my lord good sir".split()
+SHARED_PREFIX = " ".join(WORDS * 12)  # prefix-cache reuse across requests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def _one_request(http: httpx.AsyncClient, rng: random.Random) -> str:
+    """Runs one request of a random kind; returns '<kind>:<outcome>'."""
+    kind = rng.choices(["stream_chat", "completion", "abort", "long", "prefix"], [3, 3, 2, 1, 2])[0]
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))
+    if kind == "stream_chat":
+        body = {"messages": [{"role": "user", "content": words}], "max_tokens": 64, "stream": True}
+        url = "/v1/chat/completions"
+    elif kind == "long":
+        body = {"prompt": " ".join(rng.choice(WORDS) for _ in range(900)), "max_tokens": 32}
+        url = "/v1/completions"
+    elif kind == "prefix":
+        body = {"prompt": SHARED_PREFIX + " " + words, "max_tokens": 16}
+        url = "/v1/completions"
+    else:
+        body = {"prompt": words, "max_tokens": 48, "stream": kind == "abort"}
+        url = "/v1/completions"
+    try:
+        if not body.get("stream"):
+            r = await http.post(url, json=body)
+            return f"{kind}:{'ok' if r.status_code == 200 else r.status_code}"
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return f"{kind}:{r.status_code}"
+            keep = rng.randint(1, 10) if kind == "abort" else None
+            chunks = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    if '"error"' in line:
+                        return f"{kind}:stream_error"
+                    chunks += 1
+                    if keep is not None and chunks >= keep:
+                        return f"{kind}:disconnected"  # leaving the block hangs up mid-stream
+            return f"{kind}:ok"
+    except httpx.HTTPError as exc:
+        return f"{kind}:{type(exc).__name__}"
+
+
+async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, seed: int) -> dict:
+    deadline = time.monotonic() + minutes * 60
+    outcomes: Counter[str] = Counter()
+    samples: list[dict] = []
+
+    async def worker(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            while time.monotonic() < deadline:
+                outcomes[await _one_request(http, rng)] += 1
+
+    async def sampler() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            while time.monotonic() < deadline:
+                metrics = (await http.get("/metrics")).text
+                engine = _children(server_pid)
+                samples.append({
+                    "t_s": round(time.monotonic() - (deadline - minutes * 60), 1),
+                    "server_rss_mb": round(_rss_mb(server_pid), 1),
+                    "engine_rss_mb": round(sum(_rss_mb(p) for p in engine), 1),
+                    "kv_usage": _metric(metrics, "brisk:kv_cache_usage_perc"),
+                    "running": _metric(metrics, "brisk:num_requests_running"),
+                    "health": (await http.get("/health")).status_code,
+                })
+                await asyncio.sleep(5)  # a sampling period, not synchronisation
+
+    await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
+    return {"outcomes": dict(outcomes), "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(DEMO_MODEL))
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the JSON result here")
+    args = parser.parse_args(argv)
+
+    options = Path(tempfile.mkdtemp(prefix="brisk-soak-")) / "soak.yaml"
+    options.write_text(SERVER_OPTIONS)
+    port = _free_port()
+    log = open(options.with_suffix(".log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "brisk.cli", "serve", args.model, "--port", str(port),
+                               "--extra_llm_api_options", str(options)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    while time.monotonic() - started < 300:
+        if server.poll() is not None:
+            print(f"server exited with {server.returncode}; log: {log.name}", file=sys.stderr)
+            return 1
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # readiness polling
+    rss_start = {"server_mb": _rss_mb(server.pid), "engine_mb": sum(_rss_mb(p) for p in _children(server.pid))}
+
+    result = asyncio.run(_soak(url, server.pid, args.minutes, args.concurrency, args.seed))
+
+    idle_by = time.monotonic() + 60
+    final = ""
+    while time.monotonic() < idle_by:
+        final = httpx.get(f"{url}/metrics", timeout=10).text
+        if _metric(final, "brisk:kv_cache_usage_perc") == 0.0 and _metric(final, "brisk:num_requests_running") == 0:
+            break
+        time.sleep(0.5)  # polling an observable condition with a deadline
+    rss_end = {"server_mb": _rss_mb(server.pid), "engine_mb": sum(_rss_mb(p) for p in _children(server.pid))}
+    health = httpx.get(f"{url}/health", timeout=10).status_code
+    server.send_signal(signal.SIGTERM)
+    exit_code = server.wait(timeout=120)
+
+    outcomes = Counter(result["outcomes"])
+    failures = {k: v for k, v in outcomes.items() if not k.endswith((":ok", ":disconnected"))}
+    summary = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}",
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "model": args.model, "minutes": args.minutes, "concurrency": args.concurrency,
+        "requests": sum(outcomes.values()), "outcomes": dict(sorted(outcomes.items())), "failures": failures,
+        "preemptions": _metric(final, "brisk:num_preemptions"),
+        "prefix_cache_hits_tokens": _metric(final, "brisk:prefix_cache_hits"),
+        "final_kv_usage": _metric(final, "brisk:kv_cache_usage_perc"), "final_health": health,
+        "rss_start": rss_start, "rss_end": rss_end,
+        "rss_max": {"server_mb": max(s["server_rss_mb"] for s in result["samples"]),
+                    "engine_mb": max(s["engine_rss_mb"] for s in result["samples"])},
+        "unhealthy_samples": sum(s["health"] != 200 for s in result["samples"]),
+        "server_exit_code": exit_code, "samples": result["samples"],
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(f"| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
+          f"engine RSS start/end/max MB | exit |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {summary['requests']} | {sum(failures.values())} | {summary['preemptions']:.0f} | "
+          f"{summary['final_kv_usage']} | {rss_start['server_mb']:.0f} / {rss_end['server_mb']:.0f} / "
+          f"{summary['rss_max']['server_mb']:.0f} | {rss_start['engine_mb']:.0f} / {rss_end['engine_mb']:.0f} / "
+          f"{summary['rss_max']['engine_mb']:.0f} | {exit_code} |")
+    print("outcomes:", json.dumps(summary["outcomes"]))
+    ok = not failures and summary["final_kv_usage"] == 0.0 and exit_code == 0 and health == 200
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
