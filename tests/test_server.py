@@ -239,6 +239,10 @@ def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):
         assert second.status_code == 429 and second.headers["retry-after"]
         assert second.json()["error"]["code"] == "queue_full"
 
+        # The held stream was dropped above; its abort reaches the engine asynchronously.
+        auth = {"Authorization": "Bearer sekret"}
+        assert _wait_until(lambda: not any(v for k, v in srv.metrics(headers=auth).items()
+                                           if k.startswith("brisk:num_requests_in_flight")))
         # stream_interval 4: 10 tokens arrive in 3 chunks (4 + 4 + the final 2), never one per token
         chunks = list(ok.completions.create(model=model_dir, prompt="The king", max_tokens=10, stream=True,
                                             temperature=0, extra_body={"ignore_eos": True}))
