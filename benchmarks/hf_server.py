@@ -49,12 +49,12 @@ class PerTokenStreamer(TextIteratorStreamer):
         self.print_len += len(ready)
         self.on_finalized_text(ready)
 
+    tail = ""  # text held back at the end (an incomplete character), sent with the final chunk
+
     def end(self) -> None:
-        """Flush a held-back tail (only if any: every queue item but this one is a token), then stop."""
+        """Keep the held-back tail for the final chunk (every queue item stays one token), then stop."""
         if self.token_cache:
-            tail = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)[self.print_len:]
-            if tail:
-                self.text_queue.put(tail, timeout=self.timeout)
+            self.tail = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)[self.print_len:]
         self.next_tokens_are_prompt = True
         self.text_queue.put(self.stop_signal, timeout=self.timeout)
 
@@ -202,7 +202,8 @@ def build_app(server: Server) -> FastAPI:
                     while (piece := await asyncio.to_thread(next, streamer, None)) is not None:
                         chunk = body([{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}])
                         yield f"data: {json.dumps(chunk)}\n\n"
-                    last = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(streamer.num_tokens)}
+                    last = {"index": 0, "text": streamer.tail, "logprobs": None,
+                            "finish_reason": finish_reason(streamer.num_tokens)}
                     yield f"data: {json.dumps(body([last]))}\n\n"
                     if include_usage:
                         yield f"data: {json.dumps(body([], usage(streamer.num_tokens)))}\n\n"
