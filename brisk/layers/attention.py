@@ -6,7 +6,8 @@ window has released. Each layer belongs to a KV group (full attention, sliding w
 its own block table per request, see `kv_cache/manager.py`.
 
 Backends implement `AttentionBackend.forward`. `TorchAttentionBackend` is the reference: exact, any
-device, one sequence at a time. The Triton backend (GPU issue) plugs in behind the same interface.
+device, one sequence at a time. The Triton backend (layers/attention_triton.py) plugs in behind the same
+interface; `make_attention_backend` picks one.
 """
 
 from __future__ import annotations
