@@ -13,6 +13,16 @@ import httpx
 STARTUP_TIMEOUT_S = 180
 
 
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    """Poll an observable condition until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)  # polling with a deadline, not synchronisation of the code under test
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

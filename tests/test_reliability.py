@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from brisk.engine.client import DeltaBuffer
 from brisk.engine.output_processor import CompletionDelta
-from tests.server_utils import RunningServer
+from tests.server_utils import RunningServer, wait_until
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -74,15 +74,6 @@ def server(model_dir):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def wait_until(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)  # polling an observable condition with a deadline
-    return False
-
-
 def is_idle(server: RunningServer) -> bool:
     m = server.metrics()
     return m.get(KV_USAGE) == 0.0 and m.get(RUNNING) == 0.0 and m.get(WAITING) == 0.0 and m.get(IN_FLIGHT) == 0.0

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.server_utils import RunningServer
+from tests.server_utils import RunningServer, wait_until
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -175,15 +174,6 @@ def test_64_concurrent_streams_complete(aclient):
     assert streamed == expected  # each stream complete and identical to the same request served whole
 
 
-def _wait_until(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)  # polling an observable condition with a deadline
-    return False
-
-
 def test_disconnects_release_kv_blocks(server):
     async def connect_and_drop(i: int):
         async with httpx.AsyncClient(timeout=60) as http:
@@ -198,7 +188,7 @@ def test_disconnects_release_kv_blocks(server):
 
     asyncio.run(run())
     key = 'brisk:kv_cache_usage_perc{model_name="tiny"}'
-    assert _wait_until(lambda: server.metrics().get(key) == 0.0
+    assert wait_until(lambda: server.metrics().get(key) == 0.0
                        and server.metrics().get('brisk:num_requests_running{model_name="tiny"}') == 0.0)
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
@@ -241,7 +231,7 @@ def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):
 
         # The held stream was dropped above; its abort reaches the engine asynchronously.
         auth = {"Authorization": "Bearer sekret"}
-        assert _wait_until(lambda: not any(v for k, v in srv.metrics(headers=auth).items()
+        assert wait_until(lambda: not any(v for k, v in srv.metrics(headers=auth).items()
                                            if k.startswith("brisk:num_requests_in_flight")))
         # stream_interval 4: 10 tokens arrive in 3 chunks (4 + 4 + the final 2), never one per token
         chunks = list(ok.completions.create(model=model_dir, prompt="The king", max_tokens=10, stream=True,

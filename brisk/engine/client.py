@@ -17,7 +17,6 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -31,6 +30,7 @@ from brisk.engine.messages import (
     EngineInfo,
     EngineOutputs,
     FromEngine,
+    SchedulerStats,
 )
 from brisk.engine.output_processor import CompletionDelta, OutputProcessor
 from brisk.engine.process import run_engine_process
@@ -101,23 +101,13 @@ class DeltaBuffer:
         self._items = deque(merged.values())
 
 
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_preemptions: int = 0
-
-
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, tokenizer, on_engine_death: Callable[[], None] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None
-        self.stats = EngineStats()
+        self.stats = SchedulerStats()
         self.dead = False
         self.on_engine_death = on_engine_death
         self._queues: dict[str, DeltaBuffer] = {}
@@ -252,8 +242,7 @@ class AsyncEngineClient:
             self._engine_died()
 
     async def _dispatch(self, msg: EngineOutputs) -> None:
-        self.stats = EngineStats(msg.num_running, msg.num_waiting, msg.kv_usage, msg.prefix_queries, msg.prefix_hits,
-                                 msg.num_preemptions)
+        self.stats = msg.stats
         for failure in msg.failures:
             self.output_processor.abort(failure.request_id)
             buffer = self._queues.get(failure.request_id)

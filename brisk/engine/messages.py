@@ -62,16 +62,21 @@ class RequestFailure(msgspec.Struct, array_like=True):
     message: str
 
 
-class EngineOutputs(msgspec.Struct, tag=True):
-    outputs: list[EngineCoreOutput]
-    failures: list[RequestFailure] = []
-    # scheduler gauges for /metrics, sampled after the step
+class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
+    """Scheduler and KV gauges for /metrics, sampled after a step."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[EngineCoreOutput]
+    failures: list[RequestFailure] = []
+    stats: SchedulerStats = SchedulerStats()
 
 
 ToEngine = AddRequest | AbortRequests

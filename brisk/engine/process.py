@@ -28,6 +28,7 @@ from brisk.engine.messages import (
     EngineInfo,
     EngineOutputs,
     RequestFailure,
+    SchedulerStats,
     ToEngine,
 )
 
@@ -84,8 +85,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             batch.outputs.extend(core.step())
         if batch.outputs or batch.failures:
             sched, kv = core.scheduler, core.kv
-            batch.num_running, batch.num_waiting = len(sched.running), len(sched.waiting)
-            batch.kv_usage, batch.prefix_queries, batch.prefix_hits = kv.usage, kv.prefix_queries, kv.prefix_hits
-            batch.num_preemptions = sched.num_preemptions
+            batch.stats = SchedulerStats(len(sched.running), len(sched.waiting), kv.usage, kv.prefix_queries,
+                                         kv.prefix_hits, sched.num_preemptions)
             outbox.send(encoder.encode(batch))
     logger.error("the API server process is gone; the engine core exits")
