@@ -95,10 +95,6 @@ class BlockPool:
             self.cached.pop((key.group, key.block_hash), None)
             self.keys[block_id] = None
 
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self.cached.values()):
-            self._uncache(block_id)
-
     def check_invariants(self) -> None:
         free = set(self.free_queue)
         for block_id in range(1, self.num_blocks):

@@ -59,10 +59,6 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------------------
     @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_usable
 

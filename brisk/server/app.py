@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import brisk
@@ -275,6 +275,3 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         raise APIError(499, "The client closed the request.", code="client_closed_request")
     return work_task.result()
 
-
-def json_response(body: dict) -> JSONResponse:
-    return JSONResponse(body)
