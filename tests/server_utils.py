@@ -1,4 +1,4 @@
-"""Start a real `brisk serve` subprocess for tests and wait until /health answers."""
+"""Start a real server subprocess (`brisk serve`, or a script taking MODEL --port) and wait until /health answers."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, script: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "brisk.cli", "serve", model, "--port", str(self.port), *args]
+        launcher = [script] if script else ["-m", "brisk.cli", "serve"]
+        cmd = [sys.executable, *launcher, model, "--port", str(self.port), *args]
         self.log_path = f"/tmp/brisk-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

@@ -19,7 +19,7 @@ from brisk.bench.plots import pareto_front
 from brisk.bench.workload import LocalTokenizer, RequestFactory, WordTokenizer, Workload, exact_prompt
 from brisk.cli import main
 from tests.server_utils import RunningServer, free_port
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_llama_with_tokenizer
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 RUN_KEYS = {"schema_version", "command", "date", "base_url", "endpoint", "model", "label", "server", "machine",
@@ -35,8 +35,7 @@ NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 16, 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_bench")
-    make_tiny_model("llama", path, seed=0)
-    make_tiny_tokenizer(path)
+    make_tiny_llama_with_tokenizer(path)
     return str(path)
 
 

@@ -6,9 +6,6 @@ stream chunk, and /tokenize + /detokenize round trips. No timings are asserted.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,41 +13,19 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.server_utils import free_port
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import make_tiny_tokenizer
+from tests.server_utils import RunningServer
+from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 HF_SERVER = Path(__file__).resolve().parent.parent / "benchmarks" / "hf_server.py"
-STARTUP_TIMEOUT_S = 120
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory) -> Iterator[str]:
-    path = tmp_path_factory.mktemp("hf_server_llama")
-    make_tiny_model("llama", path, seed=0)
-    make_tiny_tokenizer(path)
-    port = free_port()
-    log = open(path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, str(HF_SERVER), str(path), "--port", str(port),
-                             "--served-model-name", MODEL], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"hf_server did not start:\n{(path / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # polling for readiness
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
+    path = make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("hf_server_llama"))
+    srv = RunningServer(path, "--served-model-name", MODEL, script=str(HF_SERVER))
+    yield srv.url
+    srv.stop()
 
 
 def client(base_url: str) -> OpenAI:

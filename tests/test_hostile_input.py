@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from tests.server_utils import RunningServer
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import make_tiny_tokenizer
+from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 MAX_SEQ_LEN = 48  # short generations keep the fuzz run fast
 BODY_LIMIT = 1 << 20
@@ -29,8 +28,7 @@ LEAK_MARKERS = ("Traceback", 'File "', ".py", "/brisk/", "site-packages")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_hostile")
-    make_tiny_model("llama", path, seed=0)
-    make_tiny_tokenizer(path)
+    make_tiny_llama_with_tokenizer(path)
     srv = RunningServer(str(path), "--served-model-name", "tiny", "--max_seq_len", str(MAX_SEQ_LEN),
                         "--max-request-body-size", str(BODY_LIMIT), "--request-timeout", "2")
     yield srv

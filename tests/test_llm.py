@@ -6,8 +6,7 @@ import pytest
 
 from brisk import LLM, SamplingParams
 from brisk.engine.core import InvalidRequestError
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import make_tiny_tokenizer
+from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A", "def main():\n    return"]
 
@@ -15,8 +14,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was", "A", "def main()
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    make_tiny_model("llama", path, seed=0)
-    make_tiny_tokenizer(path)
+    make_tiny_llama_with_tokenizer(path)
     return LLM(str(path), seed=0, tokens_per_block=4)
 
 

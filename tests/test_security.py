@@ -31,8 +31,7 @@ from brisk.server import middleware
 from brisk.server.app import ServerState, build_app, stream_with_errors
 from brisk.server.serve import API_KEY_ENV, resolve_api_key
 from tests.server_utils import RunningServer
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import make_tiny_tokenizer
+from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 API_KEY = "s3cret-key-for-tests"
 ORIGIN = "https://app.example"
@@ -43,8 +42,7 @@ SECRET_PROMPT = "PROMPT-THAT-MUST-NOT-BE-LOGGED"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_security")
-    make_tiny_model("llama", path, seed=0)
-    make_tiny_tokenizer(path)
+    make_tiny_llama_with_tokenizer(path)
     key_file = path / "api_key"
     key_file.write_text(API_KEY + "\n")
     # --request-timeout is tested here too: it only needs a server, and this one is already running.

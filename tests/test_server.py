@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from tests.server_utils import RunningServer, wait_until
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import make_tiny_tokenizer
+from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -20,8 +19,7 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_server")
-    make_tiny_model("llama", path, seed=0)
-    make_tiny_tokenizer(path)
+    make_tiny_llama_with_tokenizer(path)
     return str(path)
 
 

@@ -96,6 +96,15 @@ def make_tiny_model(arch: str, path: str | os.PathLike, *, seed: int = 0, mxfp4:
     return str(path)
 
 
+def make_tiny_llama_with_tokenizer(path: str | os.PathLike, **config_overrides: Any) -> str:
+    """A tiny random Llama plus the tiny BPE tokenizer: what the server-level tests serve."""
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    make_tiny_model("llama", path, seed=0, **config_overrides)
+    make_tiny_tokenizer(path)
+    return str(path)
+
+
 def hf_reference(path: str | os.PathLike):
     """The fp32 HF model for a tiny checkpoint (the dequantized twin for MXFP4 ones), eager everything."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))
-    print(f"| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
+    print("| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
           f"engine RSS start/end/max MB | exit |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {summary['requests']} | {sum(failures.values())} | {summary['preemptions']:.0f} | "
