@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))
     print("| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
-          f"engine RSS start/end/max MB | exit |")
+          "engine RSS start/end/max MB | exit |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {summary['requests']} | {sum(failures.values())} | {summary['preemptions']:.0f} | "
           f"{summary['final_kv_usage']} | {rss_start['server_mb']:.0f} / {rss_end['server_mb']:.0f} / "
