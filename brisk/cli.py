@@ -9,8 +9,14 @@ import sys
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # trtllm-serve spellings; both `--tp_size` and `--tp-size` are accepted.
     for name, typ in [("max_batch_size", int), ("max_num_tokens", int), ("max_seq_len", int),
-                      ("kv_cache_free_gpu_memory_fraction", float), ("tp_size", int), ("ep_size", int)]:
+                      ("kv_cache_free_gpu_memory_fraction", float), ("ep_size", int)]:
         p.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest=name, type=typ)
+    p.add_argument("--tp_size", "--tp-size", "--tensor-parallel-size", "-tp", dest="tp_size", type=int,
+                   help="ranks (GPUs) the model is split over; more than one node: see docs/parallelism.md")
+    p.add_argument("--enable_attention_dp", "--enable-attention-dp", dest="enable_attention_dp", action="store_true",
+                   default=None, help="attention data parallel over the tp_size ranks, MoE expert/tensor parallel")
+    p.add_argument("--enable-expert-parallel", "--enable_expert_parallel", dest="enable_expert_parallel",
+                   action="store_true", help="vLLM spelling of ep_size = tp_size")
     p.add_argument("--extra_llm_api_options", "--extra-llm-api-options", dest="extra_llm_api_options")
     p.add_argument("--load_format", "--load-format", dest="load_format", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -38,6 +44,8 @@ def _engine_options(args: argparse.Namespace, exclude: tuple[str, ...]) -> dict:
     options = {k: v for k, v in vars(args).items() if k not in ("command", "model", *exclude) and v is not None}
     if "moe_backend" in options:
         options["moe_config"] = {"backend": options.pop("moe_backend")}
+    if options.pop("enable_expert_parallel", False):
+        options["ep_size"] = options.get("tp_size", 1)
     return options
 
 

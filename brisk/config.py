@@ -97,8 +97,11 @@ class EngineConfig(_Strict):
             cfg = cls(**merged)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
-        if cfg.tp_size > 1 or cfg.ep_size > 1 or cfg.enable_attention_dp:
-            raise ConfigError("tp_size/ep_size/enable_attention_dp > 1 need the multi-GPU runtime, not built yet")
+        if cfg.tp_size % cfg.ep_size != 0:
+            raise ConfigError(
+                f"ep_size ({cfg.ep_size}) must divide tp_size ({cfg.tp_size}): the MoE runs on the tp_size ranks, "
+                f"split ep_size ways by expert and tp_size / ep_size ways by intermediate size"
+            )
         if not cfg.enable_chunked_prefill and cfg.max_seq_len is not None and cfg.max_seq_len > cfg.max_num_tokens:
             raise ConfigError(
                 f"max_seq_len ({cfg.max_seq_len}) > max_num_tokens ({cfg.max_num_tokens}) needs enable_chunked_prefill"
@@ -213,7 +216,42 @@ def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """This process's place in the tensor-parallel group; layers shard their weights by it."""
+    """This process's place in the parallel layout; layers shard their weights by it.
+
+    A job is one world of tp_size ranks (trtllm-serve's meaning of --tp_size). Attention and dense layers
+    are split tp_size ways, or, with attention data parallel, replicated on every rank (tp_size 1 here)
+    while each rank (dp_rank) runs its own batch. MoE experts are split ep_size ways by expert (ep_rank)
+    and moe_tp_size ways by intermediate size (moe_tp_rank), ep_size * moe_tp_size being the world, so
+    every MoE layer ends with one reduction over the whole world.
+    """
 
     tp_rank: int = 0
     tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    moe_tp_rank: int = 0
+    moe_tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+    @classmethod
+    def for_rank(cls, rank: int, world_size: int, ep_size: int = 1, attention_dp: bool = False) -> "ParallelConfig":
+        moe_tp_size = world_size // ep_size
+        return cls(
+            tp_rank=0 if attention_dp else rank,
+            tp_size=1 if attention_dp else world_size,
+            ep_rank=rank // moe_tp_size,
+            ep_size=ep_size,
+            moe_tp_rank=rank % moe_tp_size,
+            moe_tp_size=moe_tp_size,
+            dp_rank=rank if attention_dp else 0,
+            dp_size=world_size if attention_dp else 1,
+        )

@@ -30,6 +30,16 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the worker ranks (tp_size > 1); the engine cannot be used afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults, as vLLM applies them."""
         return SamplingParams(**self.engine.model_config.generation_defaults)

@@ -10,8 +10,10 @@ import logging
 from dataclasses import replace
 
 from brisk.config import EngineConfig, ModelConfig
-from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprob
-from brisk.model_runner.runner import ModelRunner, StepResult, resolve_device
+from brisk.distributed.executor import make_executor
+from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
+from brisk.kv_cache.manager import KVCacheManager
+from brisk.model_runner.runner import StepResult, resolve_device
 from brisk.scheduler.request import Request
 from brisk.scheduler.scheduler import Scheduler, TokenOutput
 
@@ -22,26 +24,61 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as asked (too long, bad token ids...); nothing was admitted."""
 
 
+def load_model_config(config: EngineConfig, device) -> tuple[ModelConfig, int]:
+    """The model's config (dtype resolved for the device) and the max_seq_len in effect: every rank's view."""
+    model_config = ModelConfig.from_pretrained(config.model, config.dtype, device.type)
+    return model_config, config.max_seq_len or model_config.max_position_embeddings
+
+
 class EngineCore:
+    """The step loop of rank 0. With attention data parallelism it keeps one scheduler and KV manager per
+    DP rank (each rank has its own KV pool) and hands each new request to the least loaded one."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, self.device.type)
-        self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, self.device, self.max_seq_len)
-        self.kv = self.runner.make_kv_manager()
-        self.scheduler = Scheduler(
-            self.kv,
-            max_batch_size=config.max_batch_size,
-            max_num_tokens=config.max_num_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
+        if model_config is None:
+            self.model_config, self.max_seq_len = load_model_config(config, self.device)
+        else:
+            self.model_config = model_config
+            self.max_seq_len = config.max_seq_len or model_config.max_position_embeddings
+        self.executor = make_executor(config, self.model_config, self.device, self.max_seq_len)
+        self.runner = self.executor.runner
+        self.kv_managers: list[KVCacheManager] = []
+        self.schedulers: list[Scheduler] = []
+        for _ in range(self.runner.parallel.dp_size):
+            kv = self.runner.make_kv_manager()
+            self.kv_managers.append(kv)
+            self.schedulers.append(Scheduler(kv, max_batch_size=config.max_batch_size,
+                                             max_num_tokens=config.max_num_tokens,
+                                             enable_chunked_prefill=config.enable_chunked_prefill))
         self.requests: dict[str, list[Request]] = {}  # request id -> its n completions
         self._arrivals = itertools.count()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d",
             self.model_config.architecture, self.device, self.runner.num_blocks, config.block_size, self.max_seq_len,
         )
+
+    @property
+    def kv(self) -> KVCacheManager:
+        """The KV manager of DP rank 0 (the only one without attention data parallelism)."""
+        return self.kv_managers[0]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of DP rank 0 (the only one without attention data parallelism)."""
+        return self.schedulers[0]
+
+    def stats(self) -> SchedulerStats:
+        scheds, kvs = self.schedulers, self.kv_managers
+        return SchedulerStats(
+            sum(len(s.running) for s in scheds), sum(len(s.waiting) for s in scheds),
+            sum(kv.usage for kv in kvs) / len(kvs), sum(kv.prefix_queries for kv in kvs),
+            sum(kv.prefix_hits for kv in kvs), sum(s.num_preemptions for s in scheds),
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -54,6 +91,8 @@ class EngineCore:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
+        # All n completions go to one DP rank: the later ones adopt the first one's prompt blocks.
+        dp_rank = min(range(len(self.schedulers)), key=lambda d: self.schedulers[d].num_unfinished)
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -68,11 +107,12 @@ class EngineCore:
                     # Later completions wait for the first one's prefill, then adopt its cached prompt blocks.
                     follows=children[0] if i > 0 and self.config.enable_prefix_caching else None,
                     generator=None if seed is None else self.runner.make_generator(seed),
+                    dp_rank=dp_rank,
                 )
             )
         self.requests[rid] = children
         for child in children:
-            self.scheduler.add(child)
+            self.schedulers[dp_rank].add(child)
 
     def _validate(self, prompt: list[int], params) -> None:
         if not prompt:
@@ -105,29 +145,37 @@ class EngineCore:
         outputs = []
         for i, req in enumerate(children):
             if (index is None or i == index) and not req.is_finished:
-                self.scheduler.abort(req)
+                self.schedulers[req.dp_rank].abort(req)
                 outputs.append(self._output(request_id, i, req, [], None))
         self._forget_if_done(request_id)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return any(s.num_unfinished for s in self.schedulers)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        if not sched:
+        scheds = [s.schedule() for s in self.schedulers]
+        if not any(scheds):
             return []
-        result = self.runner.execute(sched, self.kv)
+        inputs, rows = [], []
+        for sched, kv in zip(scheds, self.kv_managers):
+            step_input, step_rows = self.runner.prepare(sched, kv)
+            inputs.append(step_input)
+            rows.extend(step_rows)
+        result = self.runner.sample(self.executor.execute(inputs), rows)
         for req in result.failed:
             # Finished before update(): its token is dropped and its (suspect) KV blocks are not cached.
             logger.error("request %s: the model produced non-finite logits; finishing it with an error",
                          req.request_id)
             req.finish_reason = "error"
-            self.scheduler.abort(req)
-        outputs = [self._to_output(t, result) for t in self.scheduler.update(sched, result.sampled)]
+            self.schedulers[req.dp_rank].abort(req)
+        outputs = [self._to_output(t, result)
+                   for scheduler, sched in zip(self.schedulers, scheds)
+                   for t in scheduler.update(sched, result.sampled)]
         if self.config.check_kv_invariants:
-            self.kv.check_invariants()
+            for kv in self.kv_managers:
+                kv.check_invariants()
         for req in result.failed:
             rid, _, idx = req.request_id.rpartition("#")
             outputs.append(self._output(rid, int(idx), req, [], None))

@@ -28,7 +28,6 @@ from brisk.engine.messages import (
     EngineInfo,
     EngineOutputs,
     RequestFailure,
-    SchedulerStats,
     ToEngine,
 )
 
@@ -84,8 +83,6 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         if core.has_unfinished_requests():
             batch.outputs.extend(core.step())
         if batch.outputs or batch.failures:
-            sched, kv = core.scheduler, core.kv
-            batch.stats = SchedulerStats(len(sched.running), len(sched.waiting), kv.usage, kv.prefix_queries,
-                                         kv.prefix_hits, sched.num_preemptions)
+            batch.stats = core.stats()
             outbox.send(encoder.encode(batch))
     logger.error("the API server process is gone; the engine core exits")

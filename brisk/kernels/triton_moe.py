@@ -83,7 +83,7 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
     for start in range(0, num_slots, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
-        ids = tl.where(ids < num_experts, ids, -1)  # out-of-range ids (none today) match no expert
+        ids = tl.where(ids < num_experts, ids, -1)  # -1 (another EP rank's expert) and out-of-range ids match no expert
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
 
     # 2. Each expert owns a run of sorted_token_ids padded to a multiple of BLOCK_M; an empty expert's run is
@@ -413,8 +413,9 @@ def fused_moe_gate_up(hidden: torch.Tensor, weight: torch.Tensor, scales: torch.
 
 def fused_moe_down(act: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
                    bias: torch.Tensor | None, align: MoEAlignment, topk_weights: torch.Tensor,
-                   config: MoEConfig) -> torch.Tensor:
+                   config: MoEConfig, unrouted_slots: bool = False) -> torch.Tensor:
     """[T, H] = sum_j topk_weights[t, j] * (act[t*k+j] @ down[e]^T + bias[e]); bias None skips it (TP rank > 0).
+    unrouted_slots: some expert ids are -1 (experts of other EP ranks); their slots must read as zero.
 
     weight: MXFP4 blocks [E, H, I/32, 16] with scales [E, H, I/32], or plain [E, H, I] with scales None.
     """
@@ -424,7 +425,7 @@ def fused_moe_down(act: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     if not routing.is_contiguous():
         routing = routing.contiguous()
     # Written per slot, then summed (see the module docstring for why not atomics).
-    y = act.new_empty((num_tokens, top_k, weight.shape[1]))
+    y = (act.new_zeros if unrouted_slots else act.new_empty)((num_tokens, top_k, weight.shape[1]))
     _launch_gemm(act, 1, weight, scales, bias, y.view(num_tokens * top_k, -1), routing, align, None, config)
     return y.view(num_tokens, -1) if top_k == 1 else y.sum(dim=1)
 
@@ -433,8 +434,9 @@ def fused_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                   gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
                   down: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
                   swiglu_alpha: float, swiglu_limit: float,
-                  configs: tuple[MoEConfig, MoEConfig] | None = None) -> torch.Tensor:
+                  configs: tuple[MoEConfig, MoEConfig] | None = None, unrouted_slots: bool = False) -> torch.Tensor:
     """The MoE layer: hidden [T, H] routed by topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype.
+    With unrouted_slots, topk_ids may hold -1 (an expert on another EP rank): such a slot adds nothing.
 
     Weights are MXFP4 (blocks + scales) or plain (scales None), per projection. configs overrides the
     (gate_up, down) tiles; both must share block_m.
@@ -454,4 +456,4 @@ def fused_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     align = moe_align_block_size(topk_ids, up_cfg.block_m, num_experts)
     act = fused_moe_gate_up(hidden, gate_up, gate_up_scales, gate_up_bias, align, top_k,
                             swiglu_alpha, swiglu_limit, up_cfg)
-    return fused_moe_down(act, down, down_scales, down_bias, align, topk_weights, down_cfg)
+    return fused_moe_down(act, down, down_scales, down_bias, align, topk_weights, down_cfg, unrouted_slots)

@@ -27,6 +27,7 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]  # per KV group: [B, max_blocks] int32, padded with the null block 0
     slot_mappings: list[torch.Tensor]  # per KV group: [T] int64 slot = block * block_size + offset; -1 skips
     block_size: int
+    dp_num_tokens: list[int] | None = None  # attention data parallel: T of every DP rank (MoE gathers them)
 
     @property
     def num_seqs(self) -> int:
@@ -82,6 +83,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, KVH*D] (after RoPE); returns [T, H*D]."""
         t = q.shape[0]
+        if t == 0:  # an idle attention-DP rank still runs the step for the MoE collectives
+            return q
         out = self.backend.forward(
             self,
             q.view(t, self.num_heads, self.head_dim),

@@ -11,16 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ParallelConfig
+from brisk.distributed.comm import all_gather_last_dim
 from brisk.layers.linear import all_reduce_across_tp, copy_checked
-
-
-def gather_across_tp(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
-    """TP HOOK: concatenate each rank's vocab shard of the logits along the last dim. No-op at tp_size 1."""
-    if parallel.tp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -58,5 +50,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        logits = gather_across_tp(logits, self.parallel)
+        if self.parallel.tp_size > 1:
+            logits = all_gather_last_dim(logits, self.parallel.tp_size)
         return logits[..., : self.num_embeddings]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ParallelConfig
+from brisk.distributed.comm import all_reduce
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -40,11 +41,8 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shar
 
 
 def all_reduce_across_tp(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
-    """TP HOOK: sum partial results over the tensor-parallel group. No-op at tp_size 1."""
-    if parallel.tp_size == 1:
-        return x
-    torch.distributed.all_reduce(x)
-    return x
+    """Sum partial results over the tensor-parallel ranks (the whole world when tp_size > 1)."""
+    return x if parallel.tp_size == 1 else all_reduce(x)
 
 
 class LinearBase(nn.Module):

@@ -8,9 +8,14 @@ Expert layout inside brisk (one layout for both weight formats, rows = output fe
 gate_up rows interleave gate (even) and up (odd). Packed tensors stay packed: backends dequantize (or
 consume them directly, for GPU kernels) at forward time.
 
-Tensor parallelism splits the intermediate dim I: rank r holds gate_up rows [2I/tp * r, 2I/tp * (r+1)) (whole
-gate/up pairs) and the matching down_proj input columns; partial outputs are summed by an all-reduce and
-down_proj_bias is added on rank 0 only.
+Parallelism (see ParallelConfig): expert parallelism gives rank ep_rank the experts
+[E/ep * ep_rank, E/ep * (ep_rank+1)); tokens routed elsewhere contribute nothing here (their slot is -1).
+MoE tensor parallelism splits the intermediate dim I: moe_tp_rank r holds gate_up rows [2I/tp * r, 2I/tp * (r+1))
+(whole gate/up pairs) and the matching down_proj input columns; MXFP4 shards must be whole 32-value blocks, so I
+is zero-padded up to a multiple of 32 * moe_tp_size (a zero gate/up pair yields a zero activation). Each rank's
+output is a partial sum, reduced over the world; down_proj_bias is added on moe_tp_rank 0 only. With attention
+data parallelism the ranks hold different tokens: they are gathered before the experts and the sums scattered
+back after them.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ParallelConfig
-from brisk.layers.linear import all_reduce_across_tp, copy_checked, divide
+from brisk.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
+from brisk.layers.linear import copy_checked
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
 
@@ -49,6 +55,7 @@ class MoEBackend:
 
     def forward(self, layer: "FusedMoE", hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        """topk_ids are local expert indices; -1 marks a slot routed to another rank's expert."""
         raise NotImplementedError
 
 
@@ -59,8 +66,10 @@ class TorchMoEBackend(MoEBackend):
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         out = torch.zeros_like(hidden)
-        add_down_bias = layer.tp_rank == 0
+        add_down_bias = layer.moe_tp_rank == 0
         for expert in topk_ids.unique().tolist():
+            if expert < 0:
+                continue
             token_idx, slot = torch.where(topk_ids == expert)
             w_gate_up, w_down = layer.expert_weights(expert, hidden.dtype)
             gate_up = F.linear(hidden[token_idx], w_gate_up, layer.gate_up_proj_bias[expert])
@@ -102,20 +111,31 @@ class FusedMoE(nn.Module):
         super().__init__()
         if quantization not in (None, "mxfp4"):
             raise ValueError(f"unsupported MoE quantization '{quantization}' (supported: mxfp4)")
+        if num_experts % parallel.ep_size:
+            raise ValueError(f"num_local_experts ({num_experts}) is not divisible by ep_size ({parallel.ep_size})")
         self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // parallel.ep_size
+        self.first_expert = parallel.ep_rank * self.num_local_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = divide(intermediate_size, parallel.tp_size, "moe intermediate_size")
+        moe_tp = parallel.moe_tp_size
+        if quantization == "mxfp4":
+            padded = -(-intermediate_size // (MXFP4_BLOCK_SIZE * moe_tp)) * MXFP4_BLOCK_SIZE * moe_tp
+        elif intermediate_size % moe_tp:
+            raise ValueError(f"moe intermediate_size ({intermediate_size}) is not divisible by the MoE "
+                             f"tensor-parallel size ({moe_tp} = tp_size / ep_size)")
+        else:
+            padded = intermediate_size
+        self.intermediate_size = padded // moe_tp
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.quantization = quantization
         self.parallel = parallel
-        self.tp_rank = parallel.tp_rank
+        self.moe_tp_rank = parallel.moe_tp_rank
         self.backend = make_moe_backend(moe_backend)
 
-        e, h, i = num_experts, hidden_size, self.intermediate_size
+        e, h, i = self.num_local_experts, hidden_size, self.intermediate_size
         if quantization == "mxfp4":
-            for what, size in (("hidden_size", h), ("per-rank intermediate_size", i)):
-                if size % MXFP4_BLOCK_SIZE:
-                    raise ValueError(f"MXFP4 needs {what} ({size}) divisible by {MXFP4_BLOCK_SIZE}")
+            if h % MXFP4_BLOCK_SIZE:
+                raise ValueError(f"MXFP4 needs hidden_size ({h}) divisible by {MXFP4_BLOCK_SIZE}")
             half = MXFP4_BLOCK_SIZE // 2
             self._add("gate_up_proj_blocks", (e, 2 * i, h // MXFP4_BLOCK_SIZE, half), 1, torch.uint8)
             self._add("gate_up_proj_scales", (e, 2 * i, h // MXFP4_BLOCK_SIZE), 1, torch.uint8)
@@ -136,11 +156,19 @@ class FusedMoE(nn.Module):
 
     def _load(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None, *,
               name: str, tp_dim: int | None, transpose: bool) -> None:
+        if loaded_weight.shape[0] != self.num_experts:
+            raise ValueError(f"FusedMoE.{name}: checkpoint has {loaded_weight.shape[0]} experts, "
+                             f"config num_local_experts is {self.num_experts}")
+        loaded_weight = loaded_weight.narrow(0, self.first_expert, self.num_local_experts)
         if transpose:
             loaded_weight = loaded_weight.transpose(1, 2)
         if tp_dim is not None:
             size = param.shape[tp_dim]
-            loaded_weight = loaded_weight.narrow(tp_dim, self.tp_rank * size, size)
+            missing = size * self.parallel.moe_tp_size - loaded_weight.shape[tp_dim]
+            if missing > 0:  # MXFP4 intermediate padding: zero rows / zero blocks
+                pad = [0, 0] * (loaded_weight.dim() - 1 - tp_dim) + [0, missing]
+                loaded_weight = F.pad(loaded_weight, pad)
+            loaded_weight = loaded_weight.narrow(tp_dim, self.moe_tp_rank * size, size)
         copy_checked(param.data, loaded_weight, f"FusedMoE.{name}")
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +179,20 @@ class FusedMoE(nn.Module):
             return gate_up, down
         return self.gate_up_proj[expert].to(dtype), self.down_proj[expert].to(dtype)
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], router_logits [T, E] -> [T, H]."""
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                dp_num_tokens: list[int] | None = None) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, E] -> [T, H]. dp_num_tokens: every DP rank's T (attention DP)."""
+        p = self.parallel
+        if p.dp_size > 1:
+            hidden = all_gather_rows(hidden, dp_num_tokens)
+            router_logits = all_gather_rows(router_logits, dp_num_tokens)
         topk_ids, topk_weights = select_experts(router_logits, self.top_k)
+        if p.ep_size > 1:
+            local = topk_ids - self.first_expert
+            here = (local >= 0) & (local < self.num_local_experts)
+            topk_ids = torch.where(here, local, -1)
+            topk_weights = topk_weights * here
         out = self.backend.forward(self, hidden, topk_ids, topk_weights)
-        return all_reduce_across_tp(out, self.parallel)
+        if p.dp_size > 1:
+            return reduce_scatter_rows(out, dp_num_tokens, p.dp_rank)
+        return all_reduce(out) if p.world_size > 1 else out

@@ -36,8 +36,9 @@ class TritonMoEBackend(MoEBackend):
             gate_up_bias=layer.gate_up_proj_bias,
             down=layer.down_proj_blocks if mxfp4 else layer.down_proj,
             down_scales=layer.down_proj_scales if mxfp4 else None,
-            # Partial outputs of TP ranks are all-reduced: only rank 0 adds the down bias.
-            down_bias=layer.down_proj_bias if layer.tp_rank == 0 else None,
+            # Partial outputs of MoE-TP ranks are summed: only moe_tp_rank 0 adds the down bias.
+            down_bias=layer.down_proj_bias if layer.moe_tp_rank == 0 else None,
             swiglu_alpha=layer.swiglu_alpha,
             swiglu_limit=layer.swiglu_limit,
+            unrouted_slots=layer.parallel.ep_size > 1,
         )

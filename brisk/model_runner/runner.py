@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
+import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.distributed.comm import agree_min, all_gather_rows
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.model_runner.loader import load_model
@@ -33,6 +36,19 @@ def kv_groups_for(model_config: ModelConfig) -> list[KVGroupSpec]:
     return groups
 
 
+class StepInput(msgspec.Struct, array_like=True):
+    """One step's model input for one (data-parallel) rank: flat tokens plus the paged-KV addressing.
+    Rank 0 builds it and, with several ranks, broadcasts it: plain lists encode fast with msgspec."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]  # [B+1]
+    seq_lens: list[int]  # [B]
+    block_tables: list[list[list[int]]]  # per KV group, per sequence (ragged)
+    slot_mappings: list[list[int]]  # per KV group: [T]
+    logits_indices: list[int]  # rows of the hidden states that sample a token
+
+
 @dataclass
 class StepResult:
     sampled: dict[Request, int]
@@ -48,15 +64,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int) -> None:
+    """One rank's model and KV cache. `cpu_group` (a gloo group) is where ranks agree on the KV size."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int,
+                 parallel: ParallelConfig = ParallelConfig(), cpu_group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
         self.model_config = model_config
         self.device = device
+        self.parallel = parallel
         self.block_size = config.block_size
-        self.model = load_model(
-            model_config, load_format=config.load_format, device=device, moe_backend=config.moe_config.backend
-        )
+        self.model = load_model(model_config, load_format=config.load_format, device=device,
+                                moe_backend=config.moe_config.backend, parallel=parallel)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         attention_backend = make_attention_backend(config.attn_backend, device)
@@ -64,6 +83,8 @@ class ModelRunner:
             layer.backend = attention_backend
         self.kv_groups = kv_groups_for(model_config)
         self.num_blocks = self._num_kv_blocks()
+        if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
+            self.num_blocks = agree_min(self.num_blocks, cpu_group)
         self._allocate_kv_cache()
         self.sampler = Sampler()
 
@@ -73,10 +94,15 @@ class ModelRunner:
         return max(len(g.layer_ids) for g in self.kv_groups)
 
     @property
+    def num_kv_heads(self) -> int:
+        """KV heads held by this rank (a share of them under TP, one when they are replicated)."""
+        return self.attn_layers[0].num_kv_heads
+
+    @property
     def bytes_per_block(self) -> int:
         mc = self.model_config
         elt = torch.empty((), dtype=mc.dtype).element_size()
-        return self.num_slots * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elt
+        return self.num_slots * 2 * self.block_size * self.num_kv_heads * mc.head_dim * elt
 
     def _num_kv_blocks(self) -> int:
         if self.config.kv_cache_config.max_blocks is not None:
@@ -93,7 +119,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         slots = [
             (torch.zeros(shape, dtype=mc.dtype, device=self.device), torch.zeros(shape, dtype=mc.dtype, device=self.device))
             for _ in range(self.num_slots)
@@ -108,48 +134,66 @@ class ModelRunner:
         return KVCacheManager(self.kv_groups, self.num_blocks, self.block_size, self.config.enable_prefix_caching)
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepResult:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[StepInput, list[Request]]:
+        """Flatten a scheduled batch into the step's model input; also returns the request of each sampled row."""
+        step = StepInput([], [], [0], [], [[] for _ in self.kv_groups], [[] for _ in self.kv_groups], [])
         rows: list[Request] = []
-        tables = [[] for _ in self.kv_groups]
-        slots: list[list[int]] = [[] for _ in self.kv_groups]
         bs = self.block_size
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            req_tables = kv.tables[req.request_id]
-            for g, table in enumerate(req_tables):
-                tables[g].append(table)
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            step.input_ids.extend(req.all_token_ids[start:end])
+            step.positions.extend(range(start, end))
+            step.query_start_loc.append(step.query_start_loc[-1] + s.num_new_tokens)
+            step.seq_lens.append(end)
+            for g, table in enumerate(kv.tables[req.request_id]):
+                step.block_tables[g].append(table)
+                step.slot_mappings[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.samples:
-                logits_indices.append(query_start_loc[-1] - 1)
+                step.logits_indices.append(step.query_start_loc[-1] - 1)
                 rows.append(req)
+        return step, rows
 
-        dev = self.device
+    @torch.inference_mode()
+    def forward(self, inputs: list[StepInput]) -> torch.Tensor | None:
+        """Run this rank's part of a step (inputs[dp_rank]); every rank calls it with the same inputs.
+
+        Returns the logits of the sampled rows, all DP ranks' rows in order, on rank 0; None elsewhere
+        or when no row samples.
+        """
+        p, dev = self.parallel, self.device
+        step = inputs[p.dp_rank]
         meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=[_pad_2d(t, dev) for t in tables],
-            slot_mappings=[torch.tensor(s, dtype=torch.int64, device=dev) for s in slots],
-            block_size=bs,
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_tables=[_pad_2d(t, dev) for t in step.block_tables],
+            slot_mappings=[torch.tensor(s, dtype=torch.int64, device=dev) for s in step.slot_mappings],
+            block_size=self.block_size,
+            dp_num_tokens=[len(i.input_ids) for i in inputs] if p.dp_size > 1 else None,
         )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
             meta,
         )
-        if not rows:
+        hidden = hidden[torch.tensor(step.logits_indices, dtype=torch.long, device=dev)]
+        if p.dp_size > 1:
+            # The LM head is replicated under attention DP: rank 0 computes every rank's logits.
+            counts = [len(i.logits_indices) for i in inputs]
+            if not any(counts):
+                return None
+            hidden = all_gather_rows(hidden, counts)
+            return self.model.compute_logits(hidden) if p.rank == 0 else None
+        if not step.logits_indices:
+            return None
+        logits = self.model.compute_logits(hidden)  # vocab-parallel under TP: every rank takes part
+        return logits if p.rank == 0 else None
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor | None, rows: list[Request]) -> StepResult:
+        if logits is None:
             return StepResult({}, None, [])
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=dev)]).float()
+        logits = logits.float()
         # A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be
         # sampled: zero it so the sampler never sees it, and fail only that request. The mask is read
         # back after sampling, when the device has synchronised anyway.
@@ -162,7 +206,7 @@ class ModelRunner:
             generators=[r.generator for r in rows],
             stop_ids=[set(r.stop_token_ids) for r in rows],
             vocab_size=logits.shape[-1],
-            device=dev,
+            device=self.device,
         )
         out = self.sampler(logits, batch)
         failed = [rows[i] for i in bad.nonzero().flatten().tolist()]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig, ParallelConfig
+from brisk.layers.attention import AttentionMetadata
 from brisk.layers.linear import ReplicatedLinear
 from brisk.layers.moe import FusedMoE
 from brisk.layers.rotary import RotaryEmbedding
@@ -44,8 +45,8 @@ class GptOssMLP(nn.Module):
             moe_backend=moe_backend,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x))
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.experts(x, self.router(x), meta.dp_num_tokens)
 
 
 class GptOssForCausalLM(CausalLM):

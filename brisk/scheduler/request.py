@@ -27,6 +27,7 @@ class Request:
     # n > 1: a sibling whose prefill this one waits for, so it can adopt the prompt's KV blocks.
     follows: "Request | None" = None
     generator: torch.Generator | None = None
+    dp_rank: int = 0  # attention data parallelism: the rank whose KV pool holds this request
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission

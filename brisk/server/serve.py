@@ -12,6 +12,8 @@ import uvicorn
 from transformers import AutoTokenizer
 
 from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.distributed.launch import launcher_env, rank_place
+from brisk.distributed.worker import run_worker
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.model_runner.loader import resolve_model_path
 from brisk.server.app import ServerState, build_app
@@ -53,6 +55,10 @@ async def serve(model: str | None, *, host: str, port: int, served_model_name: s
     api_key = resolve_api_key(api_key, api_key_file)
     path = resolve_model_path(model) if model else str(DEMO_MODEL)
     config = EngineConfig.build(path, extra_llm_api_options, **engine_options)
+    env = launcher_env()
+    if env is not None and env["RANK"] > 0:  # torchrun: ranks > 0 hold model shards, rank 0 serves HTTP
+        run_worker(config, rank_place(config, env))
+        return 0
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
     model_config = ModelConfig.from_pretrained(path)
     is_harmony = model_config.hf_config.model_type == "gpt_oss" and "<|channel|>" in tokenizer.get_vocab()

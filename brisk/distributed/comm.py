@@ -1,0 +1,72 @@
+"""The collectives brisk runs, all over torch.distributed's default group (the whole world).
+
+Every rank calls them in the same order with tensors of the same shapes: NCCL on GPUs, gloo on CPUs.
+Row counts that differ between ranks (attention data parallel) are known to every rank from the step
+message, so variable-size exchanges pad to the largest count instead of exchanging sizes first.
+A separate gloo group carries host-side bytes (the step broadcast) when the tensors live on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks, in place."""
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Concatenate every rank's x along the last dim (vocab-parallel logits)."""
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[counts[rank], ...] on each rank -> [sum(counts), ...], rank 0's rows first."""
+    width = max(counts)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+
+def reduce_scatter_rows(x: torch.Tensor, counts: list[int], rank: int) -> torch.Tensor:
+    """The inverse of all_gather_rows for partial sums: x [sum(counts), ...] on every rank -> this rank's
+    counts[rank] rows of the sum over ranks."""
+    width = max(counts)
+    padded = x.new_zeros((len(counts) * width, *x.shape[1:]))
+    offset = 0
+    for r, n in enumerate(counts):
+        padded[r * width: r * width + n] = x[offset: offset + n]
+        offset += n
+    if dist.get_backend() == "gloo":  # gloo has no reduce-scatter: reduce everything, keep our slice
+        dist.all_reduce(padded)
+        return padded[rank * width: rank * width + counts[rank]].clone()
+    out = x.new_empty((width, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded)
+    return out[: counts[rank]]
+
+
+def broadcast_bytes(payload: bytes | None, group: dist.ProcessGroup | None) -> bytes:
+    """Rank 0 sends `payload` to every rank of `group` (a gloo group); the others pass None and get it."""
+    size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if payload is None:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    else:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=0, group=group)
+    return buffer.numpy().tobytes()
+
+
+def agree_min(value: int, group: dist.ProcessGroup | None) -> int:
+    """The smallest of every rank's value (e.g. how many KV blocks fit on every rank)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())

@@ -1,0 +1,100 @@
+"""Who runs the model for the engine core: this process alone, or a torch.distributed world it drives.
+
+`DistributedExecutor` is rank 0. Each step it broadcasts the step's inputs (msgspec bytes over a gloo
+group: one size, one payload) and runs its own part; the other ranks (worker.py) do the same with what they
+receive. Collectives inside the model keep the ranks in lock step; rank 0 gets the logits and samples.
+A worker that dies takes rank 0 down with a non-zero exit (the API server then reports unhealthy and exits),
+never a hang in a collective that can no longer complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.distributed.comm import broadcast_bytes
+from brisk.distributed.launch import init_distributed, rank0_place, rank_device
+from brisk.distributed.worker import WorkerSpec
+from brisk.model_runner.runner import ModelRunner, StepInput
+
+logger = logging.getLogger(__name__)
+WORKER_EXIT_TIMEOUT_S = 30
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int):
+        self.runner = ModelRunner(config, model_config, device, max_seq_len)
+
+    def execute(self, inputs: list[StepInput]) -> torch.Tensor | None:
+        return self.runner.forward(inputs)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class DistributedExecutor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_seq_len: int):
+        place = rank0_place(config)
+        if place.rank != 0:
+            raise RuntimeError(f"the engine core runs on rank 0, not rank {place.rank}: launch `brisk serve` on "
+                               "every rank (ranks > 0 become workers)")
+        self.device = rank_device(config, place.local_rank)
+        self._stopping = threading.Event()
+        self._workers: list[subprocess.Popen] = []
+        if not place.launched_externally:
+            spec = dict(config_json=config.model_dump_json(), world_size=place.world_size,
+                        init_method=place.init_method)
+            for rank in range(1, place.world_size):
+                self._spawn(WorkerSpec(rank=rank, **spec))
+        self.cpu_group = init_distributed(place, self.device)
+        parallel = ParallelConfig.for_rank(0, place.world_size, config.ep_size, config.enable_attention_dp)
+        self.runner = ModelRunner(config, model_config, self.device, max_seq_len, parallel, self.cpu_group)
+        self._encoder = msgspec.msgpack.Encoder()
+        logger.info("%d ranks ready (%s)", place.world_size, parallel)
+
+    def _spawn(self, spec: WorkerSpec) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", "brisk.distributed.worker"], stdin=subprocess.PIPE)
+        proc.stdin.write(msgspec.json.encode(spec) + b"\n")
+        proc.stdin.flush()  # the pipe stays open: the worker exits when it closes
+        self._workers.append(proc)
+        threading.Thread(target=self._watch, args=(spec.rank, proc), daemon=True,
+                         name=f"brisk-watch-rank{spec.rank}").start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._stopping.is_set():
+            # Rank 0 may be blocked in a collective that can never complete now (NCCL waits forever):
+            # exit at once and loudly; whoever started this process sees the non-zero status.
+            logger.critical("rank %d exited with code %s; the engine cannot go on and exits", rank, code)
+            os._exit(1)
+
+    def execute(self, inputs: list[StepInput]) -> torch.Tensor | None:
+        broadcast_bytes(self._encoder.encode(inputs), self.cpu_group)
+        return self.runner.forward(inputs)
+
+    def shutdown(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        broadcast_bytes(b"", self.cpu_group)  # ends the workers' loops
+        for proc in self._workers:
+            try:
+                proc.wait(timeout=WORKER_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            proc.stdin.close()
+        dist.destroy_process_group()
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int):
+    if config.tp_size == 1:
+        return LocalExecutor(config, model_config, device, max_seq_len)
+    return DistributedExecutor(config, model_config, max_seq_len)

@@ -1,0 +1,87 @@
+"""How the ranks of a job find each other.
+
+Two ways in, as with vLLM / TensorRT-LLM:
+- `brisk serve --tp_size N` on one node: rank 0 (the engine core) spawns ranks 1..N-1 as worker processes
+  (`python -m brisk.distributed.worker`) and hands each its place over the worker's stdin, which it keeps
+  open: a worker exits when that pipe closes, so a dead engine never leaves workers behind.
+- Multi-node: `torchrun` (or any launcher that sets the same variables: RANK, WORLD_SIZE, LOCAL_RANK,
+  MASTER_ADDR, MASTER_PORT) starts `brisk serve` on every rank; rank 0 serves HTTP, the others run the
+  worker loop. See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from brisk.config import ConfigError, EngineConfig
+
+INIT_TIMEOUT = timedelta(minutes=10)  # loading a 120B checkpoint on a slow disk takes minutes
+
+
+@dataclass(frozen=True)
+class WorldPlace:
+    """Where this process sits in the job and how it joins it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    init_method: str
+    launched_externally: bool  # torchrun started every rank; nobody here spawns workers
+
+
+def launcher_env() -> dict[str, int] | None:
+    """RANK / WORLD_SIZE / LOCAL_RANK as set by torchrun (or mpirun wrappers), if this is such a job."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return {key: int(os.environ.get(key, "0")) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def rank_place(config: EngineConfig, env: dict[str, int]) -> WorldPlace:
+    """This process's place in a launcher-started job."""
+    if env["WORLD_SIZE"] != config.tp_size:
+        raise ConfigError(f"the launcher started WORLD_SIZE={env['WORLD_SIZE']} ranks but tp_size is {config.tp_size}")
+    return WorldPlace(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], "env://", launched_externally=True)
+
+
+def rank0_place(config: EngineConfig) -> WorldPlace:
+    """Rank 0's place: from the launcher's variables, else a fresh local world that rank 0 will spawn."""
+    env = launcher_env()
+    if env is None:
+        return WorldPlace(0, config.tp_size, 0, f"tcp://127.0.0.1:{free_port()}", launched_externally=False)
+    return rank_place(config, env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK on GPUs, the CPU otherwise (device 'auto' picks as for one rank)."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
+                          f"{torch.cuda.device_count()}; lower tp_size or add nodes")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(place: WorldPlace, device: torch.device) -> dist.ProcessGroup | None:
+    """Join the world (NCCL for GPU tensors, gloo for CPU ones); returns the gloo group for host bytes
+    (None: the default group already is gloo)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=place.init_method, rank=place.rank,
+                            world_size=place.world_size, timeout=INIT_TIMEOUT)
+    return dist.new_group(backend="gloo") if backend != "gloo" else None

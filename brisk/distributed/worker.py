@@ -1,0 +1,69 @@
+"""A rank other than 0: holds its shard of the model and KV cache, and runs every step rank 0 broadcasts.
+
+Started by rank 0 (`python -m brisk.distributed.worker`, its place as one JSON line on stdin) or by a
+launcher (torchrun: `brisk serve` on ranks > 0 calls `run_worker`). An empty broadcast ends the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from brisk.config import EngineConfig, ParallelConfig
+from brisk.distributed.comm import broadcast_bytes
+from brisk.distributed.launch import WorldPlace, init_distributed, rank_device
+
+logger = logging.getLogger("brisk.worker")
+
+
+class WorkerSpec(msgspec.Struct):
+    config_json: str
+    rank: int
+    world_size: int
+    init_method: str
+
+
+def run_worker(config: EngineConfig, place: WorldPlace) -> None:
+    from brisk.engine.core import load_model_config  # the engine package imports this one
+    from brisk.model_runner.runner import ModelRunner, StepInput
+
+    device = rank_device(config, place.local_rank)
+    if device.type == "cpu":  # ranks on one host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world_size))
+    cpu_group = init_distributed(place, device)
+    model_config, max_seq_len = load_model_config(config, device)
+    parallel = ParallelConfig.for_rank(place.rank, place.world_size, config.ep_size, config.enable_attention_dp)
+    runner = ModelRunner(config, model_config, device, max_seq_len, parallel, cpu_group)
+    logger.info("rank %d/%d ready on %s", place.rank, place.world_size, device)
+    decoder = msgspec.msgpack.Decoder(list[StepInput])
+    while payload := broadcast_bytes(None, cpu_group):
+        runner.forward(decoder.decode(payload))
+    dist.destroy_process_group()
+
+
+def _exit_when_rank0_is_gone(done: threading.Event) -> None:
+    while os.read(0, 4096):  # b"" at EOF: rank 0 closed the pipe or died (raw reads: no buffer lock at exit)
+        pass
+    if not done.is_set():
+        logger.error("rank 0 is gone; this worker exits")
+        os._exit(1)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
+    spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=WorkerSpec)
+    done = threading.Event()
+    threading.Thread(target=_exit_when_rank0_is_gone, args=(done,), daemon=True).start()
+    config = EngineConfig.model_validate_json(spec.config_json)
+    run_worker(config, WorldPlace(spec.rank, spec.world_size, spec.rank, spec.init_method, launched_externally=False))
+    done.set()
+
+
+if __name__ == "__main__":
+    main()
