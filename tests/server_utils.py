@@ -30,10 +30,12 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, script: str | None = None) -> None:
+    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, script: str | None = None,
+                 launcher: list[str] | None = None) -> None:
+        """`launcher`: python arguments before MODEL (default `-m brisk.cli serve`, or `script`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        launcher = [script] if script else ["-m", "brisk.cli", "serve"]
+        launcher = launcher or ([script] if script else ["-m", "brisk.cli", "serve"])
         cmd = [sys.executable, *launcher, model, "--port", str(self.port), *args]
         self.log_path = f"/tmp/brisk-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")

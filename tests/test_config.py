@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
 
 
 def _write(tmp_path, text):
@@ -71,9 +71,23 @@ def test_missing_yaml_file(tmp_path):
         EngineConfig.build("m", tmp_path / "nope.yaml")
 
 
-def test_multi_gpu_options_rejected_until_built():
+def test_parallel_options_and_their_validation():
+    cfg = EngineConfig.build("m", tp_size=8, ep_size=4, enable_attention_dp=True)
+    assert (cfg.tp_size, cfg.ep_size, cfg.enable_attention_dp) == (8, 4, True)
+    with pytest.raises(ConfigError, match=r"ep_size \(3\) must divide tp_size \(4\)"):
+        EngineConfig.build("m", tp_size=4, ep_size=3)
     with pytest.raises(ConfigError, match="tp_size"):
-        EngineConfig.build("m", tp_size=2)
+        EngineConfig.build("m", tp_size=0)
+
+
+def test_parallel_layout_of_each_rank():
+    # tp 4, ep 2: attention split 4 ways, experts 2 ways, each expert's intermediate 2 ways.
+    layouts = [ParallelConfig.for_rank(r, 4, ep_size=2) for r in range(4)]
+    assert [(p.tp_rank, p.ep_rank, p.moe_tp_rank) for p in layouts] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert all(p.world_size == 4 and p.rank == r and p.dp_size == 1 for r, p in enumerate(layouts))
+    dp = [ParallelConfig.for_rank(r, 4, ep_size=4, attention_dp=True) for r in range(4)]
+    assert [(p.tp_size, p.dp_rank, p.ep_rank, p.moe_tp_size) for p in dp] == [(1, r, r, 1) for r in range(4)]
+    assert all(p.world_size == 4 and p.rank == r for r, p in enumerate(dp))
 
 
 def test_model_config_defaults_from_config_and_generation_config(tmp_path):

@@ -24,7 +24,7 @@ from tests.tiny_models import quantize_mxfp4
 
 
 def ranks(tp_size: int) -> list[ParallelConfig]:
-    return [ParallelConfig(tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
+    return [ParallelConfig.for_rank(r, tp_size) for r in range(tp_size)]
 
 
 def load(layer: torch.nn.Module, name: str, tensor: torch.Tensor, shard_id: object = None) -> None:
@@ -170,9 +170,10 @@ def test_vocab_parallel_embedding_and_lm_head_shard_rows():
     assert torch.equal(emb(torch.tensor([4, 0])), full[[4, 0]])
 
 
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_fused_moe_tp2_slices_intermediate_dim_and_sums_to_full(mxfp4):
-    e, h, i = 3, 32, 64
+@pytest.mark.parametrize("mxfp4,i", [(False, 64), (True, 64), (True, 32)])
+def test_fused_moe_tp2_slices_intermediate_dim_and_sums_to_full(mxfp4, i):
+    # MXFP4 with i = 32: each rank's 16 columns are not a whole 32-value block, so I is zero-padded to 64.
+    e, h = 3, 32
     gen = torch.Generator().manual_seed(0)
     hf_gate_up, hf_down = torch.randn(e, h, 2 * i, generator=gen), torch.randn(e, i, h, generator=gen)  # HF layout
     gate_up_bias, down_bias = torch.randn(e, 2 * i, generator=gen), torch.randn(e, h, generator=gen)
@@ -193,12 +194,17 @@ def test_fused_moe_tp2_slices_intermediate_dim_and_sums_to_full(mxfp4):
     ids, weights = select_experts(torch.randn(5, e, generator=gen), 2)
     full = build(ParallelConfig())
     total = torch.zeros(5, h)
+    gu_full, down_full = full.expert_weights(1, torch.float32)
+    padded = -(-i // 64) * 64 if mxfp4 else i
+    gu_full = torch.cat([gu_full, gu_full.new_zeros(2 * (padded - i), h)])
+    down_full = torch.cat([down_full, down_full.new_zeros(h, padded - i)], dim=1)
     for p in ranks(2):
         part = build(p)
-        gu_full, down_full = full.expert_weights(1, torch.float32)
+        per_rank = padded // 2
+        assert part.intermediate_size == per_rank
         gu, down = part.expert_weights(1, torch.float32)
-        assert torch.equal(gu, gu_full[p.tp_rank * i : (p.tp_rank + 1) * i])  # whole (gate, up) pairs
-        assert torch.equal(down, down_full[:, p.tp_rank * i // 2 : (p.tp_rank + 1) * i // 2])
+        assert torch.equal(gu, gu_full[p.moe_tp_rank * 2 * per_rank: (p.moe_tp_rank + 1) * 2 * per_rank])  # (gate, up) pairs
+        assert torch.equal(down, down_full[:, p.moe_tp_rank * per_rank: (p.moe_tp_rank + 1) * per_rank])
         total += part.backend.forward(part, x, ids, weights)  # what the all-reduce would compute
     torch.testing.assert_close(total, full.backend.forward(full, x, ids, weights), atol=1e-4, rtol=1e-5)
 

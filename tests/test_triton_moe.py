@@ -270,10 +270,26 @@ def test_backend_tile_shapes(configs):
 
 
 def test_backend_tp_rank_without_down_bias():
-    layer = make_layer(4, 2, 64, 128, mxfp4=True, seed=51, parallel=ParallelConfig(tp_rank=1, tp_size=2))
-    assert layer.intermediate_size == 64
+    layer = make_layer(4, 2, 64, 128, mxfp4=True, seed=51, parallel=ParallelConfig.for_rank(1, 2))
+    assert layer.intermediate_size == 64 and layer.moe_tp_rank == 1
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(52)).to(DEVICE)
     compare_backends(layer, hidden, *routing(3, 4, 2, seed=53))
+
+
+@pytest.mark.parametrize("mxfp4", [True, False])
+def test_backend_ep_rank_skips_other_ranks_experts(mxfp4):
+    # ep_size 2: this rank holds experts 4..7 of 8; slots routed to experts 0..3 arrive as -1 and add nothing.
+    layer = make_layer(8, 2, 64, 64, mxfp4=mxfp4, seed=54, parallel=ParallelConfig.for_rank(1, 2, ep_size=2))
+    assert layer.num_local_experts == 4 and layer.first_expert == 4
+    ids, weights = routing(9, 8, 2, seed=55)
+    local = torch.where(ids >= 4, ids - 4, -1)
+    assert (local < 0).any() and (local >= 0).any()
+    hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(56)).to(DEVICE)
+    ref = TorchMoEBackend().forward(layer, hidden, local, weights * (local >= 0))
+    only_local = TorchMoEBackend().forward(layer, hidden, local.clamp(min=0), weights * (local >= 0))
+    torch.testing.assert_close(ref, only_local)  # the reference itself ignores the -1 slots
+    out = TritonMoEBackend().forward(layer, hidden, local, weights * (local >= 0))
+    assert_matches(out, ref, torch.float32)
 
 
 def test_fused_moe_layer_with_triton_backend():

@@ -48,6 +48,7 @@ class DistributedExecutor:
                                "every rank (ranks > 0 become workers)")
         self.device = rank_device(config, place.local_rank)
         self._stopping = threading.Event()
+        self._in_step = False
         self._workers: list[subprocess.Popen] = []
         if not place.launched_externally:
             spec = dict(config_json=config.model_dump_json(), world_size=place.world_size,
@@ -77,14 +78,23 @@ class DistributedExecutor:
             os._exit(1)
 
     def execute(self, inputs: list[StepInput]) -> torch.Tensor | None:
+        self._in_step = True  # cleared only if every rank is known to have finished the step
         broadcast_bytes(self._encoder.encode(inputs), self.cpu_group)
-        return self.runner.forward(inputs)
+        logits = self.runner.forward(inputs)
+        self._in_step = False
+        return logits
 
     def shutdown(self) -> None:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        broadcast_bytes(b"", self.cpu_group)  # ends the workers' loops
+        if self._in_step:
+            # A step failed half-way on this rank: the workers wait in a collective that will never
+            # complete, so there is no orderly stop to broadcast.
+            for proc in self._workers:
+                proc.kill()
+        else:
+            broadcast_bytes(b"", self.cpu_group)  # ends the workers' loops
         for proc in self._workers:
             try:
                 proc.wait(timeout=WORKER_EXIT_TIMEOUT_S)

@@ -65,11 +65,11 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        x = x.view(t, -1, self.head_dim)
+        x = x.view(t, x.shape[-1] // self.head_dim, self.head_dim)
         cos, sin = cos[:, None, :], sin[:, None, :]
         half = self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
         parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
         if self.rotary_dim < self.head_dim:
             parts.append(x[..., self.rotary_dim :])
-        return torch.cat(parts, dim=-1).reshape(t, -1)
+        return torch.cat(parts, dim=-1).reshape(t, x.shape[1] * self.head_dim)

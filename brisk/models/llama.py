@@ -62,8 +62,8 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t = q.shape[0]
-            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
-            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v.contiguous(), meta, sinks=self.sinks)
         return self.o_proj(out)

@@ -1,0 +1,167 @@
+"""Multi-rank runtime on CPU (gloo, 2 processes): tensor, expert and attention-data parallelism.
+
+Each layout generates greedily with a KV pool small enough to preempt and prompts that share a prefix
+(a second pass hits the prefix cache); the tokens must equal the single-rank run. The weights each rank
+holds are checked by name and shape against the slice of the checkpoint it should hold. The same tests
+run on NCCL when two GPUs are present (device "auto").
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from brisk import LLM, SamplingParams
+from brisk.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from brisk.model_runner.loader import load_model
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+MAX_NEW = 10
+DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+# gpt-oss: 4 experts, 4 heads / 2 KV heads, intermediate 64 (MXFP4: 32 per MoE-TP rank, one block).
+LAYOUTS = {
+    "llama-tp2": ("llama", dict(tp_size=2)),
+    "llama-attention_dp2": ("llama", dict(tp_size=2, enable_attention_dp=True)),
+    "gpt_oss-tp2": ("gpt_oss", dict(tp_size=2)),
+    "gpt_oss-tp2-ep2": ("gpt_oss", dict(tp_size=2, ep_size=2)),
+    "gpt_oss-attention_dp2-ep2": ("gpt_oss", dict(tp_size=2, ep_size=2, enable_attention_dp=True)),
+    "gpt_oss-attention_dp2-moe_tp2": ("gpt_oss", dict(tp_size=2, enable_attention_dp=True)),
+    "gpt_oss_mxfp4-tp2": ("gpt_oss_mxfp4", dict(tp_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    paths = {}
+    for arch in ("llama", "gpt_oss", "gpt_oss_mxfp4"):
+        path = tmp_path_factory.mktemp(arch)
+        make_tiny_model(arch.removesuffix("_mxfp4"), path, seed=0, mxfp4=arch.endswith("_mxfp4"))
+        make_tiny_tokenizer(path)
+        paths[arch] = str(path)
+    return paths
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, 512) for _ in range(12)]
+    return [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (3, 9, 14, 20, 5, 27)]
+
+
+# Small pools: 6 prompts of up to 39 + 10 tokens in 4-token blocks cannot all run at once (preemption).
+# Under attention DP each rank has its own pool and half the requests, so its pool is smaller still.
+ENGINE_OPTIONS = dict(device=DEVICE, dtype="float32", tokens_per_block=4)
+MAX_BLOCKS, MAX_BLOCKS_PER_DP_RANK = 40, 28
+
+
+def _generate_twice(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # prefix-cache hits
+    assert first == second
+    return first
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens(models) -> dict[str, list[list[int]]]:
+    tokens = {}
+    for arch, path in models.items():
+        with LLM(path, **ENGINE_OPTIONS, kv_cache_config={"max_blocks": MAX_BLOCKS}) as llm:
+            tokens[arch] = _generate_twice(llm)
+    return tokens
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
+    arch, options = LAYOUTS[layout]
+    max_blocks = MAX_BLOCKS_PER_DP_RANK if options.get("enable_attention_dp") else MAX_BLOCKS
+    with LLM(models[arch], **ENGINE_OPTIONS, **options, kv_cache_config={"max_blocks": max_blocks}) as llm:
+        engine = llm.engine
+        parallel = engine.runner.parallel
+        assert parallel.world_size == 2
+        assert parallel.dp_size == (2 if options.get("enable_attention_dp") else 1)
+        tokens = _generate_twice(llm)
+        stats = engine.stats()
+        assert stats.num_preemptions > 0, "the pool was meant to be too small for the whole batch"
+        assert stats.prefix_hits > 0
+        if parallel.dp_size == 2:  # both ranks served requests, each from its own pool
+            assert all(kv.prefix_queries > 0 for kv in engine.kv_managers)
+        for kv in engine.kv_managers:
+            kv.check_invariants()
+            assert kv.pool.num_used == 0
+    assert tokens == single_rank_tokens[arch]
+
+
+# ---------------------------------------------------------------- what each rank holds
+
+def _expected_slice(name: str, full: dict[str, torch.Tensor], p: ParallelConfig, mc: ModelConfig) -> torch.Tensor:
+    """The part of the checkpoint rank p must hold under `name`, derived from the layout rules alone."""
+    tp, r = p.tp_size, p.tp_rank
+    d = mc.head_dim
+
+    def rows(t, n, i):  # i-th of n equal row blocks
+        return t.chunk(n, dim=0)[i]
+
+    if ".qkv_proj." in name:
+        q, k, v = (full[name.replace("qkv_proj", proj)] for proj in ("q_proj", "k_proj", "v_proj"))
+        kv_rank = r * mc.num_kv_heads // tp if tp > mc.num_kv_heads else r
+        kv_parts = max(1, min(tp, mc.num_kv_heads))
+        return torch.cat([rows(q, tp, r), rows(k, kv_parts, kv_rank), rows(v, kv_parts, kv_rank)])
+    if ".gate_up_proj." in name and ".experts." not in name:
+        gate, up = (full[name.replace("gate_up_proj", proj)] for proj in ("gate_proj", "up_proj"))
+        return torch.cat([rows(gate, tp, r), rows(up, tp, r)])
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight")):
+        return full[name].chunk(tp, dim=1)[r]
+    if name.endswith(("embed_tokens.weight", "lm_head.weight", ".sinks")):
+        return rows(full[name], tp, r)
+    if ".experts." in name:
+        t = full[name]
+        t = t.chunk(p.ep_size, dim=0)[p.ep_rank]
+        if name.endswith("_bias") and "down" in name:
+            return t
+        if name.endswith(("gate_up_proj", "down_proj")):  # HF [E, in, out] -> brisk [E, out, in]
+            t = t.transpose(1, 2)
+        dim = 1 if "gate_up" in name else 2
+        return t.chunk(p.moe_tp_size, dim=dim)[p.moe_tp_rank]
+    return full[name]  # norms, router, o_proj bias (added once), replicated layers
+
+
+@pytest.mark.parametrize("arch,options", [
+    ("llama", dict()), ("gpt_oss", dict()), ("gpt_oss", dict(ep_size=2)), ("gpt_oss_mxfp4", dict()),
+    ("gpt_oss", dict(ep_size=2, enable_attention_dp=True)), ("llama", dict(enable_attention_dp=True)),
+])
+def test_each_rank_holds_its_slice_of_every_weight(arch, options, models):
+    path = models[arch]
+    mc = ModelConfig.from_pretrained(path, "float32")
+    full = load_file(str(Path(path) / "model.safetensors"))
+    if mc.hf_config.tie_word_embeddings:
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    names_per_rank = []
+    for rank in range(2):
+        p = ParallelConfig.for_rank(rank, 2, options.get("ep_size", 1), options.get("enable_attention_dp", False))
+        model = load_model(mc, device="cpu", parallel=p, moe_backend="torch")
+        params = dict(model.named_parameters(remove_duplicate=False))
+        names_per_rank.append(set(params))
+        for name, param in params.items():
+            expected = _expected_slice(name, full, p, mc)
+            assert param.shape == expected.shape, f"rank {rank} {name}: {tuple(param.shape)} != {tuple(expected.shape)}"
+            assert torch.equal(param.data, expected.to(param.dtype)), f"rank {rank} {name}: wrong values"
+    assert names_per_rank[0] == names_per_rank[1]
+
+
+# ---------------------------------------------------------------- layouts refused with a reason
+
+def test_layouts_are_validated(models):
+    with pytest.raises(ConfigError, match="ep_size .3. must divide tp_size .4."):
+        EngineConfig.build("m", tp_size=4, ep_size=3)
+    mc = ModelConfig.from_pretrained(models["gpt_oss"], "float32")
+    with pytest.raises(ValueError, match="num_local_experts .4. is not divisible by ep_size .8."):
+        load_model(mc, device="meta", load_format="dummy",
+                   parallel=ParallelConfig.for_rank(0, 8, ep_size=8, attention_dp=True))
+    with pytest.raises(ValueError, match="num_heads .4. is not divisible by tp_size .8."):
+        load_model(mc, device="meta", load_format="dummy", parallel=ParallelConfig.for_rank(0, 8))
