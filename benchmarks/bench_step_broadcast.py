@@ -34,6 +34,7 @@ from brisk.distributed.comm import broadcast_bytes
 from brisk.model_runner.runner import StepInput
 
 SHM_BYTES = 64 << 20
+WAYS = ("gloo-bytes", "gloo-pickle", "zmq-ipc", "shm-barrier")
 
 
 def make_inputs(batch: int, context: int, new_tokens: int, block_size: int = 32) -> list[StepInput]:
@@ -60,15 +61,17 @@ def run_rank(rank: int, world: int, port: int, steps: int, ipc_dir: str, shm_nam
     ctx = zmq.Context()
     if rank == 0:
         pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)  # PUB drops messages past its high-water mark: no mark
         pub.bind(f"ipc://{ipc_dir}/steps")
     else:
         sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)
         sub.connect(f"ipc://{ipc_dir}/steps")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
     shm = shared_memory.SharedMemory(name=shm_name)
     for case, shape in CASES.items():
         inputs = make_inputs(*shape) if rank == 0 else None
-        for way in ("gloo-bytes", "gloo-pickle", "zmq-ipc", "shm-barrier"):
+        for way in WAYS:
             if way == "zmq-ipc":  # PUB/SUB drops what is sent before a subscriber joined: handshake first
                 while True:
                     if rank == 0:
@@ -135,13 +138,12 @@ def main() -> None:
             shm.close()
             shm.unlink()
     rows = list(results)
-    print(f"| case | payload (bytes) | {' | '.join(w for w in ('gloo-bytes', 'gloo-pickle', 'zmq-ipc', 'shm-barrier'))} |")
-    print("|---|---|---|---|---|---|")
+    print(f"| case | payload (bytes) | {' | '.join(WAYS)} |")
+    print("|---|---|" + "---|" * len(WAYS))
     for case in CASES:
         cells = {r["way"]: r for r in rows if r["case"] == case}
-        print(f"| {case} | {cells['gloo-bytes']['payload_bytes']:,} | "
-              + " | ".join(f"{cells[w]['per_step_us']:.0f} us" for w in ("gloo-bytes", "gloo-pickle", "zmq-ipc",
-                                                                          "shm-barrier")) + " |")
+        print(f"| {case} | {cells[WAYS[0]]['payload_bytes']:,} | "
+              + " | ".join(f"{cells[w]['per_step_us']:.0f} us" for w in WAYS) + " |")
     if args.out:
         meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.node(),
                     cpu_count=os.cpu_count(), command=shlex.join([sys.executable, *sys.argv]),
