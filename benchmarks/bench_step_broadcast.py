@@ -4,9 +4,9 @@
 
 Rank 0 sends a `StepInput` list (what `DistributedExecutor.execute` broadcasts) of a decode batch of 1, 64
 and 256 requests at 2k context, and of an 8,192-token prefill; every other rank decodes it. Ways compared:
-    gloo-bytes     msgspec bytes over a torch.distributed gloo group: a size, then the payload (what brisk does)
+    gloo-bytes     msgspec bytes over a torch.distributed gloo group: a size, then the payload
     gloo-pickle    torch.distributed.broadcast_object_list (pickle)
-    zmq-ipc        msgspec bytes over ZeroMQ PUB/SUB on an IPC socket (a message queue)
+    zmq-ipc        msgspec bytes over ZeroMQ PUB/SUB on an IPC socket: brisk's StepChannel (what brisk does)
     shm-barrier    msgspec bytes in a multiprocessing shared-memory buffer, two barriers per step
 Each way sends `steps` messages back to back and ends with one round trip; the figure is the total time per
 message, so it includes the receivers keeping up. It prints a table and writes JSON.
@@ -21,7 +21,6 @@ import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 from multiprocessing import shared_memory
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from brisk.distributed.channel import StepChannel
 from brisk.distributed.comm import broadcast_bytes
 from brisk.model_runner.runner import StepInput
 
@@ -52,37 +52,15 @@ CASES = {"decode-1": (1, 2048, 1), "decode-64": (64, 2048, 1), "decode-256": (25
          "prefill-8192": (1, 8192, 8192)}
 
 
-def run_rank(rank: int, world: int, port: int, steps: int, ipc_dir: str, shm_name: str, barrier, results) -> None:
+def run_rank(rank: int, world: int, port: int, steps: int, shm_name: str, barrier, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[StepInput])
-    import zmq
-
-    ctx = zmq.Context()
-    if rank == 0:
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)  # PUB drops messages past its high-water mark: no mark
-        pub.bind(f"ipc://{ipc_dir}/steps")
-    else:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.connect(f"ipc://{ipc_dir}/steps")
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+    channel = StepChannel(rank, None, over_tcp=False)
     shm = shared_memory.SharedMemory(name=shm_name)
     for case, shape in CASES.items():
         inputs = make_inputs(*shape) if rank == 0 else None
         for way in WAYS:
-            if way == "zmq-ipc":  # PUB/SUB drops what is sent before a subscriber joined: handshake first
-                while True:
-                    if rank == 0:
-                        pub.send(b"hello")
-                    heard = 1 if rank == 0 else int(sub.poll(10) > 0)
-                    flag = torch.tensor([heard])
-                    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                    if flag.item():
-                        break
-                while rank and sub.poll(100):  # every hello was sent before the all-reduce: drop them
-                    sub.recv()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):
@@ -95,9 +73,9 @@ def run_rank(rank: int, world: int, port: int, steps: int, ipc_dir: str, shm_nam
                     dist.broadcast_object_list(box, src=0)
                 elif way == "zmq-ipc":
                     if rank == 0:
-                        pub.send(encoder.encode(inputs))
+                        channel.publish(encoder.encode(inputs))
                     else:
-                        decoder.decode(sub.recv())
+                        decoder.decode(channel.receive())
                 else:
                     if rank == 0:
                         data = encoder.encode(inputs)
@@ -114,7 +92,8 @@ def run_rank(rank: int, world: int, port: int, steps: int, ipc_dir: str, shm_nam
                 results.append(dict(case=case, way=way, per_step_us=per_step_us,
                                     payload_bytes=len(encoder.encode(inputs))))
     shm.close()
-    ctx.destroy(linger=0)
+    dist.barrier()  # every message was taken before the publisher goes
+    channel.close()
     dist.destroy_process_group()
 
 
@@ -130,13 +109,12 @@ def main() -> None:
     results = manager.list()
     barrier = mp.get_context("spawn").Barrier(args.world_size)
     shm = shared_memory.SharedMemory(create=True, size=SHM_BYTES)
-    with tempfile.TemporaryDirectory() as ipc_dir:
-        try:
-            mp.start_processes(run_rank, args=(args.world_size, free_port(), args.steps, ipc_dir, shm.name, barrier,
-                                               results), nprocs=args.world_size, start_method="spawn")
-        finally:
-            shm.close()
-            shm.unlink()
+    try:
+        mp.start_processes(run_rank, args=(args.world_size, free_port(), args.steps, shm.name, barrier, results),
+                           nprocs=args.world_size, start_method="spawn")
+    finally:
+        shm.close()
+        shm.unlink()
     rows = list(results)
     print(f"| case | payload (bytes) | {' | '.join(WAYS)} |")
     print("|---|---|" + "---|" * len(WAYS))

@@ -102,7 +102,6 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
 def _expected_slice(name: str, full: dict[str, torch.Tensor], p: ParallelConfig, mc: ModelConfig) -> torch.Tensor:
     """The part of the checkpoint rank p must hold under `name`, derived from the layout rules alone."""
     tp, r = p.tp_size, p.tp_rank
-    d = mc.head_dim
 
     def rows(t, n, i):  # i-th of n equal row blocks
         return t.chunk(n, dim=0)[i]

@@ -322,3 +322,16 @@ def test_real_chunked_prefill(group: int, window: int | None) -> None:
     shape = _with_group(REAL, group)
     case = make_case(shape, [(2048, 8192), (1000, 1000), (129, 700)], window, dtype=torch.bfloat16, seed=31)
     assert_close(case.run(backend_for(shape), True)[0], case.reference(True))
+
+
+@pytest.mark.parametrize("window", [None, 6, 8])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_torch_backend_batched_decode_matches_per_sequence(window: int | None, use_sinks: bool) -> None:
+    # The reference computes a pure-decode batch at once over padded contexts; NaN-filled unwritten and
+    # released blocks must not leak into it, and it must equal the sequence-by-sequence computation.
+    case = make_case(TINY, DECODE_SPECS_TINY, window, seed=11)
+    batched = case.run(TorchAttentionBackend(), use_sinks)[0]
+    per_sequence = TorchAttentionBackend()
+    per_sequence.max_batched_decode_elements = 0
+    assert not batched.isnan().any()
+    torch.testing.assert_close(batched, case.run(per_sequence, use_sinks)[0], atol=1e-6, rtol=1e-6)

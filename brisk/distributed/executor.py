@@ -1,7 +1,7 @@
 """Who runs the model for the engine core: this process alone, or a torch.distributed world it drives.
 
-`DistributedExecutor` is rank 0. Each step it broadcasts the step's inputs (msgspec bytes over a gloo
-group: one size, one payload) and runs its own part; the other ranks (worker.py) do the same with what they
+`DistributedExecutor` is rank 0. Each step it publishes the step's inputs (msgspec bytes over the
+`StepChannel`) and runs its own part; the other ranks (worker.py) do the same with what they
 receive. Collectives inside the model keep the ranks in lock step; rank 0 gets the logits and samples.
 A worker that dies takes rank 0 down with a non-zero exit (the API server then reports unhealthy and exits),
 never a hang in a collective that can no longer complete.
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig
-from brisk.distributed.comm import broadcast_bytes
+from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import init_distributed, rank0_place, rank_device
 from brisk.distributed.worker import WorkerSpec
 from brisk.model_runner.runner import ModelRunner, StepInput
@@ -56,6 +56,7 @@ class DistributedExecutor:
             for rank in range(1, place.world_size):
                 self._spawn(WorkerSpec(rank=rank, **spec))
         self.cpu_group = init_distributed(place, self.device)
+        self.channel = StepChannel(0, self.cpu_group, over_tcp=place.launched_externally)
         parallel = ParallelConfig.for_rank(0, place.world_size, config.ep_size, config.enable_attention_dp)
         self.runner = ModelRunner(config, model_config, self.device, max_seq_len, parallel, self.cpu_group)
         self._encoder = msgspec.msgpack.Encoder()
@@ -79,7 +80,7 @@ class DistributedExecutor:
 
     def execute(self, inputs: list[StepInput]) -> torch.Tensor | None:
         self._in_step = True  # cleared only if every rank is known to have finished the step
-        broadcast_bytes(self._encoder.encode(inputs), self.cpu_group)
+        self.channel.publish(self._encoder.encode(inputs))
         logits = self.runner.forward(inputs)
         self._in_step = False
         return logits
@@ -94,13 +95,14 @@ class DistributedExecutor:
             for proc in self._workers:
                 proc.kill()
         else:
-            broadcast_bytes(b"", self.cpu_group)  # ends the workers' loops
+            self.channel.publish_stop()  # ends the workers' loops
         for proc in self._workers:
             try:
                 proc.wait(timeout=WORKER_EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
             proc.stdin.close()
+        self.channel.close()
         dist.destroy_process_group()
 
 

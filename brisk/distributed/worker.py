@@ -1,7 +1,7 @@
 """A rank other than 0: holds its shard of the model and KV cache, and runs every step rank 0 broadcasts.
 
 Started by rank 0 (`python -m brisk.distributed.worker`, its place as one JSON line on stdin) or by a
-launcher (torchrun: `brisk serve` on ranks > 0 calls `run_worker`). An empty broadcast ends the loop.
+launcher (torchrun: `brisk serve` on ranks > 0 calls `run_worker`). Rank 0's stop message ends the loop.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from brisk.config import EngineConfig, ParallelConfig
-from brisk.distributed.comm import broadcast_bytes
+from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import WorldPlace, init_distributed, rank_device
 
 logger = logging.getLogger("brisk.worker")
@@ -37,13 +37,15 @@ def run_worker(config: EngineConfig, place: WorldPlace) -> None:
     if device.type == "cpu":  # ranks on one host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world_size))
     cpu_group = init_distributed(place, device)
+    channel = StepChannel(place.rank, cpu_group, over_tcp=place.launched_externally)
     model_config, max_seq_len = load_model_config(config, device)
     parallel = ParallelConfig.for_rank(place.rank, place.world_size, config.ep_size, config.enable_attention_dp)
     runner = ModelRunner(config, model_config, device, max_seq_len, parallel, cpu_group)
     logger.info("rank %d/%d ready on %s", place.rank, place.world_size, device)
     decoder = msgspec.msgpack.Decoder(list[StepInput])
-    while payload := broadcast_bytes(None, cpu_group):
+    while (payload := channel.receive()) is not None:
         runner.forward(decoder.decode(payload))
+    channel.close()
     dist.destroy_process_group()
 
 

@@ -105,12 +105,24 @@ def store_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference paged attention: causal, GQA, sliding window, sinks; fp32 softmax."""
+    """Reference paged attention: causal, GQA, sliding window, sinks; fp32 softmax.
+
+    Sequences are computed one at a time, except a batch of pure decodes (one new token each), which is
+    computed at once over the padded context: the common step of a busy CPU server, where a Python loop per
+    sequence and layer would cost more than the math.
+    """
 
     name = "torch"
+    # Above this many fp32 context elements (batch x padded context x KV heads x head dim) a decode batch is
+    # computed sequence by sequence instead, to bound the temporary memory.
+    max_batched_decode_elements = 1 << 25
 
     def forward(self, layer, q, k, v, meta, sinks):
         store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
+        if q.shape[0] == meta.num_seqs and meta.num_seqs > 1:
+            padded = -(-max(meta.seq_lens) // meta.block_size) * meta.block_size
+            if meta.num_seqs * padded * layer.num_kv_heads * layer.head_dim <= self.max_batched_decode_elements:
+                return self._decode_batch(layer, q, meta, sinks, padded)
         block_table = meta.block_tables[layer.kv_group]
         bs = meta.block_size
         kvh, d = layer.num_kv_heads, layer.head_dim
@@ -147,6 +159,32 @@ class TorchAttentionBackend(AttentionBackend):
             o = torch.einsum("hgqk,khd->qhgd", probs, v_ctx)
             out[start:end] = o.reshape(n_q, layer.num_heads, d).to(out.dtype)
         return out
+
+    @staticmethod
+    def _decode_batch(layer, q, meta, sinks, padded: int) -> torch.Tensor:
+        """Every sequence has one new token (at position seq_len - 1): attend over the padded contexts at once."""
+        b, kvh, d = meta.num_seqs, layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kvh
+        blocks = meta.block_tables[layer.kv_group][:, : padded // meta.block_size].long()
+        k_ctx = layer.k_cache[blocks].reshape(b, padded, kvh, d).float()
+        v_ctx = layer.v_cache[blocks].reshape(b, padded, kvh, d).float()
+        seq_lens = torch.tensor(meta.seq_lens, device=q.device)
+        k_pos = torch.arange(padded, device=q.device)
+        allowed = k_pos[None, :] < seq_lens[:, None]
+        if layer.sliding_window is not None:
+            allowed &= k_pos[None, :] >= (seq_lens - layer.sliding_window)[:, None]
+        # Padding and released blocks hold whatever the pool last put there (the null block included):
+        # masked keys get -inf scores and masked values are zeroed, so nothing of them reaches the output.
+        v_ctx = v_ctx.masked_fill(~allowed[:, :, None, None], 0.0)
+        scores = torch.einsum("bhgd,bkhd->bhgk", q.float().view(b, kvh, group, d), k_ctx) * layer.scale
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().view(1, kvh, group, 1).expand(b, kvh, group, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out = torch.einsum("bhgk,bkhd->bhgd", probs, v_ctx)
+        return out.reshape(b, layer.num_heads, d).to(q.dtype)
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
