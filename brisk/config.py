@@ -69,6 +69,9 @@ class EngineConfig(_Strict):
     # for soak tests and debugging, it walks every block.
     check_kv_invariants: bool = False
     stream_interval: int = Field(1, ge=1)
+    # CPU serving: torch intra-op threads of the engine process and of each worker rank. None: the cores
+    # left after one for the API process (which detokenizes and streams), shared among the ranks.
+    num_cpu_threads: int | None = Field(None, ge=1)
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
@@ -205,13 +208,25 @@ def _read_generation_config(path: str) -> dict[str, Any]:
 def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
     if dtype != "auto":
         return getattr(torch, dtype)
-    if device_type == "cpu":
-        # bf16 matmuls on CPU are slow and inexact; fp32 is the reference path.
-        return torch.float32
     declared = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
+    if device_type == "cpu":
+        # A bf16 checkpoint runs in bf16 where the CPU multiplies bf16 natively (half the weight bytes per
+        # token, measured faster: docs/performance.md); otherwise, and for fp32 checkpoints, fp32, the
+        # reference path.
+        return torch.bfloat16 if declared == torch.bfloat16 and cpu_has_native_bf16() else torch.float32
     return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX (Linux: from /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,20 @@ def test_gpt_oss_config_layer_types():
     assert mc.layer_types[0] == "sliding_attention" and mc.layer_types[1] == "full_attention"
     assert mc.sliding_window == 128 and mc.vocab_size == 201088
     assert 200002 in mc.eos_token_ids
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_cpu_dtype_follows_the_checkpoint_where_bf16_is_native(tmp_path, monkeypatch, native_bf16):
+    import torch
+
+    import brisk.config
+
+    monkeypatch.setattr(brisk.config, "cpu_has_native_bf16", lambda: native_bf16)
+    for declared, expected in (("bfloat16", torch.bfloat16 if native_bf16 else torch.float32),
+                               ("float32", torch.float32)):
+        (tmp_path / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 16, "dtype": declared}))
+        assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cpu").dtype == expected
+        assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cuda").dtype == torch.bfloat16
+        assert ModelConfig.from_pretrained(str(tmp_path), "float32", "cpu").dtype == torch.float32

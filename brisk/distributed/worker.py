@@ -31,11 +31,11 @@ class WorkerSpec(msgspec.Struct):
 
 def run_worker(config: EngineConfig, place: WorldPlace) -> None:
     from brisk.engine.core import load_model_config  # the engine package imports this one
-    from brisk.model_runner.runner import ModelRunner, StepInput
+    from brisk.model_runner.runner import ModelRunner, StepInput, cpu_threads_per_rank
 
     device = rank_device(config, place.local_rank)
     if device.type == "cpu":  # ranks on one host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world_size))
+        torch.set_num_threads(cpu_threads_per_rank(config))
     cpu_group = init_distributed(place, device)
     channel = StepChannel(place.rank, cpu_group, over_tcp=place.launched_externally)
     model_config, max_seq_len = load_model_config(config, device)

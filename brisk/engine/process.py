@@ -18,10 +18,12 @@ import sys
 import traceback
 
 import msgspec
+import torch
 import zmq
 
 from brisk.config import EngineConfig
 from brisk.engine.core import EngineCore, InvalidRequestError
+from brisk.model_runner.runner import cpu_threads_per_rank, resolve_device
 from brisk.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -46,6 +48,8 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
     outbox.connect(from_engine_addr)
     try:
         config = EngineConfig.model_validate_json(config_json)
+        if resolve_device(config.device).type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(config))
         core = EngineCore(config)
         _serve(core, inbox, outbox)
     except Exception:  # noqa: BLE001 - the process must report why it died, then exit non-zero

@@ -57,6 +57,13 @@ class StepResult:
     failed: list[Request] = field(default_factory=list)  # rows whose logits were not finite
 
 
+def cpu_threads_per_rank(config: EngineConfig) -> int:
+    """torch threads for one CPU rank of a served model (see EngineConfig.num_cpu_threads)."""
+    if config.num_cpu_threads is not None:
+        return config.num_cpu_threads
+    return max(1, ((os.cpu_count() or 1) - 1) // config.tp_size)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -195,10 +202,11 @@ class ModelRunner:
             return StepResult({}, None, [])
         logits = logits.float()
         # A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be
-        # sampled: zero it so the sampler never sees it, and fail only that request. The mask is read
-        # back after sampling, when the device has synchronised anyway.
+        # sampled: zero it so the sampler never sees it, and fail only that request. One reduction over
+        # the logits finds such rows; only those rows are rewritten.
         bad = ~torch.isfinite(logits.amax(dim=-1))
-        logits.masked_fill_(bad.unsqueeze(-1), 0.0)
+        if bad.any():
+            logits[bad] = 0.0
         batch = SamplingBatch.build(
             params=[r.params for r in rows],
             prompt_ids=[r.prompt_token_ids for r in rows],
