@@ -69,8 +69,8 @@ class EngineConfig(_Strict):
     # for soak tests and debugging, it walks every block.
     check_kv_invariants: bool = False
     stream_interval: int = Field(1, ge=1)
-    # CPU serving: torch intra-op threads of the engine process and of each worker rank. None: the cores
-    # left after one for the API process (which detokenizes and streams), shared among the ranks.
+    # CPU serving: torch intra-op threads of the engine process and of each worker rank. None: the host's
+    # cores shared among the ranks (measured best for all but toy-sized models, docs/performance.md).
     num_cpu_threads: int | None = Field(None, ge=1)
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)

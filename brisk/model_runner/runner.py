@@ -61,7 +61,7 @@ def cpu_threads_per_rank(config: EngineConfig) -> int:
     """torch threads for one CPU rank of a served model (see EngineConfig.num_cpu_threads)."""
     if config.num_cpu_threads is not None:
         return config.num_cpu_threads
-    return max(1, ((os.cpu_count() or 1) - 1) // config.tp_size)
+    return max(1, (os.cpu_count() or 1) // config.tp_size)
 
 
 def resolve_device(name: str) -> torch.device:
