@@ -164,3 +164,25 @@ def test_layouts_are_validated(models):
                    parallel=ParallelConfig.for_rank(0, 8, ep_size=8, attention_dp=True))
     with pytest.raises(ValueError, match="num_heads .4. is not divisible by tp_size .8."):
         load_model(mc, device="meta", load_format="dummy", parallel=ParallelConfig.for_rank(0, 8))
+
+
+def test_launcher_variables(monkeypatch):
+    from brisk.distributed.launch import launcher_env, rank_place
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert launcher_env() is None
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    assert launcher_env() == {"RANK": 3, "WORLD_SIZE": 4, "LOCAL_RANK": 1}
+    config = EngineConfig.build("m", tp_size=4)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        rank_place(config, launcher_env())
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    place = rank_place(config, launcher_env())
+    assert (place.rank, place.world_size, place.local_rank, place.init_method) == (3, 4, 1, "tcp://10.0.0.1:29500")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=4 ranks but tp_size is 2"):
+        rank_place(EngineConfig.build("m", tp_size=2), launcher_env())

@@ -4,8 +4,8 @@ Two ways in, as with vLLM / TensorRT-LLM:
 - `brisk serve --tp_size N` on one node: rank 0 (the engine core) spawns ranks 1..N-1 as worker processes
   (`python -m brisk.distributed.worker`) and hands each its place over the worker's stdin, which it keeps
   open: a worker exits when that pipe closes, so a dead engine never leaves workers behind.
-- Multi-node: `torchrun` (or any launcher that sets the same variables: RANK, WORLD_SIZE, LOCAL_RANK,
-  MASTER_ADDR, MASTER_PORT) starts `brisk serve` on every rank; rank 0 serves HTTP, the others run the
+- Multi-node: `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK) or `mpirun` (OMPI_COMM_WORLD_*), with MASTER_ADDR and
+  MASTER_PORT exported, starts `brisk serve` on every rank; rank 0 serves HTTP, the others run the
   worker loop. See docs/parallelism.md.
 """
 
@@ -35,18 +35,31 @@ class WorldPlace:
     launched_externally: bool  # torchrun started every rank; nobody here spawns workers
 
 
+# torchrun's variables, then Open MPI's (mpirun, as in the TensorRT-LLM guide; MASTER_ADDR / MASTER_PORT must
+# still be exported to every rank).
+LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"))
+
+
 def launcher_env() -> dict[str, int] | None:
-    """RANK / WORLD_SIZE / LOCAL_RANK as set by torchrun (or mpirun wrappers), if this is such a job."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    return {key: int(os.environ.get(key, "0")) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    """RANK / WORLD_SIZE / LOCAL_RANK as set by torchrun or mpirun, if this is such a job."""
+    for rank, world, local in LAUNCHER_VARIABLES:
+        if int(os.environ.get(world, "1")) > 1:
+            values = {"RANK": os.environ.get(rank, "0"), "WORLD_SIZE": os.environ[world],
+                      "LOCAL_RANK": os.environ.get(local, "0")}
+            return {key: int(value) for key, value in values.items()}
+    return None
 
 
 def rank_place(config: EngineConfig, env: dict[str, int]) -> WorldPlace:
     """This process's place in a launcher-started job."""
     if env["WORLD_SIZE"] != config.tp_size:
         raise ConfigError(f"the launcher started WORLD_SIZE={env['WORLD_SIZE']} ranks but tp_size is {config.tp_size}")
-    return WorldPlace(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], "env://", launched_externally=True)
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ConfigError("a launcher-started job needs MASTER_ADDR and MASTER_PORT (rank 0's host and a free port)")
+    return WorldPlace(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], f"tcp://{addr}:{port}",
+                      launched_externally=True)
 
 
 def rank0_place(config: EngineConfig) -> WorldPlace:
