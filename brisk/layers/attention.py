@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -163,33 +162,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode_batch(layer, q, meta, sinks, padded: int) -> torch.Tensor:
-        """Every sequence has one new token (at position seq_len - 1): attend over the padded contexts at once,
-        with torch's fused SDPA kernel. Sinks join as one extra key whose value is zero and whose score is the
-        head's sink logit (an additive mask entry), which is exactly the sink term of the softmax denominator."""
+        """Every sequence has one new token (at position seq_len - 1): attend over the padded contexts at once."""
         b, kvh, d = meta.num_seqs, layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kvh
         blocks = meta.block_tables[layer.kv_group][:, : padded // meta.block_size].long()
-        width = padded + (sinks is not None)
-        k_ctx = q.new_zeros((b, width, kvh, d), dtype=torch.float32)
-        v_ctx = torch.zeros_like(k_ctx)
-        k_ctx[:, :padded] = layer.k_cache[blocks].reshape(b, padded, kvh, d)
-        v_ctx[:, :padded] = layer.v_cache[blocks].reshape(b, padded, kvh, d)
+        k_ctx = layer.k_cache[blocks].reshape(b, padded, kvh, d).float()
+        v_ctx = layer.v_cache[blocks].reshape(b, padded, kvh, d).float()
         seq_lens = torch.tensor(meta.seq_lens, device=q.device)
         k_pos = torch.arange(padded, device=q.device)
         allowed = k_pos[None, :] < seq_lens[:, None]
         if layer.sliding_window is not None:
             allowed &= k_pos[None, :] >= (seq_lens - layer.sliding_window)[:, None]
         # Padding and released blocks hold whatever the pool last put there (the null block included):
-        # masked keys and values are zeroed (a NaN there would survive a -inf mask) and masked keys get -inf.
-        k_ctx[:, :padded].masked_fill_(~allowed[:, :, None, None], 0.0)
-        v_ctx[:, :padded].masked_fill_(~allowed[:, :, None, None], 0.0)
-        mask = torch.zeros((b, layer.num_heads, 1, width), dtype=torch.float32, device=q.device)
-        mask[..., :padded].masked_fill_(~allowed[:, None, None, :], float("-inf"))
+        # masked keys get -inf scores and masked values are zeroed, so nothing of them reaches the output.
+        v_ctx = v_ctx.masked_fill(~allowed[:, :, None, None], 0.0)
+        scores = torch.einsum("bhgd,bkhd->bhgk", q.float().view(b, kvh, group, d), k_ctx) * layer.scale
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
         if sinks is not None:
-            mask[..., padded] = sinks.float()[None, :, None]
-        out = F.scaled_dot_product_attention(
-            q.float().view(b, layer.num_heads, 1, d), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-            attn_mask=mask, scale=layer.scale, enable_gqa=True,
-        )
+            scores = torch.cat([scores, sinks.float().view(1, kvh, group, 1).expand(b, kvh, group, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out = torch.einsum("bhgk,bkhd->bhgd", probs, v_ctx)
         return out.reshape(b, layer.num_heads, d).to(q.dtype)
 
 
