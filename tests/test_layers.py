@@ -203,7 +203,8 @@ def test_fused_moe_tp2_slices_intermediate_dim_and_sums_to_full(mxfp4, i):
         per_rank = padded // 2
         assert part.intermediate_size == per_rank
         gu, down = part.expert_weights(1, torch.float32)
-        assert torch.equal(gu, gu_full[p.moe_tp_rank * 2 * per_rank: (p.moe_tp_rank + 1) * 2 * per_rank])  # (gate, up) pairs
+        # whole (gate, up) pairs
+        assert torch.equal(gu, gu_full[p.moe_tp_rank * 2 * per_rank: (p.moe_tp_rank + 1) * 2 * per_rank])
         assert torch.equal(down, down_full[:, p.moe_tp_rank * per_rank: (p.moe_tp_rank + 1) * per_rank])
         total += part.backend.forward(part, x, ids, weights)  # what the all-reduce would compute
     torch.testing.assert_close(total, full.backend.forward(full, x, ids, weights), atol=1e-4, rtol=1e-5)

@@ -3,7 +3,8 @@
 Every rank calls them in the same order with tensors of the same shapes: NCCL on GPUs, gloo on CPUs.
 Row counts that differ between ranks (attention data parallel) are known to every rank from the step
 message, so variable-size exchanges pad to the largest count instead of exchanging sizes first.
-A separate gloo group carries host-side bytes (the step broadcast) when the tensors live on GPUs.
+Host-side values (the step channel's address, the KV pool size) go over a gloo group, a separate one when
+the tensors live on GPUs.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def broadcast_bytes(payload: bytes | None, group: dist.ProcessGroup | None) -> b
     """Rank 0 sends `payload` to every rank of `group` (a gloo group); the others pass None and get it."""
     size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)
-    if payload is None:
+    if payload:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:  # the receivers, and an empty payload (frombuffer refuses empty buffers)
         buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    else:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
     if buffer.numel():
         dist.broadcast(buffer, src=0, group=group)
     return buffer.numpy().tobytes()

@@ -19,10 +19,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig, ParallelConfig
-from brisk.distributed.channel import StepChannel
-from brisk.distributed.launch import init_distributed, rank0_place, rank_device
-from brisk.distributed.worker import WorkerSpec
+from brisk.config import EngineConfig, ModelConfig
+from brisk.distributed.launch import rank0_place, rank_device
+from brisk.distributed.worker import WorkerSpec, join_world
 from brisk.model_runner.runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
@@ -55,12 +54,9 @@ class DistributedExecutor:
                         init_method=place.init_method)
             for rank in range(1, place.world_size):
                 self._spawn(WorkerSpec(rank=rank, **spec))
-        self.cpu_group = init_distributed(place, self.device)
-        self.channel = StepChannel(0, self.cpu_group, over_tcp=place.launched_externally)
-        parallel = ParallelConfig.for_rank(0, place.world_size, config.ep_size, config.enable_attention_dp)
-        self.runner = ModelRunner(config, model_config, self.device, max_seq_len, parallel, self.cpu_group)
+        self.runner, self.channel = join_world(config, place, self.device, model_config, max_seq_len)
         self._encoder = msgspec.msgpack.Encoder()
-        logger.info("%d ranks ready (%s)", place.world_size, parallel)
+        logger.info("%d ranks ready (%s)", place.world_size, self.runner.parallel)
 
     def _spawn(self, spec: WorkerSpec) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "brisk.distributed.worker"], stdin=subprocess.PIPE)

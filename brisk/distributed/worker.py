@@ -15,9 +15,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ParallelConfig
+from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import WorldPlace, init_distributed, rank_device
+from brisk.model_runner.runner import ModelRunner, StepInput, cpu_threads_per_rank
 
 logger = logging.getLogger("brisk.worker")
 
@@ -29,18 +30,23 @@ class WorkerSpec(msgspec.Struct):
     init_method: str
 
 
+def join_world(config: EngineConfig, place: WorldPlace, device: torch.device, model_config: ModelConfig,
+               max_seq_len: int) -> tuple[ModelRunner, StepChannel]:
+    """How every rank, 0 included, joins: the process group, the step channel, then its shard of the model
+    and KV cache. Each step runs collectives, so every rank must take them in this one order."""
+    cpu_group = init_distributed(place, device)
+    channel = StepChannel(place.rank, cpu_group, over_tcp=place.launched_externally)
+    parallel = ParallelConfig.for_rank(place.rank, place.world_size, config.ep_size, config.enable_attention_dp)
+    return ModelRunner(config, model_config, device, max_seq_len, parallel, cpu_group), channel
+
+
 def run_worker(config: EngineConfig, place: WorldPlace) -> None:
     from brisk.engine.core import load_model_config  # the engine package imports this one
-    from brisk.model_runner.runner import ModelRunner, StepInput, cpu_threads_per_rank
 
     device = rank_device(config, place.local_rank)
     if device.type == "cpu":  # ranks on one host share its cores
         torch.set_num_threads(cpu_threads_per_rank(config))
-    cpu_group = init_distributed(place, device)
-    channel = StepChannel(place.rank, cpu_group, over_tcp=place.launched_externally)
-    model_config, max_seq_len = load_model_config(config, device)
-    parallel = ParallelConfig.for_rank(place.rank, place.world_size, config.ep_size, config.enable_attention_dp)
-    runner = ModelRunner(config, model_config, device, max_seq_len, parallel, cpu_group)
+    runner, channel = join_world(config, place, device, *load_model_config(config, device))
     logger.info("rank %d/%d ready on %s", place.rank, place.world_size, device)
     decoder = msgspec.msgpack.Decoder(list[StepInput])
     while (payload := channel.receive()) is not None:

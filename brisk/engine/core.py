@@ -24,9 +24,10 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as asked (too long, bad token ids...); nothing was admitted."""
 
 
-def load_model_config(config: EngineConfig, device) -> tuple[ModelConfig, int]:
-    """The model's config (dtype resolved for the device) and the max_seq_len in effect: every rank's view."""
-    model_config = ModelConfig.from_pretrained(config.model, config.dtype, device.type)
+def load_model_config(config: EngineConfig, device, model_config: ModelConfig | None = None) -> tuple[ModelConfig, int]:
+    """The model's config (dtype resolved for the device, unless given) and the max_seq_len in effect: every
+    rank's view."""
+    model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, device.type)
     return model_config, config.max_seq_len or model_config.max_position_embeddings
 
 
@@ -37,11 +38,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        if model_config is None:
-            self.model_config, self.max_seq_len = load_model_config(config, self.device)
-        else:
-            self.model_config = model_config
-            self.max_seq_len = config.max_seq_len or model_config.max_position_embeddings
+        self.model_config, self.max_seq_len = load_model_config(config, self.device, model_config)
         self.executor = make_executor(config, self.model_config, self.device, self.max_seq_len)
         self.runner = self.executor.runner
         self.kv_managers: list[KVCacheManager] = []

@@ -23,7 +23,6 @@ import zmq
 
 from brisk.config import EngineConfig
 from brisk.engine.core import EngineCore, InvalidRequestError
-from brisk.model_runner.runner import cpu_threads_per_rank, resolve_device
 from brisk.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -32,6 +31,7 @@ from brisk.engine.messages import (
     RequestFailure,
     ToEngine,
 )
+from brisk.model_runner.runner import cpu_threads_per_rank, resolve_device
 
 logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work

@@ -38,7 +38,7 @@ def kv_groups_for(model_config: ModelConfig) -> list[KVGroupSpec]:
 
 class StepInput(msgspec.Struct, array_like=True):
     """One step's model input for one (data-parallel) rank: flat tokens plus the paged-KV addressing.
-    Rank 0 builds it and, with several ranks, broadcasts it: plain lists encode fast with msgspec."""
+    Rank 0 builds it and, with several ranks, publishes it to them: plain lists encode fast with msgspec."""
 
     input_ids: list[int]
     positions: list[int]
