@@ -1,5 +1,5 @@
 """Layer-level checks: MXFP4 vs HF, tensor-parallel weight slicing (tp_size 2 and 4), RoPE and RMSNorm vs HF,
-the MoE reference backend vs HF's experts."""
+the MoE reference backend vs HF's experts and vs a per-slot loop, prepacked CPU bf16 weights."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from brisk.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    prepack_cpu_weight,
+    prepack_weights,
 )
-from brisk.layers.moe import FusedMoE, select_experts
+from brisk.layers.moe import FusedMoE, clamped_swiglu, select_experts
 from brisk.layers.mxfp4 import dequantize_mxfp4
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
@@ -233,6 +235,70 @@ def test_torch_moe_backend_matches_hf_experts():
         torch.testing.assert_close(moe(x, router_logits), expected[0], atol=1e-5, rtol=1e-5)
 
 
+def naive_moe(moe: FusedMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Slot by slot: sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); -1 slots contribute nothing."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            gate_up, down = moe.expert_weights(e, x.dtype)
+            act = clamped_swiglu(x[t] @ gate_up.T + moe.gate_up_proj_bias[e], moe.swiglu_alpha, moe.swiglu_limit)
+            out[t] += weights[t, k] * (act @ down.T + moe.down_proj_bias[e])
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_torch_moe_backend_matches_slot_loop_with_foreign_slots(num_tokens):
+    # Slots routed to another expert-parallel rank's experts arrive as -1: they must add nothing, and a batch
+    # where some experts get no token (or there are no tokens at all, an idle attention-DP rank) must work.
+    gen = torch.Generator().manual_seed(3)
+    moe = FusedMoE(4, 3, 16, 8)
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        load(moe, name, torch.randn(getattr(moe, name).transpose(-1, -2).shape if name.endswith("proj")
+                                    else getattr(moe, name).shape, generator=gen))
+    x = torch.randn(num_tokens, 16, generator=gen)
+    ids = torch.randint(-1, 3, (num_tokens, 3), generator=gen)  # expert 3 never picked, -1 = another rank
+    weights = torch.rand(num_tokens, 3, generator=gen)
+    got = moe.backend.forward(moe, x, ids, weights)
+    torch.testing.assert_close(got, naive_moe(moe, x, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+def test_prepacked_bf16_weights_give_the_same_outputs():
+    # CPU bf16 weights reordered for oneDNN must compute exactly what the plain matmul computes.
+    if prepack_cpu_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is None:
+        pytest.skip("this CPU's torch has no oneDNN bf16 matmul")
+    gen = torch.Generator().manual_seed(5)
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = torch.nn.ModuleDict(dict(
+                qkv=QKVParallelLinear(64, 16, 4, 2, bias=True), row=RowParallelLinear(64, 48, bias=True),
+                merged=MergedColumnParallelLinear(64, [32, 32]), head=ParallelLMHead(100, 64),
+                moe=FusedMoE(4, 2, 64, 32)))
+        finally:
+            torch.set_default_dtype(torch.float32)
+    for param in model.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen))
+    inputs = [(torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 4, generator=gen).bfloat16())
+              for rows in (1, 5, 32)]
+
+    def outputs():
+        return [[model[n](x) for n in ("qkv", "row", "merged", "head")] + [model["moe"](x, router)]
+                for x, router in inputs]
+
+    plain = outputs()
+    assert prepack_weights(model) == 4 + 2 * 4  # four dense layers, two matrices per expert
+    assert model["moe"].packed_experts is not None and model["head"].packed_weight is not None
+    for before, after in zip(plain, outputs()):
+        for name, a, b in zip(("qkv", "row", "merged", "head", "moe"), before, after):
+            assert torch.equal(a, b), name
+    # fp32 weights and MXFP4 experts are left as they are
+    assert prepack_cpu_weight(torch.zeros(8, 8)) is None
+    assert FusedMoE(2, 1, 32, 32, quantization="mxfp4").prepack() == 0
+
+
 def test_moe_backend_choice():
     assert FusedMoE(2, 1, 32, 32, moe_backend="triton").backend.name == "triton"
     assert FusedMoE(2, 1, 32, 32, moe_backend="torch").backend.name == "torch"
@@ -298,14 +364,16 @@ def test_rms_norm_matches_hf(dtype):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    x = (3 * torch.randn(5, 64)).to(dtype)
-    weight = (1 + torch.randn(64) * 0.1).to(dtype)
-    for hf_class, fp32_weight in ((LlamaRMSNorm, False), (GptOssRMSNorm, True)):
-        hf, ours = hf_class(64, eps=1e-5).to(dtype), RMSNorm(64, 1e-5, weight_in_fp32=fp32_weight).to(dtype)
-        with torch.no_grad():
-            hf.weight.copy_(weight)
-            ours.weight.copy_(weight)
-        assert torch.equal(ours(x), hf(x))
+    for rows, hidden in ((5, 64), (300, 2880)):  # 2880: gpt-oss's hidden size
+        x = (3 * torch.randn(rows, hidden)).to(dtype)
+        weight = (1 + torch.randn(hidden) * 0.1).to(dtype)
+        for hf_class, fp32_weight in ((LlamaRMSNorm, False), (GptOssRMSNorm, True)):
+            hf = hf_class(hidden, eps=1e-5).to(dtype)
+            ours = RMSNorm(hidden, 1e-5, weight_in_fp32=fp32_weight).to(dtype)
+            with torch.no_grad():
+                hf.weight.copy_(weight)
+                ours.weight.copy_(weight)
+            assert torch.equal(ours(x), hf(x))
 
 
 def test_registry_lists_supported_architectures():

@@ -6,7 +6,7 @@ window has released. Each layer belongs to a KV group (full attention, sliding w
 its own block table per request, see `kv_cache/manager.py`.
 
 Backends implement `AttentionBackend.forward`. `TorchAttentionBackend` is the reference: exact, any
-device, one sequence at a time. The Triton backend (layers/attention_triton.py) plugs in behind the same
+device (see its docstring for how it batches). The Triton backend (layers/attention_triton.py) plugs in behind the same
 interface; `make_attention_backend` picks one.
 """
 
@@ -104,25 +104,92 @@ def store_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     flat_v[slots[valid]] = v[valid].to(flat_v.dtype)
 
 
-class TorchAttentionBackend(AttentionBackend):
-    """Reference paged attention: causal, GQA, sliding window, sinks; fp32 softmax.
+@dataclass
+class _DecodeContext:
+    """What a pure-decode step's attention needs per KV group (and window), built once per step and shared
+    by every layer of the group: the blocks to gather, the padded positions to zero, the score bias."""
 
-    Sequences are computed one at a time, except a batch of pure decodes (one new token each), which is
-    computed at once over the padded context: the common step of a busy CPU server, where a Python loop per
-    sequence and layer would cost more than the math.
+    blocks: torch.Tensor  # [B * blocks_per_seq] int64, each sequence's blocks back to back (null-padded)
+    dead_rows: torch.Tensor  # rows of the gathered [B * padded] context that are not attended (zeroed)
+    bias: torch.Tensor  # [B, 1, 1, padded] fp32: 0 where attended, -inf elsewhere
+    padded: int  # context length every sequence is padded to (whole blocks)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention: causal, GQA, sliding window, sinks; softmax in fp32.
+
+    Sequences with several new tokens (prefill, chunked prefill) are computed one at a time. A batch of
+    pure decodes (one new token each: the common step of a busy CPU server) is computed at once: every
+    sequence's blocks are gathered into one padded [B, KV heads, context, D] tensor and attended with two
+    batched matmuls, so the step costs a fixed number of ops whatever the batch.
     """
 
     name = "torch"
-    # Above this many fp32 context elements (batch x padded context x KV heads x head dim) a decode batch is
+    # Above this many context elements (batch x padded context x KV heads x head dim) a decode batch is
     # computed sequence by sequence instead, to bound the temporary memory.
     max_batched_decode_elements = 1 << 25
 
+    def __init__(self) -> None:
+        self._step_meta: AttentionMetadata | None = None  # the step the cached decode contexts belong to
+        self._decode_contexts: dict[tuple[int, int | None], _DecodeContext] = {}
+
     def forward(self, layer, q, k, v, meta, sinks):
         store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
-        if q.shape[0] == meta.num_seqs and meta.num_seqs > 1:
-            padded = -(-max(meta.seq_lens) // meta.block_size) * meta.block_size
-            if meta.num_seqs * padded * layer.num_kv_heads * layer.head_dim <= self.max_batched_decode_elements:
-                return self._decode_batch(layer, q, meta, sinks, padded)
+        if q.shape[0] == meta.num_seqs:
+            ctx = self._decode_context(layer, meta)
+            if meta.num_seqs * ctx.padded * layer.num_kv_heads * layer.head_dim <= self.max_batched_decode_elements:
+                return self._decode_batch(layer, q, sinks, ctx)
+        return self._per_sequence(layer, q, meta, sinks)
+
+    def _decode_context(self, layer: Attention, meta: AttentionMetadata) -> _DecodeContext:
+        if self._step_meta is not meta:
+            self._step_meta, self._decode_contexts = meta, {}
+        key = (layer.kv_group, layer.sliding_window)
+        ctx = self._decode_contexts.get(key)
+        if ctx is None:
+            bs, dev = meta.block_size, layer.k_cache.device
+            blocks_per_seq = -(-max(meta.seq_lens) // bs)
+            padded = blocks_per_seq * bs
+            seq_lens = torch.tensor(meta.seq_lens, device=dev)
+            pos = torch.arange(padded, device=dev)
+            allowed = pos[None, :] < seq_lens[:, None]
+            if layer.sliding_window is not None:
+                allowed &= pos[None, :] >= (seq_lens - layer.sliding_window)[:, None]
+            bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))
+            ctx = self._decode_contexts[key] = _DecodeContext(
+                blocks=meta.block_tables[layer.kv_group][:, :blocks_per_seq].reshape(-1).long(),
+                dead_rows=(~allowed).flatten().nonzero().flatten(),
+                bias=bias[:, None, None, :],
+                padded=padded,
+            )
+        return ctx
+
+    @staticmethod
+    def _decode_batch(layer, q, sinks, ctx: _DecodeContext) -> torch.Tensor:
+        """Every sequence has one new token (at position seq_len - 1): attend over the padded contexts at once."""
+        b, kvh, d, padded = q.shape[0], layer.num_kv_heads, layer.head_dim, ctx.padded
+        group = layer.num_heads // kvh
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B * kvh, padded, d]
+            rows = cache.index_select(0, ctx.blocks).view(b * padded, kvh * d)
+            # Padding, released and not-yet-written slots hold whatever the pool last put there (NaN even):
+            # zero them, so a -inf score times a zero value is all they contribute.
+            rows.index_fill_(0, ctx.dead_rows, 0)
+            return rows.view(b, padded, kvh, d).transpose(1, 2).reshape(b * kvh, padded, d)
+
+        k_ctx, v_ctx = gather(layer.k_cache), gather(layer.v_cache)
+        scores = torch.bmm(q.reshape(b * kvh, group, d).to(k_ctx.dtype), k_ctx.transpose(1, 2))
+        scores = scores.view(b, kvh, group, padded).float() * layer.scale + ctx.bias
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().view(1, kvh, group, 1).expand(b, kvh, group, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out = torch.bmm(probs.reshape(b * kvh, group, padded).to(v_ctx.dtype), v_ctx)
+        return out.view(b, layer.num_heads, d).to(q.dtype)
+
+    @staticmethod
+    def _per_sequence(layer, q, meta, sinks) -> torch.Tensor:
         block_table = meta.block_tables[layer.kv_group]
         bs = meta.block_size
         kvh, d = layer.num_kv_heads, layer.head_dim
@@ -159,32 +226,6 @@ class TorchAttentionBackend(AttentionBackend):
             o = torch.einsum("hgqk,khd->qhgd", probs, v_ctx)
             out[start:end] = o.reshape(n_q, layer.num_heads, d).to(out.dtype)
         return out
-
-    @staticmethod
-    def _decode_batch(layer, q, meta, sinks, padded: int) -> torch.Tensor:
-        """Every sequence has one new token (at position seq_len - 1): attend over the padded contexts at once."""
-        b, kvh, d = meta.num_seqs, layer.num_kv_heads, layer.head_dim
-        group = layer.num_heads // kvh
-        blocks = meta.block_tables[layer.kv_group][:, : padded // meta.block_size].long()
-        k_ctx = layer.k_cache[blocks].reshape(b, padded, kvh, d).float()
-        v_ctx = layer.v_cache[blocks].reshape(b, padded, kvh, d).float()
-        seq_lens = torch.tensor(meta.seq_lens, device=q.device)
-        k_pos = torch.arange(padded, device=q.device)
-        allowed = k_pos[None, :] < seq_lens[:, None]
-        if layer.sliding_window is not None:
-            allowed &= k_pos[None, :] >= (seq_lens - layer.sliding_window)[:, None]
-        # Padding and released blocks hold whatever the pool last put there (the null block included):
-        # masked keys get -inf scores and masked values are zeroed, so nothing of them reaches the output.
-        v_ctx = v_ctx.masked_fill(~allowed[:, :, None, None], 0.0)
-        scores = torch.einsum("bhgd,bkhd->bhgk", q.float().view(b, kvh, group, d), k_ctx) * layer.scale
-        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        if sinks is not None:
-            scores = torch.cat([scores, sinks.float().view(1, kvh, group, 1).expand(b, kvh, group, 1)], dim=-1)
-        probs = torch.softmax(scores, dim=-1)
-        if sinks is not None:
-            probs = probs[..., :-1]
-        out = torch.einsum("bhgk,bkhd->bhgd", probs, v_ctx)
-        return out.reshape(b, layer.num_heads, d).to(q.dtype)
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:

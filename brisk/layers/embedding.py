@@ -12,7 +12,7 @@ from torch import nn
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_last_dim
-from brisk.layers.linear import all_reduce_across_tp, copy_checked
+from brisk.layers.linear import all_reduce_across_tp, copy_checked, linear, prepack_cpu_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -48,8 +48,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, H] -> logits [N, vocab]; each rank computes its vocab shard, then they are gathered."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelConfig = ParallelConfig()) -> None:
+        super().__init__(num_embeddings, embedding_dim, parallel)
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> int:
+        self.packed_weight = prepack_cpu_weight(self.weight)
+        return self.packed_weight is not None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.parallel.tp_size > 1:
             logits = all_gather_last_dim(logits, self.parallel.tp_size)
         return logits[..., : self.num_embeddings]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from brisk.layers.linear import default_weight_loader
@@ -21,8 +22,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm is HF's x * rsqrt(mean(x^2) + eps) in one op (bit-identical: tests/test_layers.py).
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.weight_in_fp32:
             return (self.weight * x32).to(input_dtype)
         return self.weight * x32.to(input_dtype)

@@ -18,6 +18,7 @@ from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.comm import agree_min, all_gather_rows
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
+from brisk.layers.linear import prepack_weights
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.scheduler.request import Request
@@ -84,6 +85,8 @@ class ModelRunner:
         self.model = load_model(model_config, load_format=config.load_format, device=device,
                                 moe_backend=config.moe_config.backend, parallel=parallel)
         self.model.eval()
+        if device.type == "cpu" and config.cpu_weight_prepack:
+            prepack_weights(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         attention_backend = make_attention_backend(config.attn_backend, device)
         for layer in self.attn_layers:
