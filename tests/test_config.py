@@ -122,11 +122,12 @@ def test_cpu_dtype_follows_the_checkpoint_where_bf16_is_native(tmp_path, monkeyp
     import brisk.config
 
     monkeypatch.setattr(brisk.config, "cpu_has_native_bf16", lambda: native_bf16)
-    for declared, expected in (("bfloat16", torch.bfloat16 if native_bf16 else torch.float32),
-                               ("float32", torch.float32)):
+    for declared, hidden, expected in (("bfloat16", 512, torch.bfloat16 if native_bf16 else torch.float32),
+                                       ("bfloat16", 128, torch.float32),  # too small for bf16 to pay on CPU
+                                       ("float32", 512, torch.float32)):
         (tmp_path / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "vocab_size": 16, "dtype": declared}))
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 16, "dtype": declared}))
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cpu").dtype == expected
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cuda").dtype == torch.bfloat16
         assert ModelConfig.from_pretrained(str(tmp_path), "float32", "cpu").dtype == torch.float32
