@@ -70,7 +70,7 @@ class EngineConfig(_Strict):
     check_kv_invariants: bool = False
     stream_interval: int = Field(1, ge=1)
     # CPU serving: torch intra-op threads of the engine process and of each worker rank. None: the host's
-    # cores shared among the ranks (measured best for all but toy-sized models, docs/performance.md).
+    # cores but one (left to the API server) shared among the ranks (measured best, docs/performance.md).
     num_cpu_threads: int | None = Field(None, ge=1)
     # CPU serving of bf16 weights: reorder them once into oneDNN's blocked layout (faster matmuls, one more
     # copy of the dense and bf16 expert weights in memory); off: plain torch matmuls on the loaded tensors.

@@ -59,10 +59,13 @@ class StepResult:
 
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
-    """torch threads for one CPU rank of a served model (see EngineConfig.num_cpu_threads)."""
+    """torch threads for one CPU rank of a served model (see EngineConfig.num_cpu_threads): the cores but one,
+    shared among the ranks. The one left is the API server's (and a local client's): when every core runs an
+    OpenMP thread, each token the server streams preempts one of them while the others spin at the next barrier
+    (measured: docs/performance.md)."""
     if config.num_cpu_threads is not None:
         return config.num_cpu_threads
-    return max(1, (os.cpu_count() or 1) // config.tp_size)
+    return max(1, ((os.cpu_count() or 1) - 1) // config.tp_size)
 
 
 def resolve_device(name: str) -> torch.device:
