@@ -97,11 +97,13 @@ class Attention(nn.Module):
 
 
 def store_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    valid = slots >= 0
     flat_k = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
     flat_v = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-    flat_k[slots[valid]] = k[valid].to(flat_k.dtype)
-    flat_v[slots[valid]] = v[valid].to(flat_v.dtype)
+    if bool((slots < 0).any()):  # rare (slot -1: a token whose KV is not kept): drop those rows
+        valid = slots >= 0
+        slots, k, v = slots[valid], k[valid], v[valid]
+    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
 
 
 @dataclass
@@ -170,22 +172,24 @@ class TorchAttentionBackend(AttentionBackend):
         b, kvh, d, padded = q.shape[0], layer.num_kv_heads, layer.head_dim, ctx.padded
         group = layer.num_heads // kvh
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B * kvh, padded, d]
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B * kvh, padded, d] fp32
             rows = cache.index_select(0, ctx.blocks).view(b * padded, kvh * d)
             # Padding, released and not-yet-written slots hold whatever the pool last put there (NaN even):
             # zero them, so a -inf score times a zero value is all they contribute.
             rows.index_fill_(0, ctx.dead_rows, 0)
-            return rows.view(b, padded, kvh, d).transpose(1, 2).reshape(b * kvh, padded, d)
+            # One copy to head-major fp32: bf16 bmm on CPU costs more per call than the conversion saves.
+            out = torch.empty(b, kvh, padded, d, dtype=torch.float32, device=rows.device)
+            return out.copy_(rows.view(b, padded, kvh, d).transpose(1, 2)).view(b * kvh, padded, d)
 
         k_ctx, v_ctx = gather(layer.k_cache), gather(layer.v_cache)
-        scores = torch.bmm(q.reshape(b * kvh, group, d).to(k_ctx.dtype), k_ctx.transpose(1, 2))
-        scores = scores.view(b, kvh, group, padded).float() * layer.scale + ctx.bias
+        scores = torch.bmm(q.reshape(b * kvh, group, d).float(), k_ctx.transpose(1, 2))
+        scores = scores.view(b, kvh, group, padded) * layer.scale + ctx.bias
         if sinks is not None:
             scores = torch.cat([scores, sinks.float().view(1, kvh, group, 1).expand(b, kvh, group, 1)], dim=-1)
         probs = torch.softmax(scores, dim=-1)
         if sinks is not None:
             probs = probs[..., :-1]
-        out = torch.bmm(probs.reshape(b * kvh, group, padded).to(v_ctx.dtype), v_ctx)
+        out = torch.bmm(probs.reshape(b * kvh, group, padded), v_ctx)
         return out.view(b, layer.num_heads, d).to(q.dtype)
 
     @staticmethod
