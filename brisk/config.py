@@ -218,13 +218,14 @@ def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     if device_type == "cpu":
-        # A bf16 checkpoint runs in bf16 where the CPU multiplies bf16 natively and the matrices are big
-        # enough for it to pay: half the weight bytes per token against oneDNN's fixed cost per bf16 call
-        # (measured at batch 1: 1.7x faster at hidden size 512, 0.65x at 128: docs/performance.md).
-        # Otherwise, and for fp32 checkpoints, fp32, the reference path.
+        # As on GPUs (and in vLLM), an fp32 or bf16 checkpoint computes in bf16, where the CPU multiplies bf16
+        # natively and the matrices are big enough for it to pay: half the weight bytes per token against
+        # oneDNN's fixed cost per bf16 call (measured at batch 1: 1.7x faster at hidden size 512, 0.65x at 128:
+        # docs/performance.md). Otherwise fp32, the reference path; `dtype: float32` keeps it everywhere.
         text = getattr(hf, "get_text_config", lambda: hf)()
         big_enough = getattr(text, "hidden_size", 0) >= CPU_BF16_MIN_HIDDEN_SIZE
-        return torch.bfloat16 if declared == torch.bfloat16 and big_enough and cpu_has_native_bf16() else torch.float32
+        low_precision = declared in (torch.float32, torch.bfloat16, None) and big_enough and cpu_has_native_bf16()
+        return torch.bfloat16 if low_precision else torch.float32
     return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 

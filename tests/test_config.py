@@ -116,7 +116,7 @@ def test_gpt_oss_config_layer_types():
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_cpu_dtype_follows_the_checkpoint_where_bf16_is_native(tmp_path, monkeypatch, native_bf16):
+def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, native_bf16):
     import torch
 
     import brisk.config
@@ -124,7 +124,8 @@ def test_cpu_dtype_follows_the_checkpoint_where_bf16_is_native(tmp_path, monkeyp
     monkeypatch.setattr(brisk.config, "cpu_has_native_bf16", lambda: native_bf16)
     for declared, hidden, expected in (("bfloat16", 512, torch.bfloat16 if native_bf16 else torch.float32),
                                        ("bfloat16", 128, torch.float32),  # too small for bf16 to pay on CPU
-                                       ("float32", 512, torch.float32)):
+                                       ("float32", 512, torch.bfloat16 if native_bf16 else torch.float32),
+                                       ("float32", 128, torch.float32)):
         (tmp_path / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
             "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 16, "dtype": declared}))

@@ -7,6 +7,7 @@ one `BlockPool`; a block's bytes are `num_slots * 2 * block_size * kv_heads * he
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass, field
 
@@ -68,6 +69,18 @@ def cpu_threads_per_rank(config: EngineConfig) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // config.tp_size)
 
 
+def keep_freed_memory_in_the_heap() -> bool:
+    """glibc returns big freed blocks to the OS (mmap / trim), so each step's big activations are faulted in
+    page by page again: on CPU that doubled the first matmul at a new shape and slowed served prefill steps
+    (docs/performance.md). Raise both thresholds to 1 GiB, once, for this process. glibc only (False elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,8 +101,10 @@ class ModelRunner:
         self.model = load_model(model_config, load_format=config.load_format, device=device,
                                 moe_backend=config.moe_config.backend, parallel=parallel)
         self.model.eval()
-        if device.type == "cpu" and config.cpu_weight_prepack:
-            prepack_weights(self.model)
+        if device.type == "cpu":
+            keep_freed_memory_in_the_heap()
+            if config.cpu_weight_prepack:
+                prepack_weights(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         attention_backend = make_attention_backend(config.attn_backend, device)
         for layer in self.attn_layers:
