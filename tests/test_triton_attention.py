@@ -326,11 +326,16 @@ def test_real_chunked_prefill(group: int, window: int | None) -> None:
 
 @pytest.mark.parametrize("window", [None, 6, 8])
 @pytest.mark.parametrize("use_sinks", [False, True])
-def test_torch_backend_batched_decode_matches_per_sequence(window: int | None, use_sinks: bool) -> None:
-    # The reference computes a pure-decode batch at once over padded contexts; NaN-filled unwritten and
-    # released blocks must not leak into it, and it must equal the sequence-by-sequence computation.
+@pytest.mark.parametrize("chunk_elements", [TorchAttentionBackend.decode_chunk_elements, 1, 10000])
+def test_torch_backend_batched_decode_matches_per_sequence(window: int | None, use_sinks: bool,
+                                                           chunk_elements: int) -> None:
+    # The reference computes a pure-decode batch at once over padded contexts, in chunks of sequences (one
+    # chunk, one sequence per chunk, three per chunk with a shorter last one); NaN-filled unwritten and released blocks must not leak
+    # into it, and it must equal the sequence-by-sequence computation.
     case = make_case(TINY, DECODE_SPECS_TINY, window, seed=11)
-    batched = case.run(TorchAttentionBackend(), use_sinks)[0]
+    chunked = TorchAttentionBackend()
+    chunked.decode_chunk_elements = chunk_elements
+    batched = case.run(chunked, use_sinks)[0]
     per_sequence = TorchAttentionBackend()
     per_sequence.max_batched_decode_elements = 0
     assert not batched.isnan().any()
