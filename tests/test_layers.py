@@ -350,6 +350,24 @@ def test_rotary_matches_hf(kind, dtype):
     assert torch.equal(k_ours, k_hf.transpose(1, 2).reshape(t, -1))
 
 
+def test_rotary_step_positions_are_computed_once_and_renewed_each_step():
+    # The model sets a step's positions once (cos/sin shared by all layers); a buffer rewritten in place for
+    # the next step (as a captured graph's static input would be) is set again, and gets new values.
+    config = rope_configs()["yarn"]
+    rope = RotaryEmbedding(config, config.head_dim)
+    q, k = torch.randn(3, 4 * config.head_dim), torch.randn(3, 2 * config.head_dim)
+    with torch.inference_mode():
+        positions = torch.tensor([0, 5, 9])
+        standalone = rope(positions, q, k)  # no step set: computed on the spot
+        rope.set_step_positions(positions, q.dtype)
+        assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k), standalone))
+        positions.copy_(torch.tensor([100, 200, 300]))
+        rope.set_step_positions(positions, q.dtype)
+        expected = RotaryEmbedding(config, config.head_dim)(torch.tensor([100, 200, 300]), q, k)
+        assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k), expected))
+        assert all(torch.equal(a, b) for a, b in zip(rope(torch.tensor([0, 5, 9]), q, k), standalone))
+
+
 def test_unsupported_rope_type_is_refused():
     from transformers import LlamaConfig
 

@@ -41,9 +41,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tenso
     return topk_ids, topk_weights
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss activation on interleaved [gate0, up0, gate1, up1, ...] columns."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, halves: bool = False) -> torch.Tensor:
+    """gpt-oss activation on interleaved [gate0, up0, gate1, up1, ...] columns (the checkpoint's order), or,
+    with `halves`, on [gate0, gate1, ..., up0, up1, ...] (contiguous halves: faster elementwise ops on CPU)."""
+    if halves:
+        gate, up = gate_up.chunk(2, dim=-1)
+    else:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -78,7 +82,8 @@ class TorchMoEBackend(MoEBackend):
         if not picked:  # no tokens, or all of them routed to other ranks' experts
             return torch.zeros_like(hidden)
         gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e]:bounds[e + 1]]) for e in picked])
-        act = clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit)
+        halves = layer.packed_experts is not None  # prepacked gate_up rows are regrouped in halves
+        act = clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit, halves=halves)
         act_bounds = [0, *itertools.accumulate(counts[e + 1] for e in picked)]
         ys = [hidden.new_zeros(counts[0], hidden.shape[1])]  # other ranks' experts contribute nothing here
         ys += [layer.expert_linear(e, "down", act[a:b]) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
@@ -138,6 +143,7 @@ class FusedMoE(nn.Module):
         self.moe_tp_rank = parallel.moe_tp_rank
         self.backend = make_moe_backend(moe_backend)
         self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see prepack
+        self.packed_gate_up_bias: torch.Tensor | None = None
 
         e, h, i = self.num_local_experts, hidden_size, self.intermediate_size
         if quantization == "mxfp4":
@@ -189,7 +195,7 @@ class FusedMoE(nn.Module):
     def expert_linear(self, expert: int, which: str, x: torch.Tensor) -> torch.Tensor:
         """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]."""
         if which == "gate_up":
-            bias = self.gate_up_proj_bias[expert]
+            bias = (self.gate_up_proj_bias if self.packed_experts is None else self.packed_gate_up_bias)[expert]
         else:
             bias = self.down_proj_bias[expert] if self.moe_tp_rank == 0 else None
         if self.packed_experts is not None:
@@ -197,13 +203,19 @@ class FusedMoE(nn.Module):
         return F.linear(x, self.expert_weights(expert, x.dtype)[which == "down"], bias)
 
     def prepack(self) -> int:
-        """bf16 experts on CPU: every expert's weights in oneDNN's layout (see prepack_cpu_weight)."""
+        """bf16 experts on CPU: every expert's weights in oneDNN's layout (see prepack_cpu_weight), gate_up's rows
+        regrouped as [all gate rows; all up rows] so the activation reads two contiguous halves."""
         if self.quantization is not None:
             return 0
-        packed = [(prepack_cpu_weight(self.gate_up_proj[e]), prepack_cpu_weight(self.down_proj[e]))
+        rows = 2 * self.intermediate_size
+        halves = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(self.gate_up_proj.device)
+        packed = [(prepack_cpu_weight(self.gate_up_proj[e][halves]), prepack_cpu_weight(self.down_proj[e]))
                   for e in range(self.num_local_experts)]
-        self.packed_experts = packed if all(g is not None for g, _ in packed) else None
-        return 2 * len(packed) if self.packed_experts is not None else 0
+        if any(g is None for g, _ in packed):
+            return 0
+        self.packed_experts = packed
+        self.packed_gate_up_bias = self.gate_up_proj_bias[:, halves].contiguous()
+        return 2 * len(packed)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 dp_num_tokens: list[int] | None = None) -> torch.Tensor:

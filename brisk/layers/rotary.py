@@ -53,19 +53,22 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim > head_dim:
             raise ValueError(f"rotary dim {self.rotary_dim} > head_dim {head_dim}")
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
-        # All layers of a step rotate at the same positions: cos/sin are computed once, for the positions
-        # tensor of the step (kept here, so its identity cannot be taken by a new tensor meanwhile).
-        self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see set_step_positions
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, rotary_dim / 2], scaled by the YaRN attention factor, cast to the activation dtype."""
         freqs = positions[:, None].float() * self.inv_freq.float()
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
+    def set_step_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """cos/sin for a forward step's positions, computed once for all layers (the model calls this first)."""
+        self._step = (positions, *self.cos_sin(positions, dtype))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cached is None or self._cached[0] is not positions or self._cached[1] != q.dtype:
-            self._cached = (positions, q.dtype, *self.cos_sin(positions, q.dtype))
-        cos, sin = self._cached[2], self._cached[3]
+        if self._step is not None and self._step[0] is positions and self._step[1].dtype == q.dtype:
+            cos, sin = self._step[1], self._step[2]
+        else:
+            cos, sin = self.cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

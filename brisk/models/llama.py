@@ -102,15 +102,17 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, model_config: ModelConfig, layers: list[nn.Module], parallel: ParallelConfig,
-                 norm_weight_in_fp32: bool = False) -> None:
+                 rotary: RotaryEmbedding, norm_weight_in_fp32: bool = False) -> None:
         super().__init__()
         cfg = text_config(model_config)
+        self.rotary_emb = rotary  # shared with every layer's attention
         self.embed_tokens = VocabParallelEmbedding(model_config.vocab_size, model_config.hidden_size, parallel)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(model_config.hidden_size, cfg.rms_norm_eps, norm_weight_in_fp32)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        self.rotary_emb.set_step_positions(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(positions, hidden, meta)
         return self.norm(hidden)
@@ -138,7 +140,7 @@ class CausalLM(nn.Module):
         cfg = text_config(model_config)
         rotary = RotaryEmbedding(cfg, model_config.head_dim)
         layers = [self.make_layer(i, rotary) for i in range(model_config.num_layers)]
-        self.model = DecoderModel(model_config, layers, parallel, self.norm_weight_in_fp32)
+        self.model = DecoderModel(model_config, layers, parallel, rotary, self.norm_weight_in_fp32)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False)
                                         or getattr(model_config.hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(model_config.vocab_size, model_config.hidden_size, parallel)
