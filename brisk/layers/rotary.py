@@ -65,11 +65,15 @@ class RotaryEmbedding(nn.Module):
         self._step = (positions, *self.cos_sin(positions, dtype))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._step is not None and self._step[0] is positions and self._step[1].dtype == q.dtype:
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads * head_dim] (any number of heads: q and k together cost one pass) at the positions."""
+        if self._step is not None and self._step[0] is positions and self._step[1].dtype == x.dtype:
             cos, sin = self._step[1], self._step[2]
         else:
-            cos, sin = self.cos_sin(positions, q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            cos, sin = self.cos_sin(positions, x.dtype)
+        return self._rotate(x, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]

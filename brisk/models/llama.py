@@ -59,12 +59,16 @@ class DecoderAttention(nn.Module):
         copy_checked(param.data, loaded_weight.narrow(0, rank * self.num_heads, self.num_heads), "sinks")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
         if self.q_norm is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # q and k heads are adjacent in the fused projection: rotate them in one pass
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         out = self.attn(q, k, v.contiguous(), meta, sinks=self.sinks)
         return self.o_proj(out)
 
