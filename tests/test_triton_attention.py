@@ -330,8 +330,8 @@ def test_real_chunked_prefill(group: int, window: int | None) -> None:
 def test_torch_backend_batched_decode_matches_per_sequence(window: int | None, use_sinks: bool,
                                                            chunk_elements: int) -> None:
     # The reference computes a pure-decode batch at once over padded contexts, in chunks of sequences (one
-    # chunk, one sequence per chunk, three per chunk with a shorter last one); NaN-filled unwritten and released blocks must not leak
-    # into it, and it must equal the sequence-by-sequence computation.
+    # chunk, one sequence per chunk, three per chunk with a shorter last one); NaN-filled unwritten and
+    # released blocks must not leak into it, and it must equal the sequence-by-sequence computation.
     case = make_case(TINY, DECODE_SPECS_TINY, window, seed=11)
     chunked = TorchAttentionBackend()
     chunked.decode_chunk_elements = chunk_elements

@@ -200,8 +200,6 @@ class FusedMoE(nn.Module):
             bias = self.down_proj_bias[expert] if self.moe_tp_rank == 0 else None
         if self.packed_experts is not None:
             return linear(x, None, bias, self.packed_experts[expert][which == "down"])
-        if self.quantization is None and self.down_proj.dtype == x.dtype:  # the stored weights as they are
-            return F.linear(x, (self.gate_up_proj if which == "gate_up" else self.down_proj)[expert], bias)
         return F.linear(x, self.expert_weights(expert, x.dtype)[which == "down"], bias)
 
     def prepack(self) -> int:
