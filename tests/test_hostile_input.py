@@ -185,7 +185,7 @@ def test_chunked_body_over_the_limit_is_413(server):
 def test_chunked_body_within_the_limit_is_served(server):
     def chunks() -> Iterator[bytes]:
         yield b'{"prompt": "chunked", '
-        yield b'"max_tokens": 2}'
+        yield b'"max_tokens": 2, "ignore_eos": true}'  # a sampled EOS would end it after one token
 
     r = httpx.post(f"{server.url}{COMPLETIONS}", content=chunks(), headers={"content-type": "application/json"},
                    timeout=60)
