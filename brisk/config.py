@@ -64,7 +64,7 @@ class EngineConfig(_Strict):
     tokens_per_block: int | None = Field(None, ge=1, le=1024)
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
-    attn_backend: Literal["auto", "torch", "triton"] = "auto"
+    attn_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     # Verify KV block accounting (free + used = total, one reference per table entry) after every step:
     # for soak tests and debugging, it walks every block.
     check_kv_invariants: bool = False

@@ -71,8 +71,18 @@ def test_batch_matches_transformers(tiny):
     _, path, hf = tiny
     prompts = _prompts(1)
     llm, ours = _brisk(path, prompts)
+    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
     assert ours == _hf_greedy(hf, prompts)
     assert llm.engine.kv.pool.num_used == 0
+
+
+def test_reference_attention_backend_matches(tiny):
+    # The default CPU attention is the C decode kernel; the PyTorch reference must generate the same.
+    _, path, hf = tiny
+    prompts = _prompts(1)
+    llm, ours = _brisk(path, prompts, attn_backend="torch", max_num_tokens=16)
+    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "TorchAttentionBackend"
+    assert ours == _hf_greedy(hf, prompts)
 
 
 def test_chunked_prefill_matches(tiny):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from brisk.config import ModelConfig
-from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.model_runner.loader import load_model
 from tests.tiny_models import hf_reference, make_tiny_model
 
@@ -30,12 +30,15 @@ VARIANTS = {
 class PagedKV:
     """Binds zeroed KV caches to every Attention layer and builds AttentionMetadata for flat steps."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS,
+                 backend: str = "torch") -> None:
+        attention_backend = make_attention_backend(backend, torch.device("cpu"))
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
                 layer.v_cache = torch.zeros_like(layer.k_cache)
                 layer.kv_group = 0
+                layer.backend = attention_backend
         self.block_size, self.num_blocks = block_size, num_blocks
         self.next_block = 1  # block 0 is the null block
         self.tables: list[list[int]] = []
@@ -117,14 +120,17 @@ def test_batch_of_three_sequences_in_one_forward(models):
         offset += len(prompt)
 
 
-def test_chunked_prefill_then_decode(models):
-    """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_chunked_prefill_then_decode(models, backend):
+    """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode, and
+    ends with a chunk of three while A decodes. Both CPU attention paths: the reference and the C kernel."""
     model, hf_model, _ = models
-    full_a, full_b = random_tokens(36, seed=2), random_tokens(15, seed=3)
-    kv = PagedKV(model)
+    full_a, full_b = random_tokens(37, seed=2), random_tokens(18, seed=3)
+    kv = PagedKV(model, backend=backend)
     a, b = kv.add_sequence(len(full_a)), kv.add_sequence(len(full_b))
     steps = [[(a, full_a[:18])], [(a, full_a[18:30]), (b, full_b[:9])]]
     steps += [[(a, full_a[30 + i : 31 + i]), (b, full_b[9 + i : 10 + i])] for i in range(6)]
+    steps += [[(a, full_a[36:37]), (b, full_b[15:18])]]
     ref = {a: hf_logits(hf_model, full_a), b: hf_logits(hf_model, full_b)}
     for chunks in steps:
         starts = {seq: kv.lens[seq] for seq, _ in chunks}

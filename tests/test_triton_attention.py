@@ -16,8 +16,6 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit
 
-from dataclasses import dataclass  # noqa: E402
-
 import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
@@ -26,117 +24,29 @@ from brisk.kernels.triton_attention import (  # noqa: E402
     paged_prefill_attention,
     store_kv_cache,
 )
-from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv  # noqa: E402
+from brisk.layers.attention import Attention, TorchAttentionBackend, store_kv  # noqa: E402
 from brisk.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from tests import paged_cases  # noqa: E402
+from tests.paged_cases import REAL, TINY, Case, Shape, assert_close  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="real shapes need a CUDA GPU")
 
 
-@dataclass(frozen=True)
-class Shape:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    page: int  # KV cache block size
-    block_n: int  # kernel KV tile
+def make_case(*args, **kwargs) -> Case:
+    return paged_cases.make_case(*args, **kwargs, device=DEVICE)
 
 
-TINY = Shape(heads=4, kv_heads=2, head_dim=16, page=4, block_n=16)
-REAL = Shape(heads=64, kv_heads=8, head_dim=64, page=32, block_n=64)
+def stored_layer(case: Case) -> Attention:
+    """A layer whose cache already holds this step's new K/V (for calling the kernels directly)."""
+    layer = case.layer(None)
+    store_kv_cache(case.k, case.v, layer.k_cache, layer.v_cache, case.meta.slot_mappings[0])
+    return layer
 
 
-@dataclass
-class Case:
-    """One step over a paged cache: the inputs both backends get, plus fresh cache copies."""
-
-    shape: Shape
-    window: int | None
-    meta: AttentionMetadata
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    sinks: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-    def layer(self, backend) -> Attention:
-        s = self.shape
-        layer = Attention(s.heads, s.kv_heads, s.head_dim, s.head_dim**-0.5, 0, self.window)
-        layer.k_cache, layer.v_cache, layer.backend = self.k_cache.clone(), self.v_cache.clone(), backend
-        return layer
-
-    def run(self, backend, use_sinks: bool) -> tuple[torch.Tensor, Attention]:
-        layer = self.layer(backend)
-        out = backend.forward(layer, self.q, self.k, self.v, self.meta, self.sinks if use_sinks else None)
-        return out, layer
-
-    def reference(self, use_sinks: bool) -> torch.Tensor:
-        return self.run(TorchAttentionBackend(), use_sinks)[0]
-
-    def stored_layer(self) -> Attention:
-        """A layer whose cache already holds this step's new K/V (for calling the kernels directly)."""
-        layer = self.layer(None)
-        store_kv_cache(self.k, self.v, layer.k_cache, layer.v_cache, self.meta.slot_mappings[0])
-        return layer
-
-    def device_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        cu = torch.tensor(self.meta.query_start_loc, dtype=torch.int32, device=DEVICE)
-        return cu, torch.tensor(self.meta.seq_lens, dtype=torch.int32, device=DEVICE)
-
-
-def make_case(
-    shape: Shape,
-    specs: list[tuple[int, int]],  # per sequence: (new tokens, context length after the step)
-    window: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Case:
-    """Random step with shuffled block ids, spare null columns, and released (null) blocks before the
-    window. Cached context (the prefix) is filled in; everything never written stays NaN."""
-    g = torch.Generator().manual_seed(seed)
-    s = shape
-    pages = [-(-seq_len // s.page) for _, seq_len in specs]
-    num_blocks = 1 + sum(pages) + 3  # block 0 is the null block; a few spare ones leave holes
-    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    k_cache = torch.full((num_blocks, s.page, s.kv_heads, s.head_dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    width = max(pages) + 2
-    tables, slots, qsl = [], [], [0]
-    for (n_q, seq_len), n_pages in zip(specs, pages):
-        ctx = seq_len - n_q
-        first_k = 0 if window is None else max(0, ctx - window + 1)
-        live = first_k // s.page  # pages before this one have been released to the null block
-        row = [0] * live + [ids.pop() for _ in range(n_pages - live)]
-        tables.append(row + [0] * (width - n_pages))
-        # Cached context, written by earlier steps.
-        cached = torch.tensor([row[p // s.page] * s.page + p % s.page for p in range(live * s.page, ctx)],
-                              dtype=torch.long)
-        for cache in (k_cache, v_cache):
-            cache.view(-1, s.kv_heads, s.head_dim)[cached] = torch.randn(
-                len(cached), s.kv_heads, s.head_dim, generator=g).to(dtype)
-        slots += [row[p // s.page] * s.page + p % s.page for p in range(ctx, seq_len)]
-        qsl.append(qsl[-1] + n_q)
-    t = qsl[-1]
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=g).to(dtype).to(DEVICE)
-
-    meta = AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=[seq_len for _, seq_len in specs],
-        block_tables=[torch.tensor(tables, dtype=torch.int32, device=DEVICE)],
-        slot_mappings=[torch.tensor(slots, dtype=torch.int64, device=DEVICE)],
-        block_size=s.page,
-    )
-    return Case(s, window, meta, rand(t, s.heads, s.head_dim), rand(t, s.kv_heads, s.head_dim),
-                rand(t, s.kv_heads, s.head_dim), rand(s.heads) * 2, k_cache.to(DEVICE), v_cache.to(DEVICE))
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert not out.isnan().any()
-    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[out.dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+def device_lists(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    cu = torch.tensor(case.meta.query_start_loc, dtype=torch.int32, device=DEVICE)
+    return cu, torch.tensor(case.meta.seq_lens, dtype=torch.int32, device=DEVICE)
 
 
 def backend_for(shape: Shape, partition: int | None = None) -> TritonAttentionBackend:
@@ -255,8 +165,8 @@ DECODE_SPECS_TINY = [(1, 1), (1, 7), (1, 8), (1, 9), (1, 16), (1, 17), (1, 50), 
 def test_decode_split_k(partition: int | None, window: int | None, use_sinks: bool) -> None:
     # Partition 16 splits the 93-token context 6 ways; None lets the heuristic pick (one partition on CPU).
     case = make_case(TINY, DECODE_SPECS_TINY, window, seed=7)
-    layer = case.stored_layer()
-    _, seq_lens = case.device_lists()
+    layer = stored_layer(case)
+    _, seq_lens = device_lists(case)
     out = paged_decode_attention(
         case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], seq_lens, layer.scale,
         sliding_window=window, sinks=case.sinks if use_sinks else None,
@@ -271,8 +181,8 @@ def test_prefill_tiles_and_windows(block_q: int, block_n: int, window: int | Non
     # block_n 32 spans 8 pages per tile; window 3 is narrower than a tile, so no tile is mask-free.
     specs = [(13, 13), (10, 37), (2, 2), (17, 25), (1, 11)]
     case = make_case(TINY, specs, window, seed=11)
-    layer = case.stored_layer()
-    cu, seq_lens = case.device_lists()
+    layer = stored_layer(case)
+    cu, seq_lens = device_lists(case)
     out = paged_prefill_attention(
         case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], cu, seq_lens, layer.scale,
         sliding_window=window, sinks=case.sinks, block_q=block_q, block_n=block_n,
@@ -283,8 +193,8 @@ def test_prefill_tiles_and_windows(block_q: int, block_n: int, window: int | Non
 def test_prefill_kernel_handles_decode_rows() -> None:
     # Any sequence may take the prefill path (one-token sequences included); the backend just doesn't.
     case = make_case(TINY, [(1, 30), (4, 9), (1, 1)], window=6, seed=12)
-    layer = case.stored_layer()
-    cu, seq_lens = case.device_lists()
+    layer = stored_layer(case)
+    cu, seq_lens = device_lists(case)
     out = paged_prefill_attention(
         case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], cu, seq_lens, layer.scale,
         sliding_window=6, sinks=case.sinks, block_n=TINY.block_n,

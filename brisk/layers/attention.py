@@ -6,8 +6,9 @@ window has released. Each layer belongs to a KV group (full attention, sliding w
 its own block table per request, see `kv_cache/manager.py`.
 
 Backends implement `AttentionBackend.forward`. `TorchAttentionBackend` is the reference: exact, any
-device (see its docstring for how it batches). The Triton backend (layers/attention_triton.py) plugs in behind the same
-interface; `make_attention_backend` picks one.
+device (see its docstring for how it batches). The Triton backend (layers/attention_triton.py, GPUs) and the CPU
+backend (layers/attention_cpu.py, a C decode kernel) plug in behind the same interface; `make_attention_backend`
+picks one.
 """
 
 from __future__ import annotations
@@ -207,17 +208,19 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(b, layer.num_heads, d).to(q.dtype)
 
     @staticmethod
-    def _per_sequence(layer, q, meta, sinks) -> torch.Tensor:
+    def _per_sequence(layer, q, meta, sinks, out: torch.Tensor | None = None,
+                      multi_token_only: bool = False) -> torch.Tensor:
+        """Each sequence on its own (into `out` if given); `multi_token_only` leaves one-new-token rows alone."""
         block_table = meta.block_tables[layer.kv_group]
         bs = meta.block_size
         kvh, d = layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kvh
         window = layer.sliding_window
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         for i, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             n_q = end - start
-            if n_q == 0:
+            if n_q == 0 or (multi_token_only and n_q == 1):
                 continue
             first_q_pos = seq_len - n_q
             # Keys older than the window are never read (their blocks may already be released).
@@ -247,16 +250,28 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'torch': the reference; 'triton': the GPU kernels; 'auto': triton on CUDA, else torch.
+    """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py);
+    'auto': triton on CUDA, cpu on CPU (torch where the kernel cannot be built).
 
     One instance serves every layer, so per-step device metadata is built once per step, not per layer.
     """
+    explicit = name == "cpu"
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        from brisk.kernels.cpu_attention import load_cpu_attention  # builds the C kernel at first use
+        from brisk.layers.attention_cpu import CpuAttentionBackend
+
+        kernel = load_cpu_attention() if device.type == "cpu" else None
+        if kernel is not None:
+            return CpuAttentionBackend(kernel)
+        if explicit:
+            raise ValueError("attention backend 'cpu' needs a CPU device and a C compiler (see the log)")
+        name = "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
         from brisk.layers.attention_triton import TritonAttentionBackend  # lazy: triton is a GPU extra
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend '{name}'; choose one of: auto, torch, triton")
+    raise ValueError(f"unknown attention backend '{name}'; choose one of: auto, torch, triton, cpu")

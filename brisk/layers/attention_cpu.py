@@ -1,0 +1,71 @@
+"""CPU attention backend: the decode kernel of `brisk.kernels.cpu_attention` behind `AttentionBackend`.
+
+Sequences with one new token (every sequence of a decode step, the running ones of a mixed step) go to the C
+kernel, which reads each sequence's KV blocks where they lie in the cache: no gather into a padded copy, no
+masks, one call per layer whatever the batch. Sequences with several new tokens (prefill, prefill chunks) keep
+the reference's per-sequence path, whose matmuls are what a prompt needs. Both write rows of one fp32 output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from brisk.kernels.cpu_attention import CpuDecodeAttention
+from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """One step's metadata as the kernel reads it, shared by every layer that runs the step."""
+
+    meta: AttentionMetadata  # the step it was built for (identity)
+    seq_lens: torch.Tensor  # [B] int32
+    rows: torch.Tensor | None  # [Nd] int32 q rows of the one-new-token sequences; None: all of them, in order
+    seq_ids: torch.Tensor | None  # [Nd] int32 their sequence indices; None as above
+    num_decode: int
+    has_multi_token: bool  # some sequence brings several new tokens (per-sequence path)
+
+
+def build_step_plan(meta: AttentionMetadata) -> _StepPlan:
+    qsl = meta.query_start_loc
+    decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    has_multi = any(qsl[i + 1] - qsl[i] > 1 for i in range(meta.num_seqs))
+    if len(decode) == meta.num_seqs:  # a pure decode step: row i is sequence i
+        return _StepPlan(meta, seq_lens, None, None, len(decode), has_multi)
+    rows = torch.tensor([qsl[i] for i in decode], dtype=torch.int32)
+    return _StepPlan(meta, seq_lens, rows, torch.tensor(decode, dtype=torch.int32), len(decode), has_multi)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Paged attention on CPUs. Share one instance across layers: the step plan is built once per step."""
+
+    name = "cpu"
+
+    def __init__(self, kernel: CpuDecodeAttention) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self._plan: _StepPlan | None = None
+
+    def forward(self, layer: Attention, q, k, v, meta, sinks):
+        if layer.k_cache.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads fp32 and bf16 caches
+            return super().forward(layer, q, k, v, meta, sinks)
+        store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
+        plan = self._plan
+        if plan is None or plan.meta is not meta:
+            plan = self._plan = build_step_plan(meta)
+        qf = q.float()
+        if qf.stride(2) != 1 or qf.stride(1) != qf.shape[2]:
+            qf = qf.contiguous()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if plan.num_decode:
+            block_tables = meta.block_tables[layer.kv_group]
+            if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+                block_tables = block_tables.to(torch.int32).contiguous()
+            self.kernel(qf, out, plan.rows, plan.seq_ids, layer.k_cache, layer.v_cache, block_tables,
+                        plan.seq_lens, None if sinks is None else sinks.float(), layer.scale, layer.sliding_window)
+        if plan.has_multi_token:
+            self._per_sequence(layer, q, meta, sinks, out, multi_token_only=True)
+        return out.to(q.dtype)

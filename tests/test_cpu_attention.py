@@ -1,0 +1,92 @@
+"""The CPU decode attention kernel (C, built at first use) vs the reference `TorchAttentionBackend`.
+
+Every cache starts as NaN (tests/paged_cases.py), so a read of the null block, of a released block, of an
+unwritten slot or past a sequence's end poisons the output and fails the comparison. The build itself is
+tested too: this machine must build it (CI runs the kernel, not the fallback), and a failed build falls back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.kernels import cpu_attention
+from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
+from brisk.layers.attention_cpu import CpuAttentionBackend
+from tests.paged_cases import TINY, Shape, assert_close, make_case
+
+CPU = torch.device("cpu")
+# Mixed steps: decodes (1 new token) at contexts shorter than, equal to and longer than the windows and pages,
+# prefill chunks over cached prefixes, a one-token prompt, a sequence with nothing scheduled.
+MIXED_SPECS = [(1, 9), (5, 19), (7, 7), (1, 1), (0, 5), (9, 30), (1, 6), (1, 41), (3, 8)]
+DECODE_SPECS = [(1, 1), (1, 7), (1, 8), (1, 9), (1, 16), (1, 17), (1, 50), (1, 93)]
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuAttentionBackend:
+    kernel = cpu_attention.load_cpu_attention()
+    assert kernel is not None, "this machine has a C compiler: the CPU kernel must build"
+    return CpuAttentionBackend(kernel)
+
+
+@pytest.mark.parametrize("specs", [DECODE_SPECS, MIXED_SPECS], ids=["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 6, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_matches_reference(backend, specs, window, group, use_sinks):
+    shape = Shape(TINY.heads * 2, TINY.heads * 2 // group, TINY.head_dim, TINY.page, TINY.block_n)
+    case = make_case(shape, specs, window, seed=group)
+    out, layer = case.run(backend, use_sinks)
+    assert_close(out, case.reference(use_sinks))
+    ref_layer = case.run(TorchAttentionBackend(), use_sinks)[1]
+    assert torch.equal(layer.k_cache.nan_to_num(), ref_layer.k_cache.nan_to_num())  # the step's K/V stored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cache_dtypes_and_threads(backend, dtype, threads):
+    # head_dim 40: not a multiple of any vector width; page 5: not a power of two
+    shape = Shape(heads=6, kv_heads=2, head_dim=40, page=5, block_n=16)
+    case = make_case(shape, DECODE_SPECS + [(4, 23)], window=11, dtype=dtype, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = case.run(backend, True)[0]
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == dtype
+    assert_close(out, case.reference(True))
+
+
+def test_step_plan_is_shared_by_layers_and_rebuilt_per_step(backend):
+    a = make_case(TINY, MIXED_SPECS, window=6, seed=4)
+    assert_close(a.run(backend, False)[0], a.reference(False))
+    plan = backend._plan
+    assert_close(a.run(backend, True)[0], a.reference(True))  # next layer, same step
+    assert backend._plan is plan
+    b = make_case(TINY, DECODE_SPECS, seed=5)
+    assert_close(b.run(backend, True)[0], b.reference(True))
+    assert backend._plan is not plan and backend._plan.rows is None  # a pure decode step: rows 0..B-1
+
+
+def test_auto_picks_the_kernel_on_cpu():
+    assert isinstance(make_attention_backend("auto", CPU), CpuAttentionBackend)
+    assert type(make_attention_backend("torch", CPU)) is TorchAttentionBackend
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert cpu_attention.load_cpu_attention() is None
+    assert type(make_attention_backend("auto", CPU)) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="'cpu' needs"):
+        make_attention_backend("cpu", CPU)
+    assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
+
+
+def test_the_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_attention.build_cpu_attention()
+    assert first is not None and first.parent == tmp_path / "brisk" / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention.build_cpu_attention() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
