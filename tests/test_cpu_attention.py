@@ -44,9 +44,11 @@ def test_matches_reference(backend, specs, window, group, use_sinks):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cache_dtypes_and_threads(backend, dtype, threads):
-    # head_dim 40: not a multiple of any vector width; page 5: not a power of two
-    shape = Shape(heads=6, kv_heads=2, head_dim=40, page=5, block_n=16)
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
+def test_cache_dtypes_threads_and_head_sizes(backend, dtype, threads, head_dim):
+    # 32 / 64 / 128 take the kernel's constant-size code, 40 (no vector multiple) the generic one; page 5: not a
+    # power of two
+    shape = Shape(heads=6, kv_heads=2, head_dim=head_dim, page=5, block_n=16)
     case = make_case(shape, DECODE_SPECS + [(4, 23)], window=11, dtype=dtype, seed=3)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -28,6 +28,68 @@ static inline void load_row(const void *cache, int cache_is_bf16, int64_t offset
     }
 }
 
+/* One (sequence, KV head): its query heads against the sequence's keys and values. Inlined with a constant d
+ * for the common head sizes, so the loops over d compile to fixed, fully vectorized code. */
+static inline __attribute__((always_inline)) void attend(
+    const int s, const int kvh, const int d, const float *q, int64_t q_stride, float *out, int64_t out_stride,
+    const int32_t *rows, const int32_t *seq_ids, const void *k_cache, const void *v_cache, int cache_is_bf16,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, const float *sinks, int group,
+    int num_kv_heads, int block_size, float scale, int window) {
+    const int row = rows ? rows[s] : s, seq = seq_ids ? seq_ids[s] : s;
+    const int len = seq_lens[seq];
+    const int first = (window > 0 && len > window) ? len - window : 0;
+    const int32_t *table = block_tables + (int64_t)seq * table_stride;
+    const float *qh = q + (int64_t)row * q_stride + (int64_t)kvh * group * d;
+    float acc[group * d], probs[group * block_size], krow[d], vrow[d];
+    float run_max[group], run_sum[group], block_max[group];
+    memset(acc, 0, sizeof(acc));
+    for (int g = 0; g < group; g++) {
+        /* A sink is one more logit in the softmax denominator with no value: start the running max at it
+         * and the running sum at exp(sink - max) = 1. */
+        run_max[g] = sinks ? sinks[kvh * group + g] : -FLT_MAX;
+        run_sum[g] = sinks ? 1.0f : 0.0f;
+    }
+    for (int pos = first; pos < len;) {
+        const int64_t block = table[pos / block_size];
+        const int offset = pos % block_size;
+        const int n = block_size - offset < len - pos ? block_size - offset : len - pos;
+        for (int g = 0; g < group; g++) block_max[g] = -FLT_MAX;
+        for (int t = 0; t < n; t++) {
+            load_row(k_cache, cache_is_bf16, ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, krow);
+            for (int g = 0; g < group; g++) {
+                float dot = 0.0f;
+                for (int i = 0; i < d; i++) dot += qh[g * d + i] * krow[i];
+                dot *= scale;
+                probs[g * block_size + t] = dot;
+                block_max[g] = dot > block_max[g] ? dot : block_max[g];
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const float new_max = run_max[g] > block_max[g] ? run_max[g] : block_max[g];
+            const float rescale = expf(run_max[g] - new_max);
+            run_max[g] = new_max;
+            run_sum[g] *= rescale;
+            for (int i = 0; i < d; i++) acc[g * d + i] *= rescale;
+            float *p = probs + g * block_size;
+            for (int t = 0; t < n; t++) p[t] = expf(p[t] - new_max);
+            for (int t = 0; t < n; t++) run_sum[g] += p[t];
+        }
+        for (int t = 0; t < n; t++) {
+            load_row(v_cache, cache_is_bf16, ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, vrow);
+            for (int g = 0; g < group; g++) {
+                const float w = probs[g * block_size + t];
+                for (int i = 0; i < d; i++) acc[g * d + i] += w * vrow[i];
+            }
+        }
+        pos += n;
+    }
+    float *oh = out + (int64_t)row * out_stride + (int64_t)kvh * group * d;
+    for (int g = 0; g < group; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int i = 0; i < d; i++) oh[g * d + i] = acc[g * d + i] * inv;
+    }
+}
+
 void brisk_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
                             const int32_t *rows, const int32_t *seq_ids, const void *k_cache,
                             const void *v_cache, int cache_is_bf16, const int32_t *block_tables,
@@ -35,64 +97,18 @@ void brisk_decode_attention(const float *q, int64_t q_stride, float *out, int64_
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             int window, int num_threads) {
     const int group = num_heads / num_kv_heads;
+#define ATTEND(D) attend(s, kvh, D, q, q_stride, out, out_stride, rows, seq_ids, k_cache, v_cache, cache_is_bf16, \
+                         block_tables, table_stride, seq_lens, sinks, group, num_kv_heads, block_size, scale, window)
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-            const int d = head_dim, row = rows ? rows[s] : s, seq = seq_ids ? seq_ids[s] : s;
-            const int len = seq_lens[seq];
-            const int first = (window > 0 && len > window) ? len - window : 0;
-            const int32_t *table = block_tables + (int64_t)seq * table_stride;
-            const float *qh = q + (int64_t)row * q_stride + (int64_t)kvh * group * d;
-            float acc[group * d], probs[group * block_size], krow[d], vrow[d];
-            float run_max[group], run_sum[group], block_max[group];
-            memset(acc, 0, sizeof(acc));
-            for (int g = 0; g < group; g++) {
-                /* A sink is one more logit in the softmax denominator with no value: start the running
-                 * max at it and the running sum at exp(sink - max) = 1. */
-                run_max[g] = sinks ? sinks[kvh * group + g] : -FLT_MAX;
-                run_sum[g] = sinks ? 1.0f : 0.0f;
-            }
-            for (int pos = first; pos < len;) {
-                const int64_t block = table[pos / block_size];
-                const int offset = pos % block_size;
-                const int n = block_size - offset < len - pos ? block_size - offset : len - pos;
-                for (int g = 0; g < group; g++) block_max[g] = -FLT_MAX;
-                for (int t = 0; t < n; t++) {
-                    load_row(k_cache, cache_is_bf16, ((block * block_size + offset + t) * num_kv_heads + kvh) * d,
-                             d, krow);
-                    for (int g = 0; g < group; g++) {
-                        float dot = 0.0f;
-                        for (int i = 0; i < d; i++) dot += qh[g * d + i] * krow[i];
-                        dot *= scale;
-                        probs[g * block_size + t] = dot;
-                        block_max[g] = dot > block_max[g] ? dot : block_max[g];
-                    }
-                }
-                for (int g = 0; g < group; g++) {
-                    const float new_max = run_max[g] > block_max[g] ? run_max[g] : block_max[g];
-                    const float rescale = expf(run_max[g] - new_max);
-                    run_max[g] = new_max;
-                    run_sum[g] *= rescale;
-                    for (int i = 0; i < d; i++) acc[g * d + i] *= rescale;
-                    float *p = probs + g * block_size;
-                    for (int t = 0; t < n; t++) p[t] = expf(p[t] - new_max);
-                    for (int t = 0; t < n; t++) run_sum[g] += p[t];
-                }
-                for (int t = 0; t < n; t++) {
-                    load_row(v_cache, cache_is_bf16, ((block * block_size + offset + t) * num_kv_heads + kvh) * d,
-                             d, vrow);
-                    for (int g = 0; g < group; g++) {
-                        const float w = probs[g * block_size + t];
-                        for (int i = 0; i < d; i++) acc[g * d + i] += w * vrow[i];
-                    }
-                }
-                pos += n;
-            }
-            float *oh = out + (int64_t)row * out_stride + (int64_t)kvh * group * d;
-            for (int g = 0; g < group; g++) {
-                const float inv = 1.0f / run_sum[g];
-                for (int i = 0; i < d; i++) oh[g * d + i] = acc[g * d + i] * inv;
+            switch (head_dim) {
+                case 64: ATTEND(64); break;
+                case 128: ATTEND(128); break;
+                case 32: ATTEND(32); break;
+                default: ATTEND(head_dim);
             }
         }
     }
+#undef ATTEND
 }
