@@ -22,7 +22,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
     p.add_argument("--moe_backend", "--moe-backend", dest="moe_backend", choices=["auto", "torch", "triton"])
-    p.add_argument("--attn_backend", "--attn-backend", dest="attn_backend", choices=["auto", "torch", "triton"])
+    p.add_argument("--attn_backend", "--attn-backend", dest="attn_backend", choices=["auto", "torch", "triton", "cpu"])
     p.add_argument("--max_num_waiting", "--max-num-waiting", dest="max_num_waiting", type=int)
     p.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true",
                    default=None, help="accepted for compatibility; brisk runs no model code from checkpoints")

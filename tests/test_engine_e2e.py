@@ -71,17 +71,20 @@ def test_batch_matches_transformers(tiny):
     _, path, hf = tiny
     prompts = _prompts(1)
     llm, ours = _brisk(path, prompts)
-    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
+    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"  # the C kernels
+    assert llm.engine.runner.model.model.norm.cpu_kernels is not None
     assert ours == _hf_greedy(hf, prompts)
     assert llm.engine.kv.pool.num_used == 0
 
 
-def test_reference_attention_backend_matches(tiny):
-    # The default CPU attention is the C decode kernel; the PyTorch reference must generate the same.
+def test_pytorch_reference_paths_match(tiny):
+    # By default CPU attention and norms run brisk's C kernels; the PyTorch reference must generate the same.
     _, path, hf = tiny
     prompts = _prompts(1)
-    llm, ours = _brisk(path, prompts, attn_backend="torch", max_num_tokens=16)
-    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "TorchAttentionBackend"
+    llm, ours = _brisk(path, prompts, cpu_kernels=False, max_num_tokens=16)
+    runner = llm.engine.runner
+    assert runner.cpu_kernels is None
+    assert type(runner.attn_layers[0].backend).__name__ == "TorchAttentionBackend"
     assert ours == _hf_greedy(hf, prompts)
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from brisk.config import ModelConfig
+from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
+from brisk.layers.norm import RMSNorm
 from brisk.model_runner.loader import load_model
 from tests.tiny_models import hf_reference, make_tiny_model
 
@@ -32,7 +34,12 @@ class PagedKV:
 
     def __init__(self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS,
                  backend: str = "torch") -> None:
-        attention_backend = make_attention_backend(backend, torch.device("cpu"))
+        # "cpu": brisk's C kernels for decode attention and the norms; "torch": the PyTorch reference paths.
+        kernels = load_cpu_kernels() if backend == "cpu" else None
+        attention_backend = make_attention_backend(backend, torch.device("cpu"), kernels)
+        for norm in model.modules():
+            if isinstance(norm, RMSNorm):
+                norm.cpu_kernels = kernels
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
@@ -123,7 +130,7 @@ def test_batch_of_three_sequences_in_one_forward(models):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_chunked_prefill_then_decode(models, backend):
     """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode, and
-    ends with a chunk of three while A decodes. Both CPU attention paths: the reference and the C kernel."""
+    ends with a chunk of three while A decodes. Both CPU paths: the PyTorch reference and brisk's C kernels."""
     model, hf_model, _ = models
     full_a, full_b = random_tokens(37, seed=2), random_tokens(18, seed=3)
     kv = PagedKV(model, backend=backend)

@@ -14,9 +14,13 @@ picks one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from brisk.kernels.cpu_kernels import CpuKernels
 
 
 @dataclass
@@ -249,25 +253,21 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py);
-    'auto': triton on CUDA, cpu on CPU (torch where the kernel cannot be built).
+def make_attention_backend(name: str, device: torch.device, cpu_kernels: "CpuKernels | None" = None) -> AttentionBackend:
+    """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py, needs
+    `cpu_kernels`); 'auto': triton on CUDA, cpu on CPU when the kernels are there, else torch.
 
     One instance serves every layer, so per-step device metadata is built once per step, not per layer.
     """
-    explicit = name == "cpu"
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
+        name = "triton" if device.type == "cuda" else "cpu" if cpu_kernels is not None else "torch"
     if name == "cpu":
-        from brisk.kernels.cpu_attention import load_cpu_attention  # builds the C kernel at first use
+        if cpu_kernels is None or device.type != "cpu":
+            raise ValueError("attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: true "
+                             "and a C compiler: see the log)")
         from brisk.layers.attention_cpu import CpuAttentionBackend
 
-        kernel = load_cpu_attention() if device.type == "cpu" else None
-        if kernel is not None:
-            return CpuAttentionBackend(kernel)
-        if explicit:
-            raise ValueError("attention backend 'cpu' needs a CPU device and a C compiler (see the log)")
-        name = "torch"
+        return CpuAttentionBackend(cpu_kernels)
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":

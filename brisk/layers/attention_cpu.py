@@ -1,4 +1,4 @@
-"""CPU attention backend: the decode kernel of `brisk.kernels.cpu_attention` behind `AttentionBackend`.
+"""CPU attention backend: the decode kernel of `brisk.kernels.cpu_kernels` behind `AttentionBackend`.
 
 Sequences with one new token (every sequence of a decode step, the running ones of a mixed step) go to the C
 kernel, which reads each sequence's KV blocks where they lie in the cache: no gather into a padded copy, no
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.kernels.cpu_attention import CpuDecodeAttention
+from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv
 
 
@@ -44,9 +44,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, kernel: CpuDecodeAttention) -> None:
+    def __init__(self, kernels: CpuKernels) -> None:
         super().__init__()
-        self.kernel = kernel
+        self.kernels = kernels
         self._plan: _StepPlan | None = None
 
     def forward(self, layer: Attention, q, k, v, meta, sinks):
@@ -64,8 +64,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             block_tables = meta.block_tables[layer.kv_group]
             if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
                 block_tables = block_tables.to(torch.int32).contiguous()
-            self.kernel(qf, out, plan.rows, plan.seq_ids, layer.k_cache, layer.v_cache, block_tables,
-                        plan.seq_lens, None if sinks is None else sinks.float(), layer.scale, layer.sliding_window)
+            self.kernels.decode_attention(qf, out, plan.rows, plan.seq_ids, layer.k_cache, layer.v_cache, block_tables,
+                                          plan.seq_lens, None if sinks is None else sinks.float(), layer.scale,
+                                          layer.sliding_window)
         if plan.has_multi_token:
             self._per_sequence(layer, q, meta, sinks, out, multi_token_only=True)
         return out.to(q.dtype)

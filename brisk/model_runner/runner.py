@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.comm import agree_min, all_gather_rows
+from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
+from brisk.layers.norm import RMSNorm
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.scheduler.request import Request
@@ -101,12 +103,17 @@ class ModelRunner:
         self.model = load_model(model_config, load_format=config.load_format, device=device,
                                 moe_backend=config.moe_config.backend, parallel=parallel)
         self.model.eval()
+        self.cpu_kernels = None
         if device.type == "cpu":
             keep_freed_memory_in_the_heap()
             if config.cpu_weight_prepack:
                 prepack_weights(self.model)
+            self.cpu_kernels = load_cpu_kernels() if config.cpu_kernels else None
+            for norm in self.model.modules():
+                if isinstance(norm, RMSNorm):
+                    norm.cpu_kernels = self.cpu_kernels
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        attention_backend = make_attention_backend(config.attn_backend, device)
+        attention_backend = make_attention_backend(config.attn_backend, device, self.cpu_kernels)
         for layer in self.attn_layers:
             layer.backend = attention_backend
         self.kv_groups = kv_groups_for(model_config)

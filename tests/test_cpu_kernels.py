@@ -1,4 +1,5 @@
-"""The CPU decode attention kernel (C, built at first use) vs the reference `TorchAttentionBackend`.
+"""brisk's CPU kernels (C, built at first use) vs the PyTorch paths: decode attention vs the reference
+`TorchAttentionBackend`, RMSNorm vs the module's torch ops.
 
 Every cache starts as NaN (tests/paged_cases.py), so a read of the null block, of a released block, of an
 unwritten slot or past a sequence's end poisons the output and fails the comparison. The build itself is
@@ -10,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from brisk.kernels import cpu_attention
+from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
 from brisk.layers.attention_cpu import CpuAttentionBackend
+from brisk.layers.norm import RMSNorm
 from tests.paged_cases import TINY, Shape, assert_close, make_case
 
 CPU = torch.device("cpu")
@@ -23,10 +25,15 @@ DECODE_SPECS = [(1, 1), (1, 7), (1, 8), (1, 9), (1, 16), (1, 17), (1, 50), (1, 9
 
 
 @pytest.fixture(scope="module")
-def backend() -> CpuAttentionBackend:
-    kernel = cpu_attention.load_cpu_attention()
-    assert kernel is not None, "this machine has a C compiler: the CPU kernel must build"
-    return CpuAttentionBackend(kernel)
+def kernels() -> cpu_kernels.CpuKernels:
+    loaded = cpu_kernels.load_cpu_kernels()
+    assert loaded is not None, "this machine has a C compiler: the CPU kernels must build"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def backend(kernels) -> CpuAttentionBackend:
+    return CpuAttentionBackend(kernels)
 
 
 @pytest.mark.parametrize("specs", [DECODE_SPECS, MIXED_SPECS], ids=["decode", "mixed"])
@@ -71,24 +78,52 @@ def test_step_plan_is_shared_by_layers_and_rebuilt_per_step(backend):
     assert backend._plan is not plan and backend._plan.rows is None  # a pure decode step: rows 0..B-1
 
 
-def test_auto_picks_the_kernel_on_cpu():
-    assert isinstance(make_attention_backend("auto", CPU), CpuAttentionBackend)
-    assert type(make_attention_backend("torch", CPU)) is TorchAttentionBackend
+def test_auto_picks_the_kernel_on_cpu_when_built(kernels):
+    assert isinstance(make_attention_backend("auto", CPU, kernels), CpuAttentionBackend)
+    assert type(make_attention_backend("auto", CPU, None)) is TorchAttentionBackend
+    assert type(make_attention_backend("torch", CPU, kernels)) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="'cpu' needs"):
+        make_attention_backend("cpu", CPU, None)
 
 
-def test_a_failed_build_falls_back_to_the_torch_path(monkeypatch, tmp_path):
+def test_a_failed_build_leaves_the_torch_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    assert cpu_attention.load_cpu_attention() is None
-    assert type(make_attention_backend("auto", CPU)) is TorchAttentionBackend
-    with pytest.raises(ValueError, match="'cpu' needs"):
-        make_attention_backend("cpu", CPU)
+    assert cpu_kernels.load_cpu_kernels() is None
     assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
 
 
 def test_the_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = cpu_attention.build_cpu_attention()
+    first = cpu_kernels.build_cpu_kernels()
     assert first is not None and first.parent == tmp_path / "brisk" / "kernels"
     mtime = first.stat().st_mtime_ns
-    assert cpu_attention.build_cpu_attention() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert cpu_kernels.build_cpu_kernels() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+
+
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_rms_norm_matches_the_torch_path(kernels, weight_in_fp32, rows):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 3000, generator=g) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = RMSNorm(2880, 1e-5, weight_in_fp32).to(dtype)
+        norm.weight.data = torch.randn(2880, generator=g).to(dtype)
+        x = wide.to(dtype)[:, :2880]  # rows 3000 apart: a strided view, as a fused projection's slice is
+        reference = norm(x)
+        norm.cpu_kernels = kernels
+        out = norm(x)
+        assert out.dtype == dtype and out.shape == (rows, 2880)
+        if dtype == torch.bfloat16:  # one rounding of the same fp32 values: identical
+            assert torch.equal(out, reference)
+        else:  # the sum of squares in another order
+            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_leaves_what_the_kernel_does_not_take_to_torch(kernels):
+    norm = RMSNorm(16, 1e-6)
+    norm.cpu_kernels = kernels
+    heads = torch.randn(3, 4, 16)  # per-head q/k norms (Qwen3) are 3-d
+    torch.testing.assert_close(norm(heads), heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert not kernels.rms_norm_accepts(torch.randn(2, 16, dtype=torch.float16), torch.ones(16, dtype=torch.float16))
+    assert not kernels.rms_norm_accepts(torch.randn(2, 16), torch.ones(16, dtype=torch.bfloat16))

@@ -1,12 +1,16 @@
-/* Paged decode attention for CPUs: one new query token per sequence, read against the sequence's KV blocks
- * where they lie in the cache (no gather, no padded copy), online softmax in fp32, GQA, sliding window,
- * attention sinks. Compiled at first use by brisk/kernels/cpu_attention.py with the system C compiler
- * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes.
+/* brisk's CPU kernels, compiled at first use by brisk/kernels/cpu_kernels.py with the system C compiler
+ * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes:
+ *
+ * brisk_decode_attention: paged decode attention, one new query token per sequence, read against the sequence's
+ * KV blocks where they lie in the cache (no gather, no padded copy), online softmax in fp32, GQA, sliding window,
+ * attention sinks.
+ * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
+ * instead of the half dozen ops torch's CPU rms_norm runs.
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
  *
- * Layouts (element offsets): q[row * q_stride + head * head_dim + i] fp32; out likewise (out_stride);
+ * Attention layouts (element offsets): q[row * q_stride + head * head_dim + i] fp32; out likewise (out_stride);
  * caches [num_blocks, block_size, num_kv_heads, head_dim] in fp32 or bf16; block_tables[seq * table_stride + j]
  * int32; seq_lens[seq] int32 = context length including the new token, whose position is seq_len - 1.
  * rows[s] / seq_ids[s]: the q/out row and the table/seq_lens row of the s-th sequence computed (NULL: s).
@@ -16,13 +20,23 @@
 #include <stdint.h>
 #include <string.h>
 
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16; /* bf16 is the top half of an fp32 */
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 static inline void load_row(const void *cache, int cache_is_bf16, int64_t offset, int d, float *dst) {
     if (cache_is_bf16) {
         const uint16_t *src = (const uint16_t *)cache + offset;
-        for (int i = 0; i < d; i++) {
-            uint32_t bits = (uint32_t)src[i] << 16; /* bf16 is the top half of an fp32 */
-            memcpy(&dst[i], &bits, sizeof(float));
-        }
+        for (int i = 0; i < d; i++) dst[i] = bf16_to_float(src[i]);
     } else {
         memcpy(dst, (const float *)cache + offset, (size_t)d * sizeof(float));
     }
@@ -111,4 +125,30 @@ void brisk_decode_attention(const float *q, int64_t q_stride, float *out, int64_
         }
     }
 #undef ATTEND
+}
+
+/* out[r] = norm(x[r]) for rows of `hidden` values: x * rsqrt(mean(x^2) + eps) in fp32, then times the weight.
+ * weight_in_fp32: multiply in fp32 and round once (gpt-oss); else round to the model dtype, multiply, round
+ * (Llama, Qwen3). x, out: bf16 when is_bf16 else fp32, rows `stride` elements apart; weight likewise typed. */
+void brisk_rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stride, const void *weight,
+                    int is_bf16, int weight_in_fp32, int rows, int hidden, float eps) {
+    for (int r = 0; r < rows; r++) {
+        float row[hidden], w[hidden];
+        load_row(x, is_bf16, (int64_t)r * x_stride, hidden, row);
+        load_row(weight, is_bf16, 0, hidden, w);
+        float sum = 0.0f;
+        for (int i = 0; i < hidden; i++) sum += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        if (!is_bf16) {
+            float *dst = (float *)out + (int64_t)r * out_stride;
+            for (int i = 0; i < hidden; i++) dst[i] = w[i] * (row[i] * inv);
+        } else {
+            uint16_t *dst = (uint16_t *)out + (int64_t)r * out_stride;
+            if (weight_in_fp32)
+                for (int i = 0; i < hidden; i++) dst[i] = float_to_bf16(w[i] * (row[i] * inv));
+            else
+                for (int i = 0; i < hidden; i++)
+                    dst[i] = float_to_bf16(w[i] * bf16_to_float(float_to_bf16(row[i] * inv)));
+        }
+    }
 }

@@ -1,0 +1,126 @@
+"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention and RMSNorm.
+
+The source is compiled once per machine with the system C compiler (`cc`, or $CC) into the user's cache
+(~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), keyed by the source, the flags, the compiler and the CPU's
+feature flags (the build targets this CPU: -march=native). No compiler, or a failed build: `load_cpu_kernels`
+returns None and the callers keep their PyTorch paths. Its OpenMP runtime is the one torch already loaded
+(same soname, libgomp.so.1), so the two share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorizes expf into glibc's vector math library
+
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr,
+                      _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
+RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "brisk" / "kernels"
+
+
+def build_cpu_kernels() -> Path | None:
+    """Path of the compiled library, building it if this machine has none yet; None if it cannot be built."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler found: CPU attention and norms stay on the PyTorch path")
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: ranks building at once never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True)
+    if build.returncode != 0:
+        os.unlink(tmp)
+        logger.warning("building the CPU kernels failed, staying on the PyTorch paths:\n%s", build.stderr)
+        return None
+    os.replace(tmp, target)
+    return target
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The bound kernels. Callers check what a kernel accepts (see each method) and keep torch for the rest."""
+
+    attention_fn: ctypes._CFuncPtr
+    rms_norm_fn: ctypes._CFuncPtr
+
+    def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
+                         seq_ids: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor | None, scale: float,
+                         window: int | None) -> None:
+        """`out[rows] = attention(q[rows])` for sequences with one new token each.
+
+        q, out: [T, H, D] fp32 with each token's heads contiguous; rows / seq_ids: int32 [n] (None: 0..n-1);
+        caches [num_blocks, block_size, KVH, D] fp32 or bf16, contiguous; block_tables int32 [B, max_blocks], rows
+        contiguous; seq_lens int32 [B]; sinks fp32 [H] contiguous or None."""
+        num_seqs = rows.shape[0] if rows is not None else seq_lens.shape[0]
+        _, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        self.attention_fn(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
+                          None if rows is None else rows.data_ptr(), None if seq_ids is None else seq_ids.data_ptr(),
+                          k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+                          block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                          None if sinks is None else sinks.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+                          block_size, scale, window or 0, torch.get_num_threads())
+
+    @staticmethod
+    def rms_norm_accepts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype and x.dim() == 2
+                and x.stride(1) == 1 and weight.is_contiguous() and x.device.type == "cpu")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+        """RMSNorm of x [T, hidden] (see `rms_norm_accepts`) into a new tensor of x's dtype."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.rms_norm_fn(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
+                         int(x.dtype == torch.bfloat16), int(weight_in_fp32), x.shape[0], x.shape[1], eps)
+        return out
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    path = build_cpu_kernels()
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as e:
+        logger.warning("loading the CPU kernels failed, staying on the PyTorch paths: %s", e)
+        return None
+    attention, rms_norm = library.brisk_decode_attention, library.brisk_rms_norm
+    attention.argtypes, attention.restype = ATTENTION_ARGTYPES, None
+    rms_norm.argtypes, rms_norm.restype = RMS_NORM_ARGTYPES, None
+    return CpuKernels(attention, rms_norm)
