@@ -249,10 +249,11 @@ def naive_moe(moe: FusedMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.
     return out
 
 
-@pytest.mark.parametrize("num_tokens", [0, 1, 9])
-def test_torch_moe_backend_matches_slot_loop_with_foreign_slots(num_tokens):
+@pytest.mark.parametrize("num_tokens, one_token_ids", [(0, None), (1, None), (9, None), (1, [2, 0, 3])])
+def test_torch_moe_backend_matches_slot_loop_with_foreign_slots(num_tokens, one_token_ids):
     # Slots routed to another expert-parallel rank's experts arrive as -1: they must add nothing, and a batch
     # where some experts get no token (or there are no tokens at all, an idle attention-DP rank) must work.
+    # one_token_ids: a single token on local experts only (the one-token path, no sorting).
     gen = torch.Generator().manual_seed(3)
     moe = FusedMoE(4, 3, 16, 8)
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
@@ -260,6 +261,8 @@ def test_torch_moe_backend_matches_slot_loop_with_foreign_slots(num_tokens):
                                     else getattr(moe, name).shape, generator=gen))
     x = torch.randn(num_tokens, 16, generator=gen)
     ids = torch.randint(-1, 3, (num_tokens, 3), generator=gen)  # expert 3 never picked, -1 = another rank
+    if one_token_ids is not None:
+        ids = torch.tensor([one_token_ids])
     weights = torch.rand(num_tokens, 3, generator=gen)
     got = moe.backend.forward(moe, x, ids, weights)
     torch.testing.assert_close(got, naive_moe(moe, x, ids, weights), atol=1e-5, rtol=1e-5)

@@ -73,6 +73,10 @@ class TorchMoEBackend(MoEBackend):
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         t, k = topk_ids.shape
+        if t == 1:  # one sequence decoding: its k experts are distinct, no sorting or scattering needed
+            experts = topk_ids[0].tolist()
+            if min(experts) >= 0:
+                return self._one_token(layer, hidden, experts, topk_weights)
         flat_ids = topk_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, the -1 ones (other ranks) first
         counts = torch.bincount(flat_ids + 1, minlength=layer.num_local_experts + 1).tolist()
@@ -90,6 +94,14 @@ class TorchMoEBackend(MoEBackend):
         y = torch.empty_like(x)
         y[order] = torch.cat(ys).to(y.dtype)  # back to (token, k) order
         return (y.view(t, k, -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
+
+    @staticmethod
+    def _one_token(layer, hidden, experts: list[int], topk_weights):
+        """The same computation for one token whose k slots all go to this rank's experts, in slot order."""
+        gate_up = torch.cat([layer.expert_linear(e, "gate_up", hidden) for e in experts])
+        act = clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit, halves=layer.packed_experts is not None)
+        y = torch.cat([layer.expert_linear(e, "down", a) for e, a in zip(experts, act.split(1))])
+        return (y.view(1, len(experts), -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
 
 
 def make_moe_backend(name: str) -> MoEBackend:
