@@ -1,5 +1,5 @@
 """brisk's CPU kernels (C, built at first use) vs the PyTorch paths: decode attention vs the reference
-`TorchAttentionBackend`, RMSNorm vs the module's torch ops.
+`TorchAttentionBackend`, RMSNorm and gpt-oss's activation vs their torch ops.
 
 Every cache starts as NaN (tests/paged_cases.py), so a read of the null block, of a released block, of an
 unwritten slot or past a sequence's end poisons the output and fails the comparison. The build itself is
@@ -14,6 +14,7 @@ import torch
 from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
 from brisk.layers.attention_cpu import CpuAttentionBackend
+from brisk.layers.moe import FusedMoE, clamped_swiglu
 from brisk.layers.norm import RMSNorm
 from tests.paged_cases import TINY, Shape, assert_close, make_case
 
@@ -127,3 +128,29 @@ def test_rms_norm_leaves_what_the_kernel_does_not_take_to_torch(kernels):
     torch.testing.assert_close(norm(heads), heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert not kernels.rms_norm_accepts(torch.randn(2, 16, dtype=torch.float16), torch.ones(16, dtype=torch.float16))
     assert not kernels.rms_norm_accepts(torch.randn(2, 16), torch.ones(16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("halves", [True, False])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_clamped_swiglu_matches_the_torch_ops(kernels, halves, rows):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 200, generator=g) * 6  # beyond the +-7 clamp often enough
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = wide.to(dtype)[:, :192]  # rows 200 apart
+        reference = clamped_swiglu(gate_up, 1.702, 7.0, halves=halves)
+        out = kernels.clamped_swiglu(gate_up, 1.702, 7.0, halves)
+        assert out.dtype == dtype and out.shape == (rows, 96)
+        if dtype == torch.bfloat16:  # every op rounded as torch rounds it: identical
+            assert torch.equal(out, reference)
+        else:
+            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
+    moe = FusedMoE(4, 2, 16, 8)
+    gate_up = torch.randn(3, 16)
+    assert torch.equal(moe.activation(gate_up, False), clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit))
+    moe.cpu_kernels = kernels
+    torch.testing.assert_close(moe.activation(gate_up, False), clamped_swiglu(gate_up, moe.swiglu_alpha,
+                                                                              moe.swiglu_limit), rtol=1e-6, atol=1e-6)
+    assert not kernels.swiglu_accepts(gate_up.half()) and not kernels.swiglu_accepts(gate_up.t())

@@ -14,7 +14,6 @@ import torch
 from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
-from brisk.layers.norm import RMSNorm
 from brisk.model_runner.loader import load_model
 from tests.tiny_models import hf_reference, make_tiny_model
 
@@ -34,12 +33,12 @@ class PagedKV:
 
     def __init__(self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS,
                  backend: str = "torch") -> None:
-        # "cpu": brisk's C kernels for decode attention and the norms; "torch": the PyTorch reference paths.
+        # "cpu": brisk's C kernels (decode attention, norms, MoE activation); "torch": the PyTorch reference paths.
         kernels = load_cpu_kernels() if backend == "cpu" else None
         attention_backend = make_attention_backend(backend, torch.device("cpu"), kernels)
-        for norm in model.modules():
-            if isinstance(norm, RMSNorm):
-                norm.cpu_kernels = kernels
+        for module in model.modules():  # norms and MoE layers
+            if hasattr(module, "cpu_kernels"):
+                module.cpu_kernels = kernels
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)

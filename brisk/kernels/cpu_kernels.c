@@ -6,6 +6,7 @@
  * attention sinks.
  * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
  * instead of the half dozen ops torch's CPU rms_norm runs.
+ * brisk_clamped_swiglu: gpt-oss's expert activation in one pass instead of eight elementwise ops.
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
@@ -149,6 +150,48 @@ void brisk_rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stri
             else
                 for (int i = 0; i < hidden; i++)
                     dst[i] = float_to_bf16(w[i] * bf16_to_float(float_to_bf16(row[i] * inv)));
+        }
+    }
+}
+
+static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+/* gpt-oss's activation of gate_up rows: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
+ * limit), with gate i / up i at columns i / inter + i (halves) or 2i / 2i + 1 (interleaved). bf16 rows are rounded
+ * after every op, as torch's eager bf16 ops round (tests: identical to them). */
+void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int is_bf16,
+                          int halves, int rows, int inter, float alpha, float limit) {
+    const int gate_step = halves ? 1 : 2, up_offset = halves ? inter : 1;
+    for (int r = 0; r < rows; r++) {
+        float gate[inter], up[inter], act[inter];
+        if (is_bf16) {
+            const uint16_t *src = (const uint16_t *)gate_up + (int64_t)r * in_stride;
+            for (int i = 0; i < inter; i++) {
+                gate[i] = bf16_to_float(src[i * gate_step]);
+                up[i] = bf16_to_float(src[i * gate_step + up_offset]);
+            }
+        } else {
+            const float *src = (const float *)gate_up + (int64_t)r * in_stride;
+            for (int i = 0; i < inter; i++) {
+                gate[i] = src[i * gate_step];
+                up[i] = src[i * gate_step + up_offset];
+            }
+        }
+        for (int i = 0; i < inter; i++) {
+            const float g = gate[i] < limit ? gate[i] : limit;
+            const float u = up[i] < -limit ? -limit : (up[i] > limit ? limit : up[i]);
+            if (is_bf16) {
+                const float sig = round_bf16(1.0f / (1.0f + expf(-round_bf16(g * alpha))));
+                act[i] = round_bf16(round_bf16(u + 1.0f) * round_bf16(g * sig));
+            } else {
+                act[i] = (u + 1.0f) * (g * (1.0f / (1.0f + expf(-(g * alpha)))));
+            }
+        }
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out + (int64_t)r * out_stride;
+            for (int i = 0; i < inter; i++) dst[i] = float_to_bf16(act[i]);
+        } else {
+            memcpy((float *)out + (int64_t)r * out_stride, act, sizeof(act));
         }
     }
 }

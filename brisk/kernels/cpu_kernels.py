@@ -1,4 +1,4 @@
-"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention and RMSNorm.
+"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation.
 
 The source is compiled once per machine with the system C compiler (`cc`, or $CC) into the user's cache
 (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), keyed by the source, the flags, the compiler and the CPU's
@@ -32,6 +32,7 @@ _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr,
                       _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
+SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
 
 
 def _cpu_flags() -> str:
@@ -78,6 +79,7 @@ class CpuKernels:
 
     attention_fn: ctypes._CFuncPtr
     rms_norm_fn: ctypes._CFuncPtr
+    swiglu_fn: ctypes._CFuncPtr
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
                          seq_ids: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,6 +113,20 @@ class CpuKernels:
         return out
 
 
+    @staticmethod
+    def swiglu_accepts(gate_up: torch.Tensor) -> bool:
+        return (gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.dim() == 2 and gate_up.stride(1) == 1
+                and gate_up.device.type == "cpu")
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float, halves: bool) -> torch.Tensor:
+        """gpt-oss's activation of gate_up [T, 2I] (see `swiglu_accepts`; layers/moe.py:clamped_swiglu) -> [T, I]."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=gate_up.dtype)
+        self.swiglu_fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                       int(gate_up.dtype == torch.bfloat16), int(halves), rows, inter, alpha, limit)
+        return out
+
+
 def load_cpu_kernels() -> CpuKernels | None:
     path = build_cpu_kernels()
     if path is None:
@@ -120,7 +136,10 @@ def load_cpu_kernels() -> CpuKernels | None:
     except OSError as e:
         logger.warning("loading the CPU kernels failed, staying on the PyTorch paths: %s", e)
         return None
-    attention, rms_norm = library.brisk_decode_attention, library.brisk_rms_norm
-    attention.argtypes, attention.restype = ATTENTION_ARGTYPES, None
-    rms_norm.argtypes, rms_norm.restype = RMS_NORM_ARGTYPES, None
-    return CpuKernels(attention, rms_norm)
+    bound = []
+    for name, argtypes in (("brisk_decode_attention", ATTENTION_ARGTYPES), ("brisk_rms_norm", RMS_NORM_ARGTYPES),
+                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES)):
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = argtypes, None
+        bound.append(fn)
+    return CpuKernels(*bound)

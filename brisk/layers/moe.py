@@ -30,6 +30,7 @@ from torch import nn
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
+from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
@@ -87,7 +88,7 @@ class TorchMoEBackend(MoEBackend):
             return torch.zeros_like(hidden)
         gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e]:bounds[e + 1]]) for e in picked])
         halves = layer.packed_experts is not None  # prepacked gate_up rows are regrouped in halves
-        act = clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit, halves=halves)
+        act = layer.activation(gate_up, halves)
         act_bounds = [0, *itertools.accumulate(counts[e + 1] for e in picked)]
         ys = [hidden.new_zeros(counts[0], hidden.shape[1])]  # other ranks' experts contribute nothing here
         ys += [layer.expert_linear(e, "down", act[a:b]) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
@@ -99,7 +100,7 @@ class TorchMoEBackend(MoEBackend):
     def _one_token(layer, hidden, experts: list[int], topk_weights):
         """The same computation for one token whose k slots all go to this rank's experts, in slot order."""
         gate_up = torch.cat([layer.expert_linear(e, "gate_up", hidden) for e in experts])
-        act = clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit, halves=layer.packed_experts is not None)
+        act = layer.activation(gate_up, halves=layer.packed_experts is not None)
         y = torch.cat([layer.expert_linear(e, "down", a) for e, a in zip(experts, act.split(1))])
         return (y.view(1, len(experts), -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
 
@@ -156,6 +157,7 @@ class FusedMoE(nn.Module):
         self.backend = make_moe_backend(moe_backend)
         self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see prepack
         self.packed_gate_up_bias: torch.Tensor | None = None
+        self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
         e, h, i = self.num_local_experts, hidden_size, self.intermediate_size
         if quantization == "mxfp4":
@@ -213,6 +215,12 @@ class FusedMoE(nn.Module):
         if self.packed_experts is not None:
             return linear(x, None, bias, self.packed_experts[expert][which == "down"])
         return F.linear(x, self.expert_weights(expert, x.dtype)[which == "down"], bias)
+
+    def activation(self, gate_up: torch.Tensor, halves: bool) -> torch.Tensor:
+        """clamped_swiglu of gate_up rows: one C call on CPU where brisk's kernels are bound, else torch ops."""
+        if self.cpu_kernels is not None and self.cpu_kernels.swiglu_accepts(gate_up):
+            return self.cpu_kernels.clamped_swiglu(gate_up, self.swiglu_alpha, self.swiglu_limit, halves)
+        return clamped_swiglu(gate_up, self.swiglu_alpha, self.swiglu_limit, halves=halves)
 
     def prepack(self) -> int:
         """bf16 experts on CPU: every expert's weights in oneDNN's layout (see prepack_cpu_weight), gate_up's rows

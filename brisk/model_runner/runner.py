@@ -21,7 +21,6 @@ from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
-from brisk.layers.norm import RMSNorm
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.scheduler.request import Request
@@ -109,9 +108,9 @@ class ModelRunner:
             if config.cpu_weight_prepack:
                 prepack_weights(self.model)
             self.cpu_kernels = load_cpu_kernels() if config.cpu_kernels else None
-            for norm in self.model.modules():
-                if isinstance(norm, RMSNorm):
-                    norm.cpu_kernels = self.cpu_kernels
+            for module in self.model.modules():  # the norms and the MoE layers
+                if hasattr(module, "cpu_kernels"):
+                    module.cpu_kernels = self.cpu_kernels
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         attention_backend = make_attention_backend(config.attn_backend, device, self.cpu_kernels)
         for layer in self.attn_layers:
