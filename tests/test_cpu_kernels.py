@@ -1,5 +1,5 @@
 """brisk's CPU kernels (C, built at first use) vs the PyTorch paths: decode attention vs the reference
-`TorchAttentionBackend`, RMSNorm and gpt-oss's activation vs their torch ops.
+`TorchAttentionBackend`, RMSNorm, gpt-oss's activation and the one-row bf16 matmul vs their torch ops.
 
 Every cache starts as NaN (tests/paged_cases.py), so a read of the null block, of a released block, of an
 unwritten slot or past a sequence's end poisons the output and fails the comparison. The build itself is
@@ -14,6 +14,7 @@ import torch
 from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
 from brisk.layers.attention_cpu import CpuAttentionBackend
+from brisk.layers.linear import linear
 from brisk.layers.moe import FusedMoE, clamped_swiglu
 from brisk.layers.norm import RMSNorm
 from tests.paged_cases import TINY, Shape, assert_close, make_case
@@ -154,3 +155,48 @@ def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
     torch.testing.assert_close(moe.activation(gate_up, False), clamped_swiglu(gate_up, moe.swiglu_alpha,
                                                                               moe.swiglu_limit), rtol=1e-6, atol=1e-6)
     assert not kernels.swiglu_accepts(gate_up.half()) and not kernels.swiglu_accepts(gate_up.t())
+
+
+@pytest.mark.parametrize("k, n", [(512, 1024), (40, 24), (2880, 333), (64, 4160)])  # 40: no 32-wide multiple
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bf16_gemv_matches_torch(kernels, k, n, with_bias):
+    g = torch.Generator().manual_seed(k + n)
+    x = torch.randn(3, k, generator=g).bfloat16()[1:2]  # a row of a bigger batch
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    reference = torch.nn.functional.linear(x, weight, bias)
+    out = kernels.bf16_gemv(x, weight, bias)
+    # Same fp32 products summed in another order, one rounding to bf16: (nearly always) the same bf16 values.
+    assert (out == reference).float().mean() >= 0.999
+    torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
+
+
+def test_linear_takes_the_kernel_for_one_bf16_row_only(kernels, monkeypatch):
+    calls = []
+    monkeypatch.setattr(type(kernels), "bf16_gemv", lambda self, *a: calls.append(a) or torch.zeros(1, 8))
+    weight = torch.randn(8, 16).bfloat16()
+    linear(torch.randn(1, 16).bfloat16(), weight, None, None, kernels)
+    assert len(calls) == 1
+    linear(torch.randn(2, 16).bfloat16(), weight, None, None, kernels)  # two rows: a matmul
+    linear(torch.randn(1, 16), weight.float(), None, None, kernels)  # fp32: torch
+    linear(torch.randn(1, 16).bfloat16(), weight, None, None, None)  # not bound
+    assert len(calls) == 1
+
+
+def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kernels):
+    # Prepacking regroups gate_up (packed and plain copies alike); one-row slots then take the gemv kernel on the
+    # plain copy, several rows the oneDNN matmul on the packed one: both must agree with unpacked experts.
+    g = torch.Generator().manual_seed(7)
+    moe = FusedMoE(4, 2, 64, 32).to(torch.bfloat16)
+    for param in moe.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=g))
+    plain = FusedMoE(4, 2, 64, 32).to(torch.bfloat16)
+    plain.load_state_dict(moe.state_dict())
+    if moe.prepack() == 0:
+        pytest.skip("this CPU's torch has no oneDNN bf16 matmul")
+    assert moe.gate_up_halves and not plain.gate_up_halves
+    moe.cpu_kernels = kernels
+    for rows in (1, 5):  # one token: the one-token path, each expert one row; five: sorted slots
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        router = torch.randn(rows, 4, generator=g).bfloat16()
+        torch.testing.assert_close(moe(x, router), plain(x, router), rtol=2**-6, atol=2e-2)

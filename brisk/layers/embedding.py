@@ -12,6 +12,7 @@ from torch import nn
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_last_dim
+from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.linear import all_reduce_across_tp, copy_checked, linear, prepack_cpu_weight
 
 
@@ -51,13 +52,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelConfig = ParallelConfig()) -> None:
         super().__init__(num_embeddings, embedding_dim, parallel)
         self.packed_weight: torch.Tensor | None = None
+        self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
     def prepack(self) -> int:
         self.packed_weight = prepack_cpu_weight(self.weight)
         return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight, self.cpu_kernels)
         if self.parallel.tp_size > 1:
             logits = all_gather_last_dim(logits, self.parallel.tp_size)
         return logits[..., : self.num_embeddings]

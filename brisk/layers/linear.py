@@ -17,6 +17,7 @@ from torch import nn
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_reduce
+from brisk.kernels.cpu_kernels import CpuKernels
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -51,8 +52,11 @@ def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, through the prepacked weight when there is one."""
+           packed: torch.Tensor | None = None, cpu_kernels: CpuKernels | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: one bf16 row through brisk's CPU kernel when bound (it streams the weight at memory
+    speed), else through the prepacked weight when there is one, else F.linear."""
+    if cpu_kernels is not None and x.shape[0] == 1 and cpu_kernels.gemv_accepts(x, weight, bias):
+        return cpu_kernels.bf16_gemv(x, weight, bias)
     if packed is not None and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -83,6 +87,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None
+        self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
     def prepack(self) -> int:
         self.packed_weight = prepack_cpu_weight(self.weight)
@@ -92,7 +97,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.cpu_kernels)
 
 
 class ReplicatedLinear(LinearBase):

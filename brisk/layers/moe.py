@@ -68,7 +68,7 @@ class MoEBackend:
 class TorchMoEBackend(MoEBackend):
     """Reference, and the CPU path: the (token, k) slots sorted by expert, one matmul pair per expert that
     was picked, the activation and the weighting done once over all slots. MXFP4 experts are dequantized
-    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack)."""
+    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack), or for one row the CPU kernel."""
 
     name = "torch"
 
@@ -87,8 +87,7 @@ class TorchMoEBackend(MoEBackend):
         if not picked:  # no tokens, or all of them routed to other ranks' experts
             return torch.zeros_like(hidden)
         gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e]:bounds[e + 1]]) for e in picked])
-        halves = layer.packed_experts is not None  # prepacked gate_up rows are regrouped in halves
-        act = layer.activation(gate_up, halves)
+        act = layer.activation(gate_up, layer.gate_up_halves)
         act_bounds = [0, *itertools.accumulate(counts[e + 1] for e in picked)]
         ys = [hidden.new_zeros(counts[0], hidden.shape[1])]  # other ranks' experts contribute nothing here
         ys += [layer.expert_linear(e, "down", act[a:b]) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
@@ -100,7 +99,7 @@ class TorchMoEBackend(MoEBackend):
     def _one_token(layer, hidden, experts: list[int], topk_weights):
         """The same computation for one token whose k slots all go to this rank's experts, in slot order."""
         gate_up = torch.cat([layer.expert_linear(e, "gate_up", hidden) for e in experts])
-        act = layer.activation(gate_up, halves=layer.packed_experts is not None)
+        act = layer.activation(gate_up, layer.gate_up_halves)
         y = torch.cat([layer.expert_linear(e, "down", a) for e, a in zip(experts, act.split(1))])
         return (y.view(1, len(experts), -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
 
@@ -156,7 +155,7 @@ class FusedMoE(nn.Module):
         self.moe_tp_rank = parallel.moe_tp_rank
         self.backend = make_moe_backend(moe_backend)
         self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see prepack
-        self.packed_gate_up_bias: torch.Tensor | None = None
+        self.gate_up_halves = False  # gate_up rows regrouped as [gates; ups] (prepack), else interleaved
         self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
         e, h, i = self.num_local_experts, hidden_size, self.intermediate_size
@@ -208,13 +207,15 @@ class FusedMoE(nn.Module):
 
     def expert_linear(self, expert: int, which: str, x: torch.Tensor) -> torch.Tensor:
         """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]."""
-        if which == "gate_up":
-            bias = (self.gate_up_proj_bias if self.packed_experts is None else self.packed_gate_up_bias)[expert]
-        else:
+        down = which == "down"
+        if down:
             bias = self.down_proj_bias[expert] if self.moe_tp_rank == 0 else None
-        if self.packed_experts is not None:
-            return linear(x, None, bias, self.packed_experts[expert][which == "down"])
-        return F.linear(x, self.expert_weights(expert, x.dtype)[which == "down"], bias)
+        else:
+            bias = self.gate_up_proj_bias[expert]
+        if self.quantization is None and (self.packed_experts is not None or self.cpu_kernels is not None):
+            packed = None if self.packed_experts is None else self.packed_experts[expert][down]
+            return linear(x, (self.down_proj if down else self.gate_up_proj)[expert], bias, packed, self.cpu_kernels)
+        return F.linear(x, self.expert_weights(expert, x.dtype)[down], bias)
 
     def activation(self, gate_up: torch.Tensor, halves: bool) -> torch.Tensor:
         """clamped_swiglu of gate_up rows: one C call on CPU where brisk's kernels are bound, else torch ops."""
@@ -224,7 +225,8 @@ class FusedMoE(nn.Module):
 
     def prepack(self) -> int:
         """bf16 experts on CPU: every expert's weights in oneDNN's layout (see prepack_cpu_weight), gate_up's rows
-        regrouped as [all gate rows; all up rows] so the activation reads two contiguous halves."""
+        regrouped as [all gate rows; all up rows] so the activation reads two contiguous halves. The plain weights
+        and biases are regrouped the same way (the one-row CPU kernel reads them)."""
         if self.quantization is not None:
             return 0
         rows = 2 * self.intermediate_size
@@ -234,7 +236,9 @@ class FusedMoE(nn.Module):
         if any(g is None for g, _ in packed):
             return 0
         self.packed_experts = packed
-        self.packed_gate_up_bias = self.gate_up_proj_bias[:, halves].contiguous()
+        self.gate_up_proj.data = self.gate_up_proj.data[:, halves].contiguous()
+        self.gate_up_proj_bias.data = self.gate_up_proj_bias.data[:, halves].contiguous()
+        self.gate_up_halves = True
         return 2 * len(packed)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
