@@ -1,5 +1,5 @@
 """brisk's CPU kernels (C, built at first use) vs the PyTorch paths: decode attention vs the reference
-`TorchAttentionBackend`, RMSNorm, gpt-oss's activation and the one-row bf16 matmul vs their torch ops.
+`TorchAttentionBackend`, RMSNorm, gpt-oss's activation and the one-row matmul vs their torch ops.
 
 Every cache starts as NaN (tests/paged_cases.py), so a read of the null block, of a released block, of an
 unwritten slot or past a sequence's end poisons the output and fails the comparison. The build itself is
@@ -159,28 +159,32 @@ def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
 
 @pytest.mark.parametrize("k, n", [(512, 1024), (40, 24), (2880, 333), (64, 4160)])  # 40: no 32-wide multiple
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_bf16_gemv_matches_torch(kernels, k, n, with_bias):
+def test_gemv_matches_torch(kernels, k, n, with_bias):
     g = torch.Generator().manual_seed(k + n)
-    x = torch.randn(3, k, generator=g).bfloat16()[1:2]  # a row of a bigger batch
-    weight = torch.randn(n, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(3, k, generator=g)[1:2]  # a row of a bigger batch
+    weight = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    torch.testing.assert_close(kernels.gemv(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+    x, weight, bias = x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16()
     reference = torch.nn.functional.linear(x, weight, bias)
-    out = kernels.bf16_gemv(x, weight, bias)
+    out = kernels.gemv(x, weight, bias)
     # Same fp32 products summed in another order, one rounding to bf16: (nearly always) the same bf16 values.
-    assert (out == reference).float().mean() >= 0.999
+    assert out.dtype == torch.bfloat16 and (out == reference).float().mean() >= 0.999
     torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
 
 
-def test_linear_takes_the_kernel_for_one_bf16_row_only(kernels, monkeypatch):
+def test_linear_takes_the_kernel_for_one_row_only(kernels, monkeypatch):
     calls = []
-    monkeypatch.setattr(type(kernels), "bf16_gemv", lambda self, *a: calls.append(a) or torch.zeros(1, 8))
+    monkeypatch.setattr(type(kernels), "gemv", lambda self, *a: calls.append(a) or torch.zeros(1, 8))
     weight = torch.randn(8, 16).bfloat16()
     linear(torch.randn(1, 16).bfloat16(), weight, None, None, kernels)
-    assert len(calls) == 1
+    linear(torch.randn(1, 16), weight.float(), None, None, kernels)
+    assert len(calls) == 2
     linear(torch.randn(2, 16).bfloat16(), weight, None, None, kernels)  # two rows: a matmul
-    linear(torch.randn(1, 16), weight.float(), None, None, kernels)  # fp32: torch
+    assert not kernels.gemv_accepts(torch.randn(1, 16), weight, None)  # mixed dtypes
     linear(torch.randn(1, 16).bfloat16(), weight, None, None, None)  # not bound
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kernels):

@@ -7,9 +7,9 @@
  * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
  * instead of the half dozen ops torch's CPU rms_norm runs.
  * brisk_clamped_swiglu: gpt-oss's expert activation in one pass instead of eight elementwise ops.
- * brisk_bf16_gemv: one bf16 row times a bf16 weight, streaming the weight at memory speed (AVX512-BF16 dot
- * products where the CPU has them): a decode step of one sequence reads every weight once, and oneDNN's
- * matmul reads them at about half the speed of memory at one row (docs/performance.md).
+ * brisk_gemv: one row times a weight (bf16 or fp32), streaming the weight at memory speed (AVX512-BF16 dot
+ * products where the CPU has them): a decode step of one sequence reads every weight once, and oneDNN's and
+ * MKL's matmuls read them at half that speed or less at one row (docs/performance.md).
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
@@ -203,24 +203,33 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
     }
 }
 
-/* y[n] = bias[n] + sum_k x[k] * w[n, k]: x bf16 [K], w bf16 [N, K] row-major, bias bf16 [N] or NULL, y bf16 [N];
- * products summed in fp32, rounded to bf16 once (as torch's bf16 matmul does). Rows of w split over threads. */
-void brisk_bf16_gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int N, int K,
-                     int num_threads) {
+/* y[n] = bias[n] + sum_k x[k] * w[n, k]: x [K], w [N, K] row-major, bias [N] or NULL, y [N], all bf16 (is_bf16)
+ * or all fp32; products summed in fp32, bf16 rounded once at the end (as torch's bf16 matmul does). Rows of w
+ * split over threads. */
+void brisk_gemv(const void *x, const void *w, const void *bias, void *y, int N, int K, int is_bf16,
+                int num_threads) {
     float xf[K];
-    for (int k = 0; k < K; k++) xf[k] = bf16_to_float(x[k]);
+    load_row(x, is_bf16, 0, K, xf);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < N; n++) {
-        const uint16_t *row = w + (int64_t)n * K;
         float acc = 0.0f;
-        int k = 0;
+        if (is_bf16) {
+            const uint16_t *row = (const uint16_t *)w + (int64_t)n * K;
+            int k = 0;
 #ifdef __AVX512BF16__
-        __m512 vacc = _mm512_setzero_ps();
-        for (; k + 32 <= K; k += 32)
-            vacc = _mm512_dpbf16_ps(vacc, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(row + k));
-        acc = _mm512_reduce_add_ps(vacc);
+            __m512 vacc = _mm512_setzero_ps();
+            for (; k + 32 <= K; k += 32)
+                vacc = _mm512_dpbf16_ps(vacc, (__m512bh)_mm512_loadu_si512((const uint16_t *)x + k),
+                                        (__m512bh)_mm512_loadu_si512(row + k));
+            acc = _mm512_reduce_add_ps(vacc);
 #endif
-        for (; k < K; k++) acc += xf[k] * bf16_to_float(row[k]);
-        y[n] = float_to_bf16(acc + (bias ? bf16_to_float(bias[n]) : 0.0f));
+            for (; k < K; k++) acc += xf[k] * bf16_to_float(row[k]);
+            acc += bias ? bf16_to_float(((const uint16_t *)bias)[n]) : 0.0f;
+            ((uint16_t *)y)[n] = float_to_bf16(acc);
+        } else {
+            const float *row = (const float *)w + (int64_t)n * K;
+            for (int k = 0; k < K; k++) acc += xf[k] * row[k];
+            ((float *)y)[n] = acc + (bias ? ((const float *)bias)[n] : 0.0f);
+        }
     }
 }

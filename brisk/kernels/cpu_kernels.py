@@ -1,5 +1,5 @@
 """Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation,
-one-row bf16 matmul.
+one-row matmul.
 
 The source is compiled once per machine with the system C compiler (`cc`, or $CC) into the user's cache
 (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), keyed by the source, the flags, the compiler and the CPU's
@@ -34,7 +34,7 @@ ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr
                       _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
-GEMV_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32]
+GEMV_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32]
 
 
 def _cpu_flags() -> str:
@@ -132,16 +132,16 @@ class CpuKernels:
 
     @staticmethod
     def gemv_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-                and x.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.is_contiguous()
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+        return (x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[0] == 1
+                and x.stride(1) == 1 and x.device.type == "cpu" and weight.dtype == x.dtype and weight.is_contiguous()
+                and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
-    def bf16_gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [1, K] @ weight [N, K].T + bias (see `gemv_accepts`) -> [1, N] bf16."""
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [1, K] @ weight [N, K].T + bias (see `gemv_accepts`) -> [1, N] in x's dtype."""
         n, k = weight.shape
-        out = torch.empty(1, n, dtype=torch.bfloat16)
+        out = torch.empty(1, n, dtype=x.dtype)
         self.gemv_fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                     n, k, torch.get_num_threads())
+                     n, k, int(x.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
 
@@ -156,7 +156,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     bound = []
     for name, argtypes in (("brisk_decode_attention", ATTENTION_ARGTYPES), ("brisk_rms_norm", RMS_NORM_ARGTYPES),
-                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_bf16_gemv", GEMV_ARGTYPES)):
+                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_gemv", GEMV_ARGTYPES)):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
         bound.append(fn)
