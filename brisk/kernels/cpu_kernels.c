@@ -50,6 +50,13 @@ static inline void load_row(const void *cache, int cache_is_bf16, int64_t offset
     }
 }
 
+/* A cache row as fp32: read in place from an fp32 cache, converted into buf from a bf16 one. */
+static inline const float *cache_row(const void *cache, int cache_is_bf16, int64_t offset, int d, float *buf) {
+    if (!cache_is_bf16) return (const float *)cache + offset;
+    load_row(cache, 1, offset, d, buf);
+    return buf;
+}
+
 /* One (sequence, KV head): its query heads against the sequence's keys and values. Inlined with a constant d
  * for the common head sizes, so the loops over d compile to fixed, fully vectorized code. */
 static inline __attribute__((always_inline)) void attend(
@@ -62,7 +69,7 @@ static inline __attribute__((always_inline)) void attend(
     const int first = (window > 0 && len > window) ? len - window : 0;
     const int32_t *table = block_tables + (int64_t)seq * table_stride;
     const float *qh = q + (int64_t)row * q_stride + (int64_t)kvh * group * d;
-    float acc[group * d], probs[group * block_size], krow[d], vrow[d];
+    float acc[group * d], probs[group * block_size], kbuf[d], vbuf[d];
     float run_max[group], run_sum[group], block_max[group];
     memset(acc, 0, sizeof(acc));
     for (int g = 0; g < group; g++) {
@@ -77,7 +84,8 @@ static inline __attribute__((always_inline)) void attend(
         const int n = block_size - offset < len - pos ? block_size - offset : len - pos;
         for (int g = 0; g < group; g++) block_max[g] = -FLT_MAX;
         for (int t = 0; t < n; t++) {
-            load_row(k_cache, cache_is_bf16, ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, krow);
+            const float *krow = cache_row(k_cache, cache_is_bf16,
+                                          ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, kbuf);
             for (int g = 0; g < group; g++) {
                 float dot = 0.0f;
                 for (int i = 0; i < d; i++) dot += qh[g * d + i] * krow[i];
@@ -97,7 +105,8 @@ static inline __attribute__((always_inline)) void attend(
             for (int t = 0; t < n; t++) run_sum[g] += p[t];
         }
         for (int t = 0; t < n; t++) {
-            load_row(v_cache, cache_is_bf16, ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, vrow);
+            const float *vrow = cache_row(v_cache, cache_is_bf16,
+                                          ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, vbuf);
             for (int g = 0; g < group; g++) {
                 const float w = probs[g * block_size + t];
                 for (int i = 0; i < d; i++) acc[g * d + i] += w * vrow[i];
