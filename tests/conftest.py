@@ -1,6 +1,7 @@
 """Test-session setup shared by every module."""
 
 import os
+import shutil
 
 import torch
 
@@ -8,6 +9,10 @@ import torch
 # defined, so it must be set before any module defines one, whichever test module imports it first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# brisk's CPU kernels are C built at first use: where there is no compiler, brisk (and these tests) run the
+# PyTorch paths, and the kernel tests skip.
+HAVE_C_COMPILER = shutil.which(os.environ.get("CC", "cc")) is not None
 
 
 def pytest_addoption(parser):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
+from tests.conftest import HAVE_C_COMPILER
 from tests.tiny_models import hf_reference, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -71,8 +72,9 @@ def test_batch_matches_transformers(tiny):
     _, path, hf = tiny
     prompts = _prompts(1)
     llm, ours = _brisk(path, prompts)
-    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"  # the C kernels
-    assert llm.engine.runner.model.model.norm.cpu_kernels is not None
+    if HAVE_C_COMPILER:  # by default the C kernels run (elsewhere: the PyTorch paths)
+        assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
+        assert llm.engine.runner.model.model.norm.cpu_kernels is not None
     assert ours == _hf_greedy(hf, prompts)
     assert llm.engine.kv.pool.num_used == 0
 

@@ -15,6 +15,7 @@ from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.model_runner.loader import load_model
+from tests.conftest import HAVE_C_COMPILER
 from tests.tiny_models import hf_reference, make_tiny_model
 
 ATOL = 1e-4
@@ -126,7 +127,8 @@ def test_batch_of_three_sequences_in_one_forward(models):
         offset += len(prompt)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    not HAVE_C_COMPILER, reason="no C compiler: no CPU kernels to test"))])
 def test_chunked_prefill_then_decode(models, backend):
     """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode, and
     ends with a chunk of three while A decodes. Both CPU paths: the PyTorch reference and brisk's C kernels."""
