@@ -1,5 +1,5 @@
 """brisk's CPU kernels (C, built at first use) vs the PyTorch paths: decode attention vs the reference
-`TorchAttentionBackend`, RMSNorm, gpt-oss's activation and the one-row matmul vs their torch ops.
+`TorchAttentionBackend`, RMSNorm, gpt-oss's activation and the few-row matmul vs their torch ops.
 
 Every cache starts as NaN (tests/paged_cases.py), so a read of the null block, of a released block, of an
 unwritten slot or past a sequence's end poisons the output and fails the comparison. The build itself is
@@ -7,6 +7,8 @@ tested too: this machine must build it (CI runs the kernel, not the fallback), a
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -81,6 +83,12 @@ def test_step_plan_is_shared_by_layers_and_rebuilt_per_step(backend):
     b = make_case(TINY, DECODE_SPECS, seed=5)
     assert_close(b.run(backend, True)[0], b.reference(True))
     assert backend._plan is not plan and backend._plan.rows is None  # a pure decode step: rows 0..B-1
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_state_alone(kernels):
+    # A library linked with -ffast-math would switch on flush-to-zero for the whole process when loaded.
+    assert sys.float_info.min / 4 > 0.0
+    assert torch.tensor(1e-40) * 1.0 > 0.0  # torch ops keep subnormals too
 
 
 def test_auto_picks_the_kernel_on_cpu_when_built(kernels):
@@ -162,37 +170,46 @@ def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
 
 @pytest.mark.parametrize("k, n", [(512, 1024), (40, 24), (2880, 333), (64, 4160)])  # 40: no 32-wide multiple
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_gemv_matches_torch(kernels, k, n, with_bias):
+def test_linear_kernel_matches_torch(kernels, k, n, with_bias):
     g = torch.Generator().manual_seed(k + n)
-    x = torch.randn(3, k, generator=g)[1:2]  # a row of a bigger batch
+    wide = torch.randn(9, k + 8, generator=g)[:, :k]  # rows k + 8 apart
     weight = torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
-    torch.testing.assert_close(kernels.gemv(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
-                               rtol=1e-5, atol=1e-4)
-    x, weight, bias = x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16()
-    reference = torch.nn.functional.linear(x, weight, bias)
-    out = kernels.gemv(x, weight, bias)
-    # Same fp32 products summed in another order, one rounding to bf16: (nearly always) the same bf16 values.
-    assert out.dtype == torch.bfloat16 and (out == reference).float().mean() >= 0.999
-    torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        for rows in range(1, 10):
+            x = wide[:rows].to(dtype)
+            if not kernels.linear_accepts(x, w, b):
+                # one row always; up to 8 in one pass for bf16 (K a multiple of 32) on AVX512-BF16 CPUs
+                per_pass = kernels.bf16_rows_per_pass if dtype == torch.bfloat16 and k % 32 == 0 else 1
+                assert rows > per_pass
+                continue
+            reference = torch.nn.functional.linear(x, w, b)
+            out = kernels.linear(x, w, b)
+            assert out.dtype == dtype and out.shape == (rows, n)
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)
+            else:  # the same fp32 products summed in another order, one rounding: (nearly) the same bf16 values
+                assert (out == reference).float().mean() >= 0.999
+                torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
 
 
-def test_linear_takes_the_kernel_for_one_row_only(kernels, monkeypatch):
+def test_linear_takes_the_kernel_for_decode_sized_inputs_only(kernels, monkeypatch):
     calls = []
-    monkeypatch.setattr(type(kernels), "gemv", lambda self, *a: calls.append(a) or torch.zeros(1, 8))
-    weight = torch.randn(8, 16).bfloat16()
-    linear(torch.randn(1, 16).bfloat16(), weight, None, None, kernels)
-    linear(torch.randn(1, 16), weight.float(), None, None, kernels)
+    monkeypatch.setattr(type(kernels), "linear", lambda self, x, *a: calls.append(x) or torch.zeros(x.shape[0], 8))
+    weight = torch.randn(8, 32).bfloat16()
+    linear(torch.randn(1, 32).bfloat16(), weight, None, None, kernels)
+    linear(torch.randn(1, 32), weight.float(), None, None, kernels)
     assert len(calls) == 2
-    linear(torch.randn(2, 16).bfloat16(), weight, None, None, kernels)  # two rows: a matmul
-    assert not kernels.gemv_accepts(torch.randn(1, 16), weight, None)  # mixed dtypes
-    linear(torch.randn(1, 16).bfloat16(), weight, None, None, None)  # not bound
+    linear(torch.randn(9, 32).bfloat16(), weight, None, None, kernels)  # nine rows: a matmul
+    linear(torch.randn(1, 32).bfloat16(), weight, None, None, None)  # not bound
+    assert not kernels.linear_accepts(torch.randn(1, 32), weight, None)  # mixed dtypes
     assert len(calls) == 2
 
 
 def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kernels):
-    # Prepacking regroups gate_up (packed and plain copies alike); one-row slots then take the gemv kernel on the
-    # plain copy, several rows the oneDNN matmul on the packed one: both must agree with unpacked experts.
+    # Prepacking regroups gate_up (packed and plain copies alike); experts with a few rows then take the kernel on
+    # the plain copy, more rows the oneDNN matmul on the packed one: both must agree with unpacked experts.
     g = torch.Generator().manual_seed(7)
     moe = FusedMoE(4, 2, 64, 32).to(torch.bfloat16)
     for param in moe.parameters():
@@ -203,7 +220,7 @@ def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kern
         pytest.skip("this CPU's torch has no oneDNN bf16 matmul")
     assert moe.gate_up_halves and not plain.gate_up_halves
     moe.cpu_kernels = kernels
-    for rows in (1, 5):  # one token: the one-token path, each expert one row; five: sorted slots
+    for rows in (1, 5, 40):  # one token: the one-token path; 5 and 40: sorted slots, few and many rows an expert
         x = torch.randn(rows, 64, generator=g).bfloat16()
         router = torch.randn(rows, 4, generator=g).bfloat16()
         torch.testing.assert_close(moe(x, router), plain(x, router), rtol=2**-6, atol=2e-2)

@@ -1,5 +1,6 @@
 /* brisk's CPU kernels, compiled at first use by brisk/kernels/cpu_kernels.py with the system C compiler
- * (-O3 -march=native -ffast-math -fopenmp) and called through ctypes:
+ * (-O3 -march=native -ffast-math -fopenmp; linked without -ffast-math, see cpu_kernels.py) and called through
+ * ctypes:
  *
  * brisk_decode_attention: paged decode attention, one new query token per sequence, read against the sequence's
  * KV blocks where they lie in the cache (no gather, no padded copy), online softmax in fp32, GQA, sliding window,
@@ -7,9 +8,10 @@
  * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
  * instead of the half dozen ops torch's CPU rms_norm runs.
  * brisk_clamped_swiglu: gpt-oss's expert activation in one pass instead of eight elementwise ops.
- * brisk_gemv: one row times a weight (bf16 or fp32), streaming the weight at memory speed (AVX512-BF16 dot
- * products where the CPU has them): a decode step of one sequence reads every weight once, and oneDNN's and
- * MKL's matmuls read them at half that speed or less at one row (docs/performance.md).
+ * brisk_linear: a few rows times a weight (bf16 or fp32), streaming the weight at memory speed (up to 8 rows
+ * per pass with AVX512-BF16 dot products where the CPU has them, else one row per pass): decode steps of a few
+ * sequences read every weight once, and oneDNN's and MKL's matmuls read them at half that speed or less at a
+ * few rows (docs/performance.md).
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
@@ -212,33 +214,95 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
     }
 }
 
-/* y[n] = bias[n] + sum_k x[k] * w[n, k]: x [K], w [N, K] row-major, bias [N] or NULL, y [N], all bf16 (is_bf16)
- * or all fp32; products summed in fp32, bf16 rounded once at the end (as torch's bf16 matmul does). Rows of w
- * split over threads. */
-void brisk_gemv(const void *x, const void *w, const void *bias, void *y, int N, int K, int is_bf16,
-                int num_threads) {
-    float xf[K];
-    load_row(x, is_bf16, 0, K, xf);
+/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for a few rows m: x [M, K] (rows x_stride apart), w [N, K] row-major,
+ * bias [N] or NULL, y [M, N] (rows y_stride apart), all bf16 (is_bf16) or all fp32; products summed in fp32, bf16
+ * rounded once at the end (as torch's bf16 matmul does). Rows of w are split over threads. */
+
+static inline float row_dot(const float *xf, const void *w, int is_bf16, int64_t n, int K) {
+    float acc = 0.0f;
+    if (is_bf16) {
+        const uint16_t *row = (const uint16_t *)w + n * K;
+        for (int k = 0; k < K; k++) acc += xf[k] * bf16_to_float(row[k]);
+    } else {
+        const float *row = (const float *)w + n * K;
+        for (int k = 0; k < K; k++) acc += xf[k] * row[k];
+    }
+    return acc;
+}
+
+/* Any CPU, any K: one row at a time (each row one pass over the weight). */
+static void linear_by_row(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride,
+                          int M, int N, int K, int is_bf16, int num_threads) {
+    for (int m = 0; m < M; m++) {
+        float xf[K];
+        load_row(x, is_bf16, (int64_t)m * x_stride, K, xf);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int n = 0; n < N; n++) {
-        float acc = 0.0f;
-        if (is_bf16) {
-            const uint16_t *row = (const uint16_t *)w + (int64_t)n * K;
-            int k = 0;
-#ifdef __AVX512BF16__
-            __m512 vacc = _mm512_setzero_ps();
-            for (; k + 32 <= K; k += 32)
-                vacc = _mm512_dpbf16_ps(vacc, (__m512bh)_mm512_loadu_si512((const uint16_t *)x + k),
-                                        (__m512bh)_mm512_loadu_si512(row + k));
-            acc = _mm512_reduce_add_ps(vacc);
-#endif
-            for (; k < K; k++) acc += xf[k] * bf16_to_float(row[k]);
-            acc += bias ? bf16_to_float(((const uint16_t *)bias)[n]) : 0.0f;
-            ((uint16_t *)y)[n] = float_to_bf16(acc);
-        } else {
-            const float *row = (const float *)w + (int64_t)n * K;
-            for (int k = 0; k < K; k++) acc += xf[k] * row[k];
-            ((float *)y)[n] = acc + (bias ? ((const float *)bias)[n] : 0.0f);
+        for (int n = 0; n < N; n++) {
+            float acc = row_dot(xf, w, is_bf16, n, K);
+            if (is_bf16) {
+                acc += bias ? bf16_to_float(((const uint16_t *)bias)[n]) : 0.0f;
+                ((uint16_t *)y + (int64_t)m * y_stride)[n] = float_to_bf16(acc);
+            } else {
+                ((float *)y + (int64_t)m * y_stride)[n] = acc + (bias ? ((const float *)bias)[n] : 0.0f);
+            }
         }
     }
+}
+
+#ifdef __AVX512BF16__
+/* bf16 with K a multiple of 32 on CPUs with AVX512-BF16: up to 8 rows in one pass over the weight, each row's
+ * products accumulated by dot-product instructions in its own named register (an indexed array of accumulators
+ * is kept in memory by the compiler: a store-load chain per instruction, measured 2x slower). */
+#define ACC(r)                                                                                                   \
+    if (R > r) a##r = _mm512_dpbf16_ps(a##r, (__m512bh)_mm512_loadu_si512(x + r * x_stride + k), wv);
+#define OUT(r)                                                                                                   \
+    if (R > r) y[r * y_stride + n] = float_to_bf16(_mm512_reduce_add_ps(a##r) + b);
+#define BF16_ROWS(ROWS)                                                                                          \
+    static void bf16_rows_##ROWS(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,   \
+                                 uint16_t *y, int64_t y_stride, int N, int K, int num_threads) {                 \
+        const int R = ROWS;                                                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                                    \
+        for (int n = 0; n < N; n++) {                                                                            \
+            const uint16_t *row = w + (int64_t)n * K;                                                            \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;      \
+            for (int k = 0; k < K; k += 32) {                                                                    \
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);                                       \
+                ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)                                          \
+            }                                                                                                    \
+            const float b = bias ? bf16_to_float(bias[n]) : 0.0f;                                                \
+            OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)                                              \
+        }                                                                                                        \
+    }
+BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6) BF16_ROWS(7) BF16_ROWS(8)
+#undef ACC
+#undef OUT
+#undef BF16_ROWS
+#endif
+
+/* The number of rows brisk_linear takes in one pass over the weight (else: 1, each row a pass of its own). */
+int brisk_linear_rows_per_pass(int is_bf16, int K) {
+#ifdef __AVX512BF16__
+    if (is_bf16 && K % 32 == 0) return 8;
+#endif
+    (void)is_bf16, (void)K;
+    return 1;
+}
+
+void brisk_linear(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride, int M,
+                  int N, int K, int is_bf16, int num_threads) {
+#ifdef __AVX512BF16__
+    if (is_bf16 && K % 32 == 0) {
+        static void (*const by_rows[8])(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *,
+                                        int64_t, int, int, int) = {bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4,
+                                                                   bf16_rows_5, bf16_rows_6, bf16_rows_7, bf16_rows_8};
+        for (int m = 0; m < M; m += 8) {
+            const int rows = M - m < 8 ? M - m : 8;
+            by_rows[rows - 1]((const uint16_t *)x + (int64_t)m * x_stride, x_stride, (const uint16_t *)w,
+                              (const uint16_t *)bias, (uint16_t *)y + (int64_t)m * y_stride, y_stride, N, K,
+                              num_threads);
+        }
+        return;
+    }
+#endif
+    linear_by_row(x, x_stride, w, bias, y, y_stride, M, N, K, is_bf16, num_threads);
 }

@@ -1,5 +1,5 @@
 """Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation,
-one-row matmul.
+few-row matmul.
 
 The source is compiled once per machine with the system C compiler (`cc`, or $CC) into the user's cache
 (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), keyed by the source, the flags, the compiler and the CPU's
@@ -26,7 +26,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked in a second step without -ffast-math: linked with it, the library would carry crtfastmath.o, which turns
+# on flush-to-zero for the whole process when loaded (every torch op would then lose subnormals).
+LINK_FLAGS = ["-shared", "-fopenmp"]
 LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorizes expf into glibc's vector math library
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -34,7 +37,7 @@ ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr
                       _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
-GEMV_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32]
+LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
 
 
 def _cpu_flags() -> str:
@@ -57,21 +60,22 @@ def build_cpu_kernels() -> Path | None:
         logger.warning("no C compiler found: CPU attention and norms stay on the PyTorch path")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    key_parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, version, platform.machine(), _cpu_flags()]
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: ranks building at once never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True)
-    if build.returncode != 0:
-        os.unlink(tmp)
-        logger.warning("building the CPU kernels failed, staying on the PyTorch paths:\n%s", build.stderr)
-        return None
-    os.replace(tmp, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = os.path.join(tmp, "cpu_kernels.o"), os.path.join(tmp, "cpu_kernels.so")
+        compile_step = [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj]
+        for step in (compile_step, [compiler, *LINK_FLAGS, obj, "-o", lib, *LIBS]):
+            build = subprocess.run(step, capture_output=True, text=True)
+            if build.returncode != 0:
+                logger.warning("building the CPU kernels failed, staying on the PyTorch paths:\n%s", build.stderr)
+                return None
+        os.replace(lib, target)
     return target
 
 
@@ -82,7 +86,8 @@ class CpuKernels:
     attention_fn: ctypes._CFuncPtr
     rms_norm_fn: ctypes._CFuncPtr
     swiglu_fn: ctypes._CFuncPtr
-    gemv_fn: ctypes._CFuncPtr
+    linear_fn: ctypes._CFuncPtr
+    bf16_rows_per_pass: int  # rows a bf16 matmul (K a multiple of 32) takes per pass over the weight: 8 or 1
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
                          seq_ids: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -130,18 +135,21 @@ class CpuKernels:
         return out
 
 
-    @staticmethod
-    def gemv_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        return (x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[0] == 1
-                and x.stride(1) == 1 and x.device.type == "cpu" and weight.dtype == x.dtype and weight.is_contiguous()
-                and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+    def linear_accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """A decode-sized matmul the kernel streams at memory speed: as many rows as it takes in one pass over the
+        weight (bf16 on AVX512-BF16: up to 8; otherwise 1), same dtype throughout, rows contiguous."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
+            return False
+        per_pass = self.bf16_rows_per_pass if x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0 else 1
+        return (0 < x.shape[0] <= per_pass and x.device.type == "cpu" and weight.dtype == x.dtype
+                and weight.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [1, K] @ weight [N, K].T + bias (see `gemv_accepts`) -> [1, N] in x's dtype."""
-        n, k = weight.shape
-        out = torch.empty(1, n, dtype=x.dtype)
-        self.gemv_fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                     n, k, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ weight [N, K].T + bias (see `linear_accepts`) -> [M, N] in x's dtype."""
+        (m, k), n = x.shape, weight.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype)
+        self.linear_fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), out.stride(0), m, n, k, int(x.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
 
@@ -156,8 +164,10 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     bound = []
     for name, argtypes in (("brisk_decode_attention", ATTENTION_ARGTYPES), ("brisk_rms_norm", RMS_NORM_ARGTYPES),
-                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_gemv", GEMV_ARGTYPES)):
+                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_linear", LINEAR_ARGTYPES)):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
         bound.append(fn)
-    return CpuKernels(*bound)
+    rows_per_pass = library.brisk_linear_rows_per_pass
+    rows_per_pass.argtypes, rows_per_pass.restype = [_i32, _i32], _i32
+    return CpuKernels(*bound, bf16_rows_per_pass=rows_per_pass(1, 32))

@@ -253,7 +253,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def make_attention_backend(name: str, device: torch.device, cpu_kernels: "CpuKernels | None" = None) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device,
+                           cpu_kernels: "CpuKernels | None" = None) -> AttentionBackend:
     """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py, needs
     `cpu_kernels`); 'auto': triton on CUDA, cpu on CPU when the kernels are there, else torch.
 

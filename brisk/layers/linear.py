@@ -53,10 +53,10 @@ def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None, cpu_kernels: CpuKernels | None = None) -> torch.Tensor:
-    """x @ weight.T + bias: one row through brisk's CPU kernel when bound (it streams the weight at memory speed),
-    else through the prepacked weight when there is one, else F.linear."""
-    if cpu_kernels is not None and x.shape[0] == 1 and cpu_kernels.gemv_accepts(x, weight, bias):
-        return cpu_kernels.gemv(x, weight, bias)
+    """x @ weight.T + bias: a decode-sized x through brisk's CPU kernel when bound (it streams the weight at memory
+    speed), else through the prepacked weight when there is one, else F.linear."""
+    if cpu_kernels is not None and x.shape[0] <= 8 and cpu_kernels.linear_accepts(x, weight, bias):
+        return cpu_kernels.linear(x, weight, bias)
     if packed is not None and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -68,7 +68,7 @@ class MoEBackend:
 class TorchMoEBackend(MoEBackend):
     """Reference, and the CPU path: the (token, k) slots sorted by expert, one matmul pair per expert that
     was picked, the activation and the weighting done once over all slots. MXFP4 experts are dequantized
-    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack), or for one row the CPU kernel."""
+    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack), or for a few rows the CPU kernel."""
 
     name = "torch"
 
@@ -226,7 +226,7 @@ class FusedMoE(nn.Module):
     def prepack(self) -> int:
         """bf16 experts on CPU: every expert's weights in oneDNN's layout (see prepack_cpu_weight), gate_up's rows
         regrouped as [all gate rows; all up rows] so the activation reads two contiguous halves. The plain weights
-        and biases are regrouped the same way (the one-row CPU kernel reads them)."""
+        and biases are regrouped the same way (the few-row CPU kernel reads them)."""
         if self.quantization is not None:
             return 0
         rows = 2 * self.intermediate_size
