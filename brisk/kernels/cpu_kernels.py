@@ -57,7 +57,7 @@ def build_cpu_kernels() -> Path | None:
     """Path of the compiled library, building it if this machine has none yet; None if it cannot be built."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        logger.warning("no C compiler found: CPU attention and norms stay on the PyTorch path")
+        logger.warning("no C compiler found: brisk's CPU kernels are not built, the PyTorch paths run instead")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key_parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, version, platform.machine(), _cpu_flags()]
