@@ -142,7 +142,8 @@ def test_delta_buffer_coalesces_a_slow_consumer():
 
 # ---- timeouts --------------------------------------------------------------------------------------
 def test_request_timeout_aborts_and_frees_kv(server):
-    long = {"max_tokens": 1000, **GREEDY, "timeout": 0.5}
+    # 1,000 tokens take ~0.8 s here; a 0.2 s timeout leaves a margin however much faster the engine gets
+    long = {"max_tokens": 1000, **GREEDY, "timeout": 0.2}
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as http:
@@ -150,7 +151,7 @@ def test_request_timeout_aborts_and_frees_kv(server):
             chat = stream_events(http, f"{server.url}/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "slow"}], **long})
             responses = http.post(f"{server.url}/v1/responses", json={"input": "slow", "max_output_tokens": 1000,
-                                                                      **GREEDY, "timeout": 0.5})
+                                                                      **GREEDY, "timeout": 0.2})
             return await asyncio.gather(whole, chat, responses)
 
     start = time.monotonic()
@@ -330,9 +331,9 @@ def test_sigterm_drains_then_exits_zero(model_dir):
         engine_pids = [pid for pid in child_pids(srv.proc.pid) if b"spawn_main" in process_cmdline(pid)]
         assert len(engine_pids) == 1
         url = f"{srv.url}/v1/completions"
-        # Long ones (12 sequences of 1000 tokens: 1000 engine steps) cannot finish within the shutdown
-        # timeout; the short one, 2 tokens from its end when the signal comes, can.
-        long = {"prompt": "long", "n": 4, "max_tokens": 1000, **GREEDY}
+        # Long ones (48 sequences of 1000 tokens: ~5 s of engine work on the CI machine) cannot finish within the
+        # shutdown timeout; the short one, 2 tokens from its end when the signal comes, can.
+        long = {"prompt": "long", "n": 16, "max_tokens": 1000, **GREEDY}
         short = {"prompt": "short", "max_tokens": 3, **GREEDY}
 
         async def run():
@@ -365,7 +366,7 @@ def test_sigterm_drains_then_exits_zero(model_dir):
         for events in long_streams:
             assert events[-1] == "[DONE]"
             reasons = [c["choices"][0]["finish_reason"] for c in events[:-1] if c["choices"][0]["finish_reason"]]
-            assert sorted(reasons) == ["abort"] * 4  # aborted at the shutdown timeout, every choice told
+            assert sorted(reasons) == ["abort"] * 16  # aborted at the shutdown timeout, every choice told
         assert srv.proc.wait(timeout=60) == 0
         assert time.monotonic() - signalled < shutdown_timeout + 15
         assert not Path(f"/proc/{engine_pids[0]}").exists()  # the engine went with it (killed and reaped)
