@@ -75,8 +75,9 @@ class EngineConfig(_Strict):
     # CPU serving of bf16 weights: reorder them once into oneDNN's blocked layout (faster matmuls, one more
     # copy of the dense and bf16 expert weights in memory); off: plain torch matmuls on the loaded tensors.
     cpu_weight_prepack: bool = True
-    # CPU serving: build brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm) with the system
-    # C compiler at first use and run them; off, or no compiler: PyTorch ops only (the reference paths).
+    # CPU serving: build brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm, gpt-oss's
+    # activation, few-row matmuls) with the system C compiler at first use and run them; off, or no compiler:
+    # PyTorch ops only (the reference paths).
     cpu_kernels: bool = True
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)

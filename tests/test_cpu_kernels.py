@@ -16,7 +16,14 @@ import torch
 from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
 from brisk.layers.attention_cpu import CpuAttentionBackend
-from brisk.layers.linear import linear
+from brisk.layers.embedding import ParallelLMHead
+from brisk.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear,
+)
 from brisk.layers.moe import FusedMoE, clamped_swiglu
 from brisk.layers.norm import RMSNorm
 from tests.conftest import HAVE_C_COMPILER
@@ -205,6 +212,20 @@ def test_linear_takes_the_kernel_for_decode_sized_inputs_only(kernels, monkeypat
     linear(torch.randn(1, 32).bfloat16(), weight, None, None, None)  # not bound
     assert not kernels.linear_accepts(torch.randn(1, 32), weight, None)  # mixed dtypes
     assert len(calls) == 2
+
+
+def test_every_dense_layer_takes_the_bound_kernel(kernels, monkeypatch):
+    # Column, merged, QKV, row-parallel linears and the LM head all reach `linear` with their bound kernels.
+    calls = []
+    monkeypatch.setattr(type(kernels), "linear", lambda self, x, w, b: calls.append(w.shape) or x @ w.T)
+    with torch.device("cpu"):
+        layers = {"column": ColumnParallelLinear(32, 16), "merged": MergedColumnParallelLinear(32, [8, 8]),
+                  "qkv": QKVParallelLinear(32, 8, 2, 1), "row": RowParallelLinear(32, 16), "head": ParallelLMHead(40, 32)}
+    for name, layer in layers.items():
+        layer.cpu_kernels = kernels
+        calls.clear()
+        layer(torch.randn(1, 32))
+        assert calls == [layer.weight.shape], name
 
 
 def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kernels):

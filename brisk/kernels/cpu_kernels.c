@@ -43,6 +43,8 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
 static inline void load_row(const void *cache, int cache_is_bf16, int64_t offset, int d, float *dst) {
     if (cache_is_bf16) {
         const uint16_t *src = (const uint16_t *)cache + offset;
@@ -151,10 +153,11 @@ void brisk_decode_attention(const float *q, int64_t q_stride, float *out, int64_
  * (Llama, Qwen3). x, out: bf16 when is_bf16 else fp32, rows `stride` elements apart; weight likewise typed. */
 void brisk_rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stride, const void *weight,
                     int is_bf16, int weight_in_fp32, int rows, int hidden, float eps) {
+    float w[hidden];
+    load_row(weight, is_bf16, 0, hidden, w);
     for (int r = 0; r < rows; r++) {
-        float row[hidden], w[hidden];
+        float row[hidden];
         load_row(x, is_bf16, (int64_t)r * x_stride, hidden, row);
-        load_row(weight, is_bf16, 0, hidden, w);
         float sum = 0.0f;
         for (int i = 0; i < hidden; i++) sum += row[i] * row[i];
         const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
@@ -166,13 +169,10 @@ void brisk_rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stri
             if (weight_in_fp32)
                 for (int i = 0; i < hidden; i++) dst[i] = float_to_bf16(w[i] * (row[i] * inv));
             else
-                for (int i = 0; i < hidden; i++)
-                    dst[i] = float_to_bf16(w[i] * bf16_to_float(float_to_bf16(row[i] * inv)));
+                for (int i = 0; i < hidden; i++) dst[i] = float_to_bf16(w[i] * round_bf16(row[i] * inv));
         }
     }
 }
-
-static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
 /* gpt-oss's activation of gate_up rows: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
  * limit), with gate i / up i at columns i / inter + i (halves) or 2i / 2i + 1 (interleaved). bf16 rows are rounded

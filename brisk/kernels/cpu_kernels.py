@@ -120,7 +120,6 @@ class CpuKernels:
                          int(x.dtype == torch.bfloat16), int(weight_in_fp32), x.shape[0], x.shape[1], eps)
         return out
 
-
     @staticmethod
     def swiglu_accepts(gate_up: torch.Tensor) -> bool:
         return (gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.dim() == 2 and gate_up.stride(1) == 1
@@ -133,7 +132,6 @@ class CpuKernels:
         self.swiglu_fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
                        int(gate_up.dtype == torch.bfloat16), int(halves), rows, inter, alpha, limit)
         return out
-
 
     def linear_accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """A decode-sized matmul the kernel streams at memory speed: as many rows as it takes in one pass over the

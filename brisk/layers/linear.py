@@ -55,7 +55,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None, cpu_kernels: CpuKernels | None = None) -> torch.Tensor:
     """x @ weight.T + bias: a decode-sized x through brisk's CPU kernel when bound (it streams the weight at memory
     speed), else through the prepacked weight when there is one, else F.linear."""
-    if cpu_kernels is not None and x.shape[0] <= 8 and cpu_kernels.linear_accepts(x, weight, bias):
+    if cpu_kernels is not None and cpu_kernels.linear_accepts(x, weight, bias):
         return cpu_kernels.linear(x, weight, bias)
     if packed is not None and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -200,7 +200,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = linear(x, self.weight, bias, self.packed_weight)
+        out = linear(x, self.weight, bias, self.packed_weight, self.cpu_kernels)
         if self.reduce_results:
             out = all_reduce_across_tp(out, self.parallel)
         return out

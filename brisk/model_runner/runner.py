@@ -108,7 +108,7 @@ class ModelRunner:
             if config.cpu_weight_prepack:
                 prepack_weights(self.model)
             self.cpu_kernels = load_cpu_kernels() if config.cpu_kernels else None
-            for module in self.model.modules():  # the norms and the MoE layers
+            for module in self.model.modules():  # linears, LM head, norms, MoE layers
                 if hasattr(module, "cpu_kernels"):
                     module.cpu_kernels = self.cpu_kernels
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
