@@ -24,10 +24,11 @@
 #include <float.h>
 #include <math.h>
 #include <omp.h>
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_float(uint16_t x) {
@@ -214,9 +215,9 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
     }
 }
 
-/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for a few rows m: x [M, K] (rows x_stride apart), w [N, K] row-major,
- * bias [N] or NULL, y [M, N] (rows y_stride apart), all bf16 (is_bf16) or all fp32; products summed in fp32, bf16
- * rounded once at the end (as torch's bf16 matmul does). Rows of w are split over threads. */
+/* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for the rows m of a decode step: x [M, K] (rows x_stride apart),
+ * w [N, K] row-major, bias [N] or NULL, y [M, N] (rows y_stride apart), all bf16 (is_bf16) or all fp32; products
+ * summed in fp32, bf16 rounded once at the end (as torch's bf16 matmul does). */
 
 static inline float row_dot(const float *xf, const void *w, int is_bf16, int64_t n, int K) {
     float acc = 0.0f;
@@ -230,13 +231,13 @@ static inline float row_dot(const float *xf, const void *w, int is_bf16, int64_t
     return acc;
 }
 
-/* Any CPU, any K: one row at a time (each row one pass over the weight). */
+/* CPUs without AVX-512: one row at a time (each row one pass over the weight). */
 static void linear_by_row(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride,
                           int M, int N, int K, int is_bf16, int num_threads) {
     for (int m = 0; m < M; m++) {
         float xf[K];
         load_row(x, is_bf16, (int64_t)m * x_stride, K, xf);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
         for (int n = 0; n < N; n++) {
             float acc = row_dot(xf, w, is_bf16, n, K);
             if (is_bf16) {
@@ -249,60 +250,176 @@ static void linear_by_row(const void *x, int64_t x_stride, const void *w, const 
     }
 }
 
-#ifdef __AVX512BF16__
-/* bf16 with K a multiple of 32 on CPUs with AVX512-BF16: up to 8 rows in one pass over the weight, each row's
- * products accumulated by dot-product instructions in its own named register (an indexed array of accumulators
- * is kept in memory by the compiler: a store-load chain per instruction, measured 2x slower). */
-#define ACC(r)                                                                                                   \
-    if (R > r) a##r = _mm512_dpbf16_ps(a##r, (__m512bh)_mm512_loadu_si512(x + r * x_stride + k), wv);
-#define OUT(r)                                                                                                   \
-    if (R > r) y[r * y_stride + n] = float_to_bf16(_mm512_reduce_add_ps(a##r) + b);
-#define BF16_ROWS(ROWS)                                                                                          \
-    static void bf16_rows_##ROWS(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,   \
-                                 uint16_t *y, int64_t y_stride, int N, int K, int num_threads) {                 \
-        const int R = ROWS;                                                                                      \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                                    \
-        for (int n = 0; n < N; n++) {                                                                            \
-            const uint16_t *row = w + (int64_t)n * K;                                                            \
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;      \
-            for (int k = 0; k < K; k += 32) {                                                                    \
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);                                       \
-                ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)                                          \
-            }                                                                                                    \
-            const float b = bias ? bf16_to_float(bias[n]) : 0.0f;                                                \
-            OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)                                              \
-        }                                                                                                        \
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512: up to 8 rows of x against weight rows [n0, n1), each weight vector loaded once for all of them and each
+ * row's products accumulated in its own named register (an indexed array of accumulators is kept in memory by the
+ * compiler: a store-load chain per instruction, measured 2x slower). K needs no particular multiple: the last
+ * chunk of a row is loaded masked, zeros beyond K. bf16 uses the AVX512-BF16 dot-product instruction (two products
+ * per fp32 lane) where the CPU has it. */
+typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride,
+                        int n0, int n1, int K);
+
+#define ROWS_KERNEL(NAME, ROWS, T, LANES, MASK_T, LOAD, FMA, STORE)                                            \
+    static void NAME##_##ROWS(const void *xv, int64_t x_stride, const void *wv, const void *biasv, void *yv,        \
+                              int64_t y_stride, int n0, int n1, int K) {                                            \
+        const T *x = (const T *)xv, *w = (const T *)wv, *bias = (const T *)biasv;                                   \
+        T *y = (T *)yv;                                                                                             \
+        const int R = ROWS, full = K - K % LANES;                                                                   \
+        const MASK_T all = (MASK_T)~(MASK_T)0, tail = (MASK_T)((((uint64_t)1) << (K % LANES)) - 1);                 \
+        for (int n = n0; n < n1; n++) {                                                                             \
+            const T *row = w + (int64_t)n * K;                                                                      \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;         \
+            for (int k = 0; k < full; k += LANES) {                                                                 \
+                const __m512i wk = LOAD(all, row + k);                                                              \
+                ACC(0, all, LOAD, FMA) ACC(1, all, LOAD, FMA) ACC(2, all, LOAD, FMA) ACC(3, all, LOAD, FMA)         \
+                ACC(4, all, LOAD, FMA) ACC(5, all, LOAD, FMA) ACC(6, all, LOAD, FMA) ACC(7, all, LOAD, FMA)         \
+            }                                                                                                       \
+            if (tail) {                                                                                             \
+                const int k = full;                                                                                 \
+                const __m512i wk = LOAD(tail, row + k);                                                             \
+                ACC(0, tail, LOAD, FMA) ACC(1, tail, LOAD, FMA) ACC(2, tail, LOAD, FMA) ACC(3, tail, LOAD, FMA)     \
+                ACC(4, tail, LOAD, FMA) ACC(5, tail, LOAD, FMA) ACC(6, tail, LOAD, FMA) ACC(7, tail, LOAD, FMA)     \
+            }                                                                                                       \
+            STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)                                 \
+        }                                                                                                           \
     }
+#define ACC(r, mask, LOAD, FMA) if (R > r) a##r = FMA(a##r, LOAD(mask, x + r * x_stride + k), wk);
+
+#define FP32_LOAD(mask, p) _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p))
+#define FP32_FMA(acc, xk, wk) _mm512_fmadd_ps(_mm512_castsi512_ps(xk), _mm512_castsi512_ps(wk), acc)
+#define FP32_STORE(r) if (R > r) y[r * y_stride + n] = _mm512_reduce_add_ps(a##r) + (bias ? bias[n] : 0.0f);
+#define FP32_ROWS(ROWS) ROWS_KERNEL(fp32_rows, ROWS, float, 16, __mmask16, FP32_LOAD, FP32_FMA, FP32_STORE)
+FP32_ROWS(1) FP32_ROWS(2) FP32_ROWS(3) FP32_ROWS(4) FP32_ROWS(5) FP32_ROWS(6) FP32_ROWS(7) FP32_ROWS(8)
+static const rows_fn fp32_rows[8] = {fp32_rows_1, fp32_rows_2, fp32_rows_3, fp32_rows_4,
+                                     fp32_rows_5, fp32_rows_6, fp32_rows_7, fp32_rows_8};
+
+#ifdef __AVX512BF16__
+#define BF16_LOAD(mask, p) _mm512_maskz_loadu_epi16(mask, p)
+#define BF16_FMA(acc, xk, wk) _mm512_dpbf16_ps(acc, (__m512bh)(xk), (__m512bh)(wk))
+#define BF16_STORE(r)                                                                                             \
+    if (R > r) y[r * y_stride + n] = float_to_bf16(_mm512_reduce_add_ps(a##r) + (bias ? bf16_to_float(bias[n]) : 0.0f));
+#define BF16_ROWS(ROWS) ROWS_KERNEL(bf16_rows, ROWS, uint16_t, 32, __mmask32, BF16_LOAD, BF16_FMA, BF16_STORE)
 BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6) BF16_ROWS(7) BF16_ROWS(8)
-#undef ACC
-#undef OUT
-#undef BF16_ROWS
+static const rows_fn bf16_rows[8] = {bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4,
+                                     bf16_rows_5, bf16_rows_6, bf16_rows_7, bf16_rows_8};
 #endif
 
-/* The number of rows brisk_linear takes in one pass over the weight (else: 1, each row a pass of its own). */
-int brisk_linear_rows_per_pass(int is_bf16, int K) {
-#ifdef __AVX512BF16__
-    if (is_bf16 && K % 32 == 0) return 8;
+/* All M rows against the weight, 8 at a time. Each thread takes tiles of weight rows small enough (~256 KB) to stay
+ * in its L2 cache while every group of 8 rows passes over them: the weight is read from memory once per call. */
+static void linear_tiled(const rows_fn by_rows[8], size_t elt, const char *x, int64_t x_stride, const void *w,
+                         const void *bias, char *y, int64_t y_stride, int M, int N, int K, int num_threads) {
+    int tile = (int)((256 << 10) / ((size_t)K * elt));
+    const int per_thread = (N + num_threads - 1) / num_threads;
+    if (tile > per_thread) tile = per_thread;
+    if (tile < 1) tile = 1;
+    const int num_tiles = (N + tile - 1) / tile;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int t = 0; t < num_tiles; t++) {
+        const int n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
+        for (int m = 0; m < M; m += 8) {
+            const int rows = M - m < 8 ? M - m : 8;
+            by_rows[rows - 1](x + (size_t)m * x_stride * elt, x_stride, w, bias, y + (size_t)m * y_stride * elt,
+                              y_stride, n0, n1, K);
+        }
+    }
+}
 #endif
-    (void)is_bf16, (void)K;
-    return 1;
+
+/* Whether brisk_linear has a vector path for this dtype on this CPU: any number of rows in one pass over the
+ * weight. Without one it makes a pass per row (callers then give it single rows only). */
+int brisk_linear_vectorized(int is_bf16) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512BF16__
+    if (is_bf16) return 1;
+#endif
+    if (!is_bf16) return 1;
+#endif
+    (void)is_bf16;
+    return 0;
 }
 
 void brisk_linear(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride, int M,
                   int N, int K, int is_bf16, int num_threads) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #ifdef __AVX512BF16__
-    if (is_bf16 && K % 32 == 0) {
-        static void (*const by_rows[8])(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *,
-                                        int64_t, int, int, int) = {bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4,
-                                                                   bf16_rows_5, bf16_rows_6, bf16_rows_7, bf16_rows_8};
-        for (int m = 0; m < M; m += 8) {
-            const int rows = M - m < 8 ? M - m : 8;
-            by_rows[rows - 1]((const uint16_t *)x + (int64_t)m * x_stride, x_stride, (const uint16_t *)w,
-                              (const uint16_t *)bias, (uint16_t *)y + (int64_t)m * y_stride, y_stride, N, K,
-                              num_threads);
-        }
+    if (is_bf16) {
+        linear_tiled(bf16_rows, 2, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
+        return;
+    }
+#endif
+    if (!is_bf16) {
+        linear_tiled(fp32_rows, 4, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
         return;
     }
 #endif
     linear_by_row(x, x_stride, w, bias, y, y_stride, M, N, K, is_bf16, num_threads);
+}
+
+/* gpt-oss's experts for a decode step: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j], in one
+ * call instead of a sort, a gather, two matmuls per picked expert, the activation and a scatter in torch ops. The
+ * (token, j) slots are grouped by expert (counting sort, stable), each expert's rows go through brisk_linear
+ * together, all rows through brisk_clamped_swiglu at once. An id outside [0, num_experts) (-1: another rank's
+ * expert) contributes nothing. bf16 rounds where torch's ops round: each matmul and activation output, each
+ * weighted row, the sum over j once at the end (tests: identical to the torch path with these kernels).
+ * x [T, H] rows x_stride apart, out [T, H] rows out_stride apart, ids int64 [T, top_k], weights fp32 [T, top_k],
+ * gate_up [E, 2I, H] (+ bias [E, 2I]), down [E, H, I] (+ bias [E, H] or NULL), all bf16 (is_bf16) or fp32; gate and
+ * up columns as `halves` says (see brisk_clamped_swiglu). */
+void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_stride, const int64_t *ids,
+                       const float *weights, int T, int top_k, int num_experts, int H, int I, const void *gate_up,
+                       const void *gate_up_bias, const void *down, const void *down_bias, int is_bf16, int halves,
+                       float alpha, float limit, int num_threads) {
+    const size_t elt = is_bf16 ? 2 : 4;
+    const int num_slots = T * top_k;
+    int start[num_experts + 1], fill[num_experts], row_of_slot[num_slots];
+    memset(start, 0, sizeof(start));
+    for (int s = 0; s < num_slots; s++)
+        if (ids[s] >= 0 && ids[s] < num_experts) start[ids[s] + 1]++;
+    for (int e = 0; e < num_experts; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(fill));
+    const int rows = start[num_experts];
+    char *xs = malloc((size_t)rows * (H + 2 * I + I + H) * elt);
+    char *gate_up_out = xs + (size_t)rows * H * elt, *act = gate_up_out + (size_t)rows * 2 * I * elt;
+    char *ys = act + (size_t)rows * I * elt;
+    for (int s = 0; s < num_slots; s++) {
+        row_of_slot[s] = -1;
+        if (ids[s] < 0 || ids[s] >= num_experts) continue;
+        const int r = row_of_slot[s] = fill[ids[s]]++;
+        memcpy(xs + (size_t)r * H * elt, (const char *)x + (size_t)(s / top_k) * x_stride * elt, H * elt);
+    }
+    for (int e = 0; e < num_experts; e++) {
+        const int n = start[e + 1] - start[e];
+        if (n == 0) continue;
+        brisk_linear(xs + (size_t)start[e] * H * elt, H, (const char *)gate_up + (size_t)e * 2 * I * H * elt,
+                     (const char *)gate_up_bias + (size_t)e * 2 * I * elt, gate_up_out + (size_t)start[e] * 2 * I * elt,
+                     2 * I, n, 2 * I, H, is_bf16, num_threads);
+    }
+    brisk_clamped_swiglu(gate_up_out, 2 * I, act, I, is_bf16, halves, rows, I, alpha, limit);
+    for (int e = 0; e < num_experts; e++) {
+        const int n = start[e + 1] - start[e];
+        if (n == 0) continue;
+        brisk_linear(act + (size_t)start[e] * I * elt, I, (const char *)down + (size_t)e * H * I * elt,
+                     down_bias ? (const char *)down_bias + (size_t)e * H * elt : NULL, ys + (size_t)start[e] * H * elt,
+                     H, n, H, I, is_bf16, num_threads);
+    }
+    for (int t = 0; t < T; t++) {
+        float sum[H], y[H];
+        memset(sum, 0, sizeof(sum));
+        for (int j = 0; j < top_k; j++) {
+            const int r = row_of_slot[t * top_k + j];
+            if (r < 0) continue;
+            load_row(ys, is_bf16, (int64_t)r * H, H, y);
+            const float w = is_bf16 ? round_bf16(weights[t * top_k + j]) : weights[t * top_k + j];
+            if (is_bf16)
+                for (int h = 0; h < H; h++) sum[h] += round_bf16(y[h] * w);
+            else
+                for (int h = 0; h < H; h++) sum[h] += y[h] * w;
+        }
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out + (int64_t)t * out_stride;
+            for (int h = 0; h < H; h++) dst[h] = float_to_bf16(sum[h]);
+        } else {
+            memcpy((float *)out + (int64_t)t * out_stride, sum, sizeof(sum));
+        }
+    }
+    free(xs);
 }

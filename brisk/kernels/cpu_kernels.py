@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # Linked in a second step without -ffast-math: linked with it, the library would carry crtfastmath.o, which turns
 # on flush-to-zero for the whole process when loaded (every torch op would then lose subnormals).
 LINK_FLAGS = ["-shared", "-fopenmp"]
@@ -37,7 +37,11 @@ ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr
                       _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
+# Rows up to which brisk_linear beats torch's matmul (oneDNN / MKL): decode batches (docs/performance.md).
+LINEAR_MAX_ROWS = 64
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
+MOE_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32,
+                _f32, _f32, _i32]
 
 
 def _cpu_flags() -> str:
@@ -53,14 +57,15 @@ def _cache_dir() -> Path:
     return Path(base) / "brisk" / "kernels"
 
 
-def build_cpu_kernels() -> Path | None:
-    """Path of the compiled library, building it if this machine has none yet; None if it cannot be built."""
+def build_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> Path | None:
+    """Path of the compiled library, building it if this machine has none yet; None if it cannot be built.
+    (Tests build it with other flags too: without AVX-512, to check the code for other CPUs.)"""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning("no C compiler found: brisk's CPU kernels are not built, the PyTorch paths run instead")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key_parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, version, platform.machine(), _cpu_flags()]
+    key_parts = [SOURCE.read_text(), *compile_flags, *LINK_FLAGS, *LIBS, version, platform.machine(), _cpu_flags()]
     key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -69,7 +74,7 @@ def build_cpu_kernels() -> Path | None:
     # Build beside the target and rename: ranks building at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = os.path.join(tmp, "cpu_kernels.o"), os.path.join(tmp, "cpu_kernels.so")
-        compile_step = [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj]
+        compile_step = [compiler, *compile_flags, "-c", str(SOURCE), "-o", obj]
         for step in (compile_step, [compiler, *LINK_FLAGS, obj, "-o", lib, *LIBS]):
             build = subprocess.run(step, capture_output=True, text=True)
             if build.returncode != 0:
@@ -87,7 +92,8 @@ class CpuKernels:
     rms_norm_fn: ctypes._CFuncPtr
     swiglu_fn: ctypes._CFuncPtr
     linear_fn: ctypes._CFuncPtr
-    bf16_rows_per_pass: int  # rows a bf16 matmul (K a multiple of 32) takes per pass over the weight: 8 or 1
+    moe_fn: ctypes._CFuncPtr
+    linear_vectorized: dict[torch.dtype, bool]  # dtypes whose matmul takes many rows in one pass over the weight
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
                          seq_ids: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,12 +140,12 @@ class CpuKernels:
         return out
 
     def linear_accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """A decode-sized matmul the kernel streams at memory speed: as many rows as it takes in one pass over the
-        weight (bf16 on AVX512-BF16: up to 8; otherwise 1), same dtype throughout, rows contiguous."""
+        """A decode-sized matmul, which the kernel computes reading the weight once: up to LINEAR_MAX_ROWS rows
+        where it has a vector path for the dtype (AVX-512), else one row; same dtype throughout, rows contiguous."""
         if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
             return False
-        per_pass = self.bf16_rows_per_pass if x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0 else 1
-        return (0 < x.shape[0] <= per_pass and x.device.type == "cpu" and weight.dtype == x.dtype
+        max_rows = LINEAR_MAX_ROWS if self.linear_vectorized[x.dtype] else 1
+        return (0 < x.shape[0] <= max_rows and x.device.type == "cpu" and weight.dtype == x.dtype
                 and weight.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -151,8 +157,33 @@ class CpuKernels:
         return out
 
 
-def load_cpu_kernels() -> CpuKernels | None:
-    path = build_cpu_kernels()
+    def moe_accepts(self, hidden: torch.Tensor, gate_up: torch.Tensor) -> bool:
+        """A decode step's tokens through unquantized experts (the matmuls inside go through `linear`)."""
+        return (self.linear_accepts(hidden, gate_up[0], None) and gate_up.is_contiguous()
+                and hidden.shape[1] == gate_up.shape[2])
+
+    def moe_experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor | None,
+                    halves: bool, alpha: float, limit: float) -> torch.Tensor:
+        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) (see `moe_accepts`; ids outside the
+        experts, -1 for another rank's, count nothing): hidden [T, H], gate_up [E, 2I, H], down [E, H, I] with
+        biases [E, 2I] / [E, H] (or None), all of hidden's dtype -> [T, H]."""
+        (t, h), (num_experts, two_i, _) = hidden.shape, gate_up.shape
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        for tensor in (gate_up_bias, down, down_bias):
+            if tensor is not None and (tensor.dtype != hidden.dtype or not tensor.is_contiguous()):
+                raise ValueError("expert weights and biases must be contiguous and of the hidden states' dtype")
+        out = torch.empty(t, h, dtype=hidden.dtype)
+        self.moe_fn(hidden.data_ptr(), hidden.stride(0), out.data_ptr(), out.stride(0), ids.data_ptr(),
+                    weights.data_ptr(), t, ids.shape[1], num_experts, h, two_i // 2, gate_up.data_ptr(),
+                    gate_up_bias.data_ptr(), down.data_ptr(), None if down_bias is None else down_bias.data_ptr(),
+                    int(hidden.dtype == torch.bfloat16), int(halves), alpha, limit, torch.get_num_threads())
+        return out
+
+
+def load_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> CpuKernels | None:
+    path = build_cpu_kernels(compile_flags)
     if path is None:
         return None
     try:
@@ -162,10 +193,12 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     bound = []
     for name, argtypes in (("brisk_decode_attention", ATTENTION_ARGTYPES), ("brisk_rms_norm", RMS_NORM_ARGTYPES),
-                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_linear", LINEAR_ARGTYPES)):
+                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_linear", LINEAR_ARGTYPES),
+                           ("brisk_moe_experts", MOE_ARGTYPES)):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
         bound.append(fn)
-    rows_per_pass = library.brisk_linear_rows_per_pass
-    rows_per_pass.argtypes, rows_per_pass.restype = [_i32, _i32], _i32
-    return CpuKernels(*bound, bf16_rows_per_pass=rows_per_pass(1, 32))
+    vectorized = library.brisk_linear_vectorized
+    vectorized.argtypes, vectorized.restype = [_i32], _i32
+    return CpuKernels(*bound, linear_vectorized={dtype: bool(vectorized(int(dtype == torch.bfloat16)))
+                                                 for dtype in (torch.float32, torch.bfloat16)})

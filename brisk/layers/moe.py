@@ -68,11 +68,17 @@ class MoEBackend:
 class TorchMoEBackend(MoEBackend):
     """Reference, and the CPU path: the (token, k) slots sorted by expert, one matmul pair per expert that
     was picked, the activation and the weighting done once over all slots. MXFP4 experts are dequantized
-    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack), or for a few rows the CPU kernel."""
+    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack). Where brisk's CPU kernels are
+    bound, a decode step's tokens through unquantized experts are one C call (the same computation)."""
 
     name = "torch"
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
+        kernels = layer.cpu_kernels
+        if kernels is not None and layer.quantization is None and kernels.moe_accepts(hidden, layer.gate_up_proj):
+            return kernels.moe_experts(hidden, topk_ids, topk_weights, layer.gate_up_proj, layer.gate_up_proj_bias,
+                                       layer.down_proj, layer.down_proj_bias if layer.moe_tp_rank == 0 else None,
+                                       layer.gate_up_halves, layer.swiglu_alpha, layer.swiglu_limit)
         t, k = topk_ids.shape
         if t == 1:  # one sequence decoding: its k experts are distinct, no sorting or scattering needed
             experts = topk_ids[0].tolist()
