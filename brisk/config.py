@@ -212,7 +212,7 @@ def _read_generation_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-CPU_BF16_MIN_HIDDEN_SIZE = 512
+CPU_BF16_MIN_HIDDEN_SIZE = 128
 
 
 def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
@@ -223,8 +223,8 @@ def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
         declared = getattr(torch, declared, None)
     if device_type == "cpu":
         # As on GPUs (and in vLLM), an fp32 or bf16 checkpoint computes in bf16, where the CPU multiplies bf16
-        # natively and the matrices are big enough for it to pay: half the weight bytes per token against
-        # oneDNN's fixed cost per bf16 call (measured at batch 1: 1.7x faster at hidden size 512, 0.65x at 128:
+        # natively and the matrices are big enough for it to pay: half the weight and KV bytes per token (with
+        # brisk's CPU kernels, the demo model at hidden size 128: level at batch 1 and 8, 1.18x at 32;
         # docs/performance.md). Otherwise fp32, the reference path; `dtype: float32` keeps it everywhere.
         text = getattr(hf, "get_text_config", lambda: hf)()
         big_enough = getattr(text, "hidden_size", 0) >= CPU_BF16_MIN_HIDDEN_SIZE

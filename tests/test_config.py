@@ -123,9 +123,9 @@ def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, na
 
     monkeypatch.setattr(brisk.config, "cpu_has_native_bf16", lambda: native_bf16)
     for declared, hidden, expected in (("bfloat16", 512, torch.bfloat16 if native_bf16 else torch.float32),
-                                       ("bfloat16", 128, torch.float32),  # too small for bf16 to pay on CPU
-                                       ("float32", 512, torch.bfloat16 if native_bf16 else torch.float32),
-                                       ("float32", 128, torch.float32)):
+                                       ("bfloat16", 64, torch.float32),  # too small for bf16 to pay on CPU
+                                       ("float32", 128, torch.bfloat16 if native_bf16 else torch.float32),
+                                       ("float32", 64, torch.float32)):
         (tmp_path / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
             "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 16, "dtype": declared}))
