@@ -1,4 +1,5 @@
-"""Tests for the batched sampler: every parameter must change the outcome when it is set."""
+"""Tests for the batched sampler: every parameter must change the outcome when it is set. Every test runs twice:
+with the torch sampler and with brisk's CPU kernels bound (random rows then drawn by the C sampler)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sys
+
+from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.sampling_params import SamplingParams
+from tests.conftest import HAVE_C_COMPILER
 
 EOS = 0
 
@@ -37,13 +42,28 @@ def sample(
         vocab_size=logits.shape[1],
         device="cpu",
     )
-    return Sampler()(logits, batch)
+    return SAMPLER(logits, batch)
 
 
 def draws(logits_row: list[float], params: SamplingParams, num_draws: int = 4000, **kwargs) -> Counter[int]:
     """Token counts of `num_draws` independent samples (one batch of identical rows, sharing one noise draw)."""
     logits = torch.tensor([logits_row] * num_draws, dtype=torch.float32)
     return Counter(sample(logits, [params] * num_draws, **kwargs).token_ids)
+
+
+SAMPLER = Sampler()  # set per test by `sampler_kind`
+
+
+@pytest.fixture(autouse=True, params=["torch", "cpu_kernels"])
+def sampler_kind(request, monkeypatch) -> str:
+    kernels = None
+    if request.param == "cpu_kernels":
+        if not HAVE_C_COMPILER:
+            pytest.skip("no C compiler on this machine: the torch sampler runs (tested everywhere else)")
+        kernels = load_cpu_kernels()
+        assert kernels is not None
+    monkeypatch.setattr(sys.modules[__name__], "SAMPLER", Sampler(kernels))
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -295,3 +315,43 @@ def test_sampled_tokens_stay_in_the_support(case: tuple[torch.Tensor, list[Sampl
     for row, token in enumerate(out.token_ids):
         assert math.isfinite(logits[row, token].item()), "sampled a masked (-inf) token"
         assert token in allowed_tokens(logits[row].tolist(), params[row])
+
+
+def test_sampling_over_a_large_vocabulary_follows_the_distribution() -> None:
+    # Likely tokens spread over a vocabulary of several of the C sampler's 1,024-token chunks, the last one at the
+    # vocabulary's end; everything else masked.
+    vocab, picked = 5000, [3, 1500, 2047, 4999]
+    row = [float("-inf")] * vocab
+    for token, logit in zip(picked, PROB_LOGITS):
+        row[token] = logit
+    num_draws = 40_000
+    counts = draws(row, SamplingParams(), num_draws=num_draws)
+    assert counts.keys() == set(picked)
+    chi_square = sum((counts[t] - p * num_draws) ** 2 / (p * num_draws) for t, p in zip(picked, PROBS))
+    assert chi_square < 30  # 3 degrees of freedom: P(chi2 > 30) ~ 1.4e-6
+
+
+def test_the_c_sampler_draws_by_inverse_transform() -> None:
+    # The token where the running sum of probabilities passes u: u just below each cumulative boundary picks that
+    # token, just above it the next; u = 0 the first weighted token; masked tokens are never picked.
+    if not HAVE_C_COMPILER:
+        pytest.skip("no C compiler on this machine: there is no C sampler")
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(7, 1)  # log 0 = -inf: masked
+    uniforms = torch.tensor([0.0, 0.499, 0.501, 0.799, 0.801, 0.951, 0.999999], dtype=torch.float64)
+    tokens = load_cpu_kernels().sample_rows(logits, uniforms).tolist()
+    assert tokens == [1, 1, 3, 3, 4, 5, 5]
+    # A +inf logit takes the row; a row of nothing but -inf still gets an id of the vocabulary.
+    odd = torch.tensor([[0.0, float("inf"), 1.0, float("-inf")], [float("-inf")] * 4])
+    assert load_cpu_kernels().sample_rows(odd, torch.tensor([0.5, 0.5], dtype=torch.float64)).tolist() == [1, 0]
+
+
+def test_overflowing_logit_biases_still_give_tokens_of_the_vocabulary() -> None:
+    # logit_bias values are any float: +1e300 makes a logit +inf (that token takes the row), -1e300 on every token
+    # leaves nothing finite; the token must still be a valid id (an out-of-range id would crash the next step).
+    logits = torch.randn(3, 20)
+    boosted = SamplingParams(logit_bias={7: 1e300})
+    everything_banned = SamplingParams(logit_bias={t: -1e300 for t in range(20)})
+    out = sample(logits, [boosted, everything_banned, SamplingParams(temperature=1e-4, logit_bias={3: 100.0})])
+    assert out.token_ids[0] == 7 and out.token_ids[2] == 3
+    assert 0 <= out.token_ids[1] < 20

@@ -423,3 +423,71 @@ void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_s
     }
     free(xs);
 }
+
+/* One token per row of fp32 logits [B, V] (rows `stride` apart) drawn from softmax(row) by inverse transform: the
+ * token where the running sum of exp(x - max) passes u[r] * total, u[r] uniform in [0, 1). One uniform per row
+ * instead of torch's V exponential draws (19 ns each: 124 ms a step for 32 rows of gpt-oss's 201,088-token
+ * vocabulary). -inf logits (masked tokens: top-k, top-p...) weigh exactly 0, told by their bits because
+ * -ffast-math assumes finite values; a +inf logit takes the row; a row of nothing but -inf gets token 0. The token
+ * returned is always in [0, V). Sums run in CHUNK-sized pieces, each summed in
+ * fp32 and added in fp64; the chunk the target falls in is summed again token by token. */
+#define SAMPLE_CHUNK 1024
+static inline int is_minus_inf(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    return bits == 0xFF800000u;
+}
+
+static inline int is_finite_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    return (bits & 0x7F800000u) != 0x7F800000u;
+}
+
+static inline float chunk_exps(const float *x, int n, float max, float *p) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        p[i] = is_minus_inf(x[i]) ? 0.0f : expf(x[i] - max);
+        sum += p[i];
+    }
+    return sum;
+}
+
+void brisk_sample_rows(const float *logits, int64_t stride, int B, int V, const double *u, int64_t *out,
+                       int num_threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && B > 1)
+    for (int r = 0; r < B; r++) {
+        const float *x = logits + (int64_t)r * stride;
+        float max = -FLT_MAX, p[SAMPLE_CHUNK];
+        int argmax = 0;
+        for (int i = 0; i < V; i++)
+            if (!is_minus_inf(x[i]) && x[i] > max) max = x[i], argmax = i;
+        if (!is_finite_bits(max)) {  /* +inf (a logit overflowed by a tiny temperature): it takes all the mass */
+            out[r] = argmax;
+            continue;
+        }
+        const int num_chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+        double *chunk_sums = malloc((size_t)num_chunks * sizeof(double)), total = 0.0;
+        for (int c = 0; c < num_chunks; c++) {
+            const int n = V - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? V - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+            chunk_sums[c] = chunk_exps(x + (int64_t)c * SAMPLE_CHUNK, n, max, p);
+            total += chunk_sums[c];
+        }
+        const double target = u[r] * total;
+        double running = 0.0;
+        int c = 0;
+        while (c < num_chunks - 1 && running + chunk_sums[c] <= target) running += chunk_sums[c++];
+        const int n = V - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? V - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+        chunk_exps(x + (int64_t)c * SAMPLE_CHUNK, n, max, p);
+        int token = -1;
+        for (int i = 0; i < n; i++) {
+            if (p[i] == 0.0f) continue;
+            token = c * SAMPLE_CHUNK + i;  /* the last weighted token, should rounding leave the target beyond it */
+            running += p[i];
+            if (running > target) break;
+        }
+        /* No weighted token in the chunk (the target beyond its rounded sum, at its edge): the most likely token. */
+        out[r] = token >= 0 ? token : argmax;
+        free(chunk_sums);
+    }
+}

@@ -40,6 +40,7 @@ SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
 # Rows up to which brisk_linear beats torch's matmul (oneDNN / MKL): decode batches (docs/performance.md).
 LINEAR_MAX_ROWS = 64
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
+SAMPLE_ARGTYPES = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _i32]
 MOE_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32,
                 _f32, _f32, _i32]
 
@@ -93,6 +94,7 @@ class CpuKernels:
     swiglu_fn: ctypes._CFuncPtr
     linear_fn: ctypes._CFuncPtr
     moe_fn: ctypes._CFuncPtr
+    sample_fn: ctypes._CFuncPtr
     linear_vectorized: dict[torch.dtype, bool]  # dtypes whose matmul takes many rows in one pass over the weight
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
@@ -181,6 +183,19 @@ class CpuKernels:
                     int(hidden.dtype == torch.bfloat16), int(halves), alpha, limit, torch.get_num_threads())
         return out
 
+    @staticmethod
+    def sample_accepts(logits: torch.Tensor) -> bool:
+        return logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 and logits.device.type == "cpu"
+
+    def sample_rows(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """One token per row of logits [B, V] (see `sample_accepts`) drawn from softmax(row), by inverse transform
+        with uniforms [B] fp64 in [0, 1) -> int64 [B]. -inf logits are never drawn; a row needs one finite one."""
+        uniforms = uniforms.to(torch.float64).contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self.sample_fn(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], uniforms.data_ptr(),
+                       out.data_ptr(), torch.get_num_threads())
+        return out
+
 
 def load_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> CpuKernels | None:
     path = build_cpu_kernels(compile_flags)
@@ -194,7 +209,7 @@ def load_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> CpuKerne
     bound = []
     for name, argtypes in (("brisk_decode_attention", ATTENTION_ARGTYPES), ("brisk_rms_norm", RMS_NORM_ARGTYPES),
                            ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_linear", LINEAR_ARGTYPES),
-                           ("brisk_moe_experts", MOE_ARGTYPES)):
+                           ("brisk_moe_experts", MOE_ARGTYPES), ("brisk_sample_rows", SAMPLE_ARGTYPES)):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
         bound.append(fn)

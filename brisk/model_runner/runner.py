@@ -120,7 +120,7 @@ class ModelRunner:
         if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
             self.num_blocks = agree_min(self.num_blocks, cpu_group)
         self._allocate_kv_cache()
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.cpu_kernels)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property

@@ -8,7 +8,8 @@ batch holds `None` for them, so e.g. a batch without penalties builds no penalty
 Order of operations (as in vLLM):
     logit_bias -> min_tokens (mask stop ids) -> repetition penalty -> presence/frequency penalties
     -> greedy rows: argmax
-    -> other rows: temperature -> top_k -> top_p -> min_p -> exponential race (argmax of probs / Exp(1) noise)
+    -> other rows: temperature -> top_k -> top_p -> min_p -> exponential race (argmax of probs / Exp(1) noise),
+       or on CPU with brisk's kernels, inverse transform sampling (one uniform draw per row instead of V)
 Logprobs are the log_softmax of the raw model logits, before any of the above.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.sampling_params import SamplingParams
 
 # Temperatures below this sample greedily (as in vLLM): dividing by them can overflow float32 logits.
@@ -162,7 +164,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks one token per row of `logits` [B, V] according to `batch`; `logits` is left unchanged."""
+    """Picks one token per row of `logits` [B, V] according to `batch`; `logits` is left unchanged. With brisk's
+    CPU kernels, random rows are drawn by the C sampler (same distribution, other draws for a given seed)."""
+
+    def __init__(self, cpu_kernels: CpuKernels | None = None) -> None:
+        self.cpu_kernels = cpu_kernels
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
@@ -191,7 +197,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             greedy_token_ids = logits.argmax(dim=-1) if batch.greedy_rows is not None else None
-            token_ids = _sample(logits, batch)
+            token_ids = _sample(logits, batch, self.cpu_kernels)
             if greedy_token_ids is not None:
                 token_ids = torch.where(batch.greedy_rows, greedy_token_ids, token_ids)
 
@@ -225,18 +231,33 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, batch: SamplingBat
         logits -= batch.frequency_penalty * counts + batch.presence_penalty * (counts > 0)
 
 
-def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _sample(logits: torch.Tensor, batch: SamplingBatch, cpu_kernels: CpuKernels | None) -> torch.Tensor:
     """Random token per row from the processed `logits` (overwritten); greedy rows get a meaningless token."""
     if batch.temperature is not None:
         logits.div_(batch.temperature)
+    # A logit_bias can be any float: an overflow to +inf would turn softmax into NaN; the largest float keeps that
+    # token the certain pick.
+    logits.clamp_(max=torch.finfo(logits.dtype).max)
     if batch.top_p is not None:
         _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
     elif batch.top_k is not None:
         _apply_top_k(logits, batch.top_k, batch.max_top_k)
-    probs = logits.softmax(dim=-1)
     if batch.min_p is not None:
-        probs.masked_fill_(probs < batch.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return _exponential_race(probs, batch.generators)
+        # p < min_p * p_max, in logits: x < x_max + log(min_p) (min_p 0: log 0 = -inf keeps every token)
+        logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + batch.min_p.log(), float("-inf"))
+    if cpu_kernels is not None and cpu_kernels.sample_accepts(logits):
+        return cpu_kernels.sample_rows(logits, _uniforms(batch.generators))
+    return _exponential_race(logits.softmax(dim=-1), batch.generators)
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One U[0, 1) draw per row: seeded rows from their own generator (their tokens do not depend on the batch),
+    the others from the default generator."""
+    uniforms = torch.rand(len(generators), dtype=torch.float64)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    return uniforms
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
