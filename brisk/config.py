@@ -76,8 +76,8 @@ class EngineConfig(_Strict):
     # copy of the dense and bf16 expert weights in memory); off: plain torch matmuls on the loaded tensors.
     cpu_weight_prepack: bool = True
     # CPU serving: build brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm, gpt-oss's
-    # activation, few-row matmuls) with the system C compiler at first use and run them; off, or no compiler:
-    # PyTorch ops only (the reference paths).
+    # activation and experts, decode-sized matmuls, random sampling) with the system C compiler at first use and
+    # run them; off, or no compiler: PyTorch ops only (the reference paths).
     cpu_kernels: bool = True
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)

@@ -8,10 +8,12 @@
  * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
  * instead of the half dozen ops torch's CPU rms_norm runs.
  * brisk_clamped_swiglu: gpt-oss's expert activation in one pass instead of eight elementwise ops.
- * brisk_linear: a few rows times a weight (bf16 or fp32), streaming the weight at memory speed (up to 8 rows
- * per pass with AVX512-BF16 dot products where the CPU has them, else one row per pass): decode steps of a few
- * sequences read every weight once, and oneDNN's and MKL's matmuls read them at half that speed or less at a
- * few rows (docs/performance.md).
+ * brisk_linear: a decode step's rows times a weight (bf16 or fp32), reading the weight once per call (AVX-512: 8
+ * rows per pass over L2-sized weight tiles, bf16 with AVX512-BF16 dot products; other CPUs: one row per pass):
+ * oneDNN's and MKL's matmuls read a weight at half that speed or less at a few rows (docs/performance.md).
+ * brisk_moe_experts: gpt-oss's experts for a decode step's tokens in one call (sort by expert, matmuls, activation,
+ * weighted sum).
+ * brisk_sample_rows: one random token per row of logits by inverse transform (one uniform draw per row).
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
@@ -323,32 +325,33 @@ static void linear_tiled(const rows_fn by_rows[8], size_t elt, const char *x, in
         }
     }
 }
+
+/* The AVX-512 kernels for this dtype, NULL where this CPU (as compiled for) has none. */
+static const rows_fn *vector_rows(int is_bf16) {
+#ifdef __AVX512BF16__
+    if (is_bf16) return bf16_rows;
+#endif
+    return is_bf16 ? NULL : fp32_rows;
+}
 #endif
 
 /* Whether brisk_linear has a vector path for this dtype on this CPU: any number of rows in one pass over the
  * weight. Without one it makes a pass per row (callers then give it single rows only). */
 int brisk_linear_vectorized(int is_bf16) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#ifdef __AVX512BF16__
-    if (is_bf16) return 1;
-#endif
-    if (!is_bf16) return 1;
-#endif
+    return vector_rows(is_bf16) != NULL;
+#else
     (void)is_bf16;
     return 0;
+#endif
 }
 
 void brisk_linear(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride, int M,
                   int N, int K, int is_bf16, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#ifdef __AVX512BF16__
-    if (is_bf16) {
-        linear_tiled(bf16_rows, 2, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
-        return;
-    }
-#endif
-    if (!is_bf16) {
-        linear_tiled(fp32_rows, 4, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
+    const rows_fn *by_rows = vector_rows(is_bf16);
+    if (by_rows) {
+        linear_tiled(by_rows, is_bf16 ? 2 : 4, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
         return;
     }
 #endif
@@ -432,17 +435,15 @@ void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_s
  * returned is always in [0, V). Sums run in CHUNK-sized pieces, each summed in
  * fp32 and added in fp64; the chunk the target falls in is summed again token by token. */
 #define SAMPLE_CHUNK 1024
-static inline int is_minus_inf(float x) {
+static inline uint32_t float_bits(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof(bits));
-    return bits == 0xFF800000u;
+    return bits;
 }
 
-static inline int is_finite_bits(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof(bits));
-    return (bits & 0x7F800000u) != 0x7F800000u;
-}
+static inline int is_minus_inf(float x) { return float_bits(x) == 0xFF800000u; }
+
+static inline int is_finite_bits(float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; }
 
 static inline float chunk_exps(const float *x, int n, float max, float *p) {
     float sum = 0.0f;

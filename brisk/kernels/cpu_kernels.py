@@ -1,5 +1,5 @@
-"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation,
-few-row matmul.
+"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation and
+experts, decode-sized matmul, random sampling.
 
 The source is compiled once per machine with the system C compiler (`cc`, or $CC) into the user's cache
 (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), keyed by the source, the flags, the compiler and the CPU's
@@ -37,7 +37,7 @@ ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr
                       _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
-# Rows up to which brisk_linear beats torch's matmul (oneDNN / MKL): decode batches (docs/performance.md).
+# Rows up to which the layers take brisk_linear (decode batches; beyond, prompts: oneDNN / MKL). docs/performance.md
 LINEAR_MAX_ROWS = 64
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
 SAMPLE_ARGTYPES = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _i32]

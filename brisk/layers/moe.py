@@ -232,7 +232,7 @@ class FusedMoE(nn.Module):
     def prepack(self) -> int:
         """bf16 experts on CPU: every expert's weights in oneDNN's layout (see prepack_cpu_weight), gate_up's rows
         regrouped as [all gate rows; all up rows] so the activation reads two contiguous halves. The plain weights
-        and biases are regrouped the same way (the few-row CPU kernel reads them)."""
+        and biases are regrouped the same way (the CPU matmul and MoE kernels read them)."""
         if self.quantization is not None:
             return 0
         rows = 2 * self.intermediate_size

@@ -235,9 +235,6 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, cpu_kernels: CpuKernels 
     """Random token per row from the processed `logits` (overwritten); greedy rows get a meaningless token."""
     if batch.temperature is not None:
         logits.div_(batch.temperature)
-    # A logit_bias can be any float: an overflow to +inf would turn softmax into NaN; the largest float keeps that
-    # token the certain pick.
-    logits.clamp_(max=torch.finfo(logits.dtype).max)
     if batch.top_p is not None:
         _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
     elif batch.top_k is not None:
@@ -247,7 +244,9 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, cpu_kernels: CpuKernels 
         logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + batch.min_p.log(), float("-inf"))
     if cpu_kernels is not None and cpu_kernels.sample_accepts(logits):
         return cpu_kernels.sample_rows(logits, _uniforms(batch.generators))
-    return _exponential_race(logits.softmax(dim=-1), batch.generators)
+    # A logit_bias or a tiny repetition_penalty can overflow a logit to +inf, which softmax turns into NaN: the
+    # largest float keeps that token the certain pick (the C sampler gives a +inf logit the row by itself).
+    return _exponential_race(logits.clamp_(max=torch.finfo(logits.dtype).max).softmax(dim=-1), batch.generators)
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
