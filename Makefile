@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU build where no CUDA driver is present, so a CPU box never pulls the CUDA wheels.
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4,<3" || echo "torch==2.13.0")
 
-.PHONY: install test serve clean
+.PHONY: install lint test serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q -x tests
 
 HOST ?= 127.0.0.1

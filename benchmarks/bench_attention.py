@@ -20,7 +20,6 @@ import json
 import sys
 
 import torch
-
 from gpu_timing import copy_gbps, time_ms  # benchmarks/ is on sys.path when run as a script
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 8, 64, 32
@@ -32,8 +31,13 @@ def paged_setup(batch: int, context: int, layers: int, gen: torch.Generator):
     num_blocks = batch * pages + 1
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, pages).to(torch.int32).cuda()
     shape = (num_blocks, PAGE, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-               torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
+    caches = [
+        (
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(layers)
+    ]
     return table, caches
 
 
@@ -54,14 +58,34 @@ def bench_decode(batch: int, context: int, window: int | None, graph: bool, gen:
 
     def step() -> None:
         for k_cache, v_cache in caches:
-            paged_decode_attention(q, k_cache, v_cache, table, seq_lens, HEAD_DIM**-0.5, sliding_window=window,
-                                   sinks=sinks, out=out, seq_ids=seq_ids, cu_seqlens_q=cu, max_seq_len=context)
+            paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                table,
+                seq_lens,
+                HEAD_DIM**-0.5,
+                sliding_window=window,
+                sinks=sinks,
+                out=out,
+                seq_ids=seq_ids,
+                cu_seqlens_q=cu,
+                max_seq_len=context,
+            )
 
     ms = time_ms(step, iters=20, graph=graph) / layers
     max_kv = context if window is None else min(context, window + 64)
     part = default_partition_size(batch, KV_HEADS, max_kv, 64, q.device)
-    return dict(batch=batch, context=context, window=window, us=ms * 1e3, kv_gbps=kv_bytes / ms / 1e6,
-                partition_size=part, partitions=-(-max_kv // part), layers_cycled=layers)
+    return dict(
+        batch=batch,
+        context=context,
+        window=window,
+        us=ms * 1e3,
+        kv_gbps=kv_bytes / ms / 1e6,
+        partition_size=part,
+        partitions=-(-max_kv // part),
+        layers_cycled=layers,
+    )
 
 
 def bench_prefill(context: int, window: int | None, graph: bool, gen: torch.Generator) -> dict:
@@ -78,9 +102,24 @@ def bench_prefill(context: int, window: int | None, graph: bool, gen: torch.Gene
     seqs, starts = prefill_tiles([0, context], [context], block_q)
     ts = torch.tensor(seqs, dtype=torch.int32, device="cuda")
     tst = torch.tensor(starts, dtype=torch.int32, device="cuda")
-    ms = time_ms(lambda: paged_prefill_attention(
-        q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM**-0.5, sliding_window=window, out=out,
-        tile_seqs=ts, tile_starts=tst, block_q=block_q), iters=10, graph=graph)
+    ms = time_ms(
+        lambda: paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            cu,
+            seq_lens,
+            HEAD_DIM**-0.5,
+            sliding_window=window,
+            out=out,
+            tile_seqs=ts,
+            tile_starts=tst,
+            block_q=block_q,
+        ),
+        iters=10,
+        graph=graph,
+    )
     pairs = context * (context + 1) / 2 if window is None else sum(min(i + 1, window) for i in range(context))
     flops = 4 * HEADS * HEAD_DIM * pairs  # QK^T and PV, 2 flops per multiply-add
     return dict(context=context, window=window, us=ms * 1e3, tflops=flops / ms / 1e9)
@@ -104,17 +143,32 @@ def main() -> None:
     decode = [bench_decode(b, c, w, graph, gen) for w in windows for c in args.context for b in args.batch]
     prefill = [bench_prefill(c, w, graph, gen) for w in windows for c in args.context]
 
-    print(f"device: {torch.cuda.get_device_name()}   copy: {copy:.0f} GB/s   timing: {'eager' if args.eager else 'cuda graph'}")
-    print(f"{'decode':>8} {'batch':>6} {'context':>8} {'window':>7} {'us':>9} {'KV GB/s':>9} {'% copy':>7} {'splits':>7}")
+    print(
+        f"device: {torch.cuda.get_device_name()}   copy: {copy:.0f} GB/s   timing: {'eager' if args.eager else 'cuda graph'}"
+    )
+    print(
+        f"{'decode':>8} {'batch':>6} {'context':>8} {'window':>7} {'us':>9} {'KV GB/s':>9} {'% copy':>7} {'splits':>7}"
+    )
     for r in decode:
-        print(f"{'':>8} {r['batch']:>6} {r['context']:>8} {str(r['window'] or '-'):>7} {r['us']:>9.1f} "
-              f"{r['kv_gbps']:>9.0f} {100 * r['kv_gbps'] / copy:>6.0f}% {r['partitions']:>7}")
+        print(
+            f"{'':>8} {r['batch']:>6} {r['context']:>8} {str(r['window'] or '-'):>7} {r['us']:>9.1f} "
+            f"{r['kv_gbps']:>9.0f} {100 * r['kv_gbps'] / copy:>6.0f}% {r['partitions']:>7}"
+        )
     print(f"{'prefill':>8} {'':>6} {'context':>8} {'window':>7} {'us':>9} {'TFLOP/s':>9}")
     for r in prefill:
         print(f"{'':>8} {'':>6} {r['context']:>8} {str(r['window'] or '-'):>7} {r['us']:>9.1f} {r['tflops']:>9.1f}")
     if args.out:
-        result = dict(device=torch.cuda.get_device_name(), copy_gbps=copy, graph=graph, heads=HEADS,
-                      kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=PAGE, decode=decode, prefill=prefill)
+        result = dict(
+            device=torch.cuda.get_device_name(),
+            copy_gbps=copy,
+            graph=graph,
+            heads=HEADS,
+            kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=PAGE,
+            decode=decode,
+            prefill=prefill,
+        )
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.out}")

@@ -54,15 +54,32 @@ def main() -> int:
         for batch_size in args.batch:
             logits = torch.randn(batch_size, vocab)
             params = [SamplingParams(temperature=1.0)] * batch_size
-            batch = SamplingBatch.build(params, [[]] * batch_size, [[]] * batch_size, [None] * batch_size,
-                                        [set()] * batch_size, vocab, "cpu")
-            times = {name: time_us(lambda s=s: s(logits, batch), args.iters, args.rounds) for name, s in samplers.items()}
-            rows.append({"batch": batch_size, "vocab": vocab, "torch_us": times["torch"], "brisk_c_us": times["brisk C"]})
-            print(f"{batch_size:>5} {vocab:>7} {times['torch']:>10,.0f} {times['brisk C']:>11,.0f} "
-                  f"{times['torch'] / times['brisk C']:>8.1f}x")
+            batch = SamplingBatch.build(
+                params, [[]] * batch_size, [[]] * batch_size, [None] * batch_size, [set()] * batch_size, vocab, "cpu"
+            )
+            times = {
+                name: time_us(lambda s=s, logits=logits, batch=batch: s(logits, batch), args.iters, args.rounds)
+                for name, s in samplers.items()
+            }
+            rows.append(
+                {"batch": batch_size, "vocab": vocab, "torch_us": times["torch"], "brisk_c_us": times["brisk C"]}
+            )
+            print(
+                f"{batch_size:>5} {vocab:>7} {times['torch']:>10,.0f} {times['brisk C']:>11,.0f} "
+                f"{times['torch'] / times['brisk C']:>8.1f}x"
+            )
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
-                   "threads": args.threads, "date": datetime.now(timezone.utc).isoformat(), "results": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join(sys.argv),
+                "machine": platform.processor() or platform.machine(),
+                "threads": args.threads,
+                "date": datetime.now(timezone.utc).isoformat(),
+                "results": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -20,7 +20,6 @@ import json
 import sys
 
 import torch
-
 from gpu_timing import copy_gbps, time_ms  # benchmarks/ is on sys.path when run as a script
 
 
@@ -32,13 +31,16 @@ def random_layer(e: int, h: int, i: int, bf16_weights: bool, gen: torch.Generato
         return torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) * std
 
     if bf16_weights:
-        weights = dict(gate_up=randn((e, 2 * i, h), 0.02), gate_up_scales=None,
-                       down=randn((e, h, i), 0.02), down_scales=None)
+        weights = dict(
+            gate_up=randn((e, 2 * i, h), 0.02), gate_up_scales=None, down=randn((e, h, i), 0.02), down_scales=None
+        )
     else:
-        weights = dict(gate_up=randint(0, 256, (e, 2 * i, h // 32, 16)),
-                       gate_up_scales=randint(118, 122, (e, 2 * i, h // 32)),
-                       down=randint(0, 256, (e, h, i // 32, 16)),
-                       down_scales=randint(118, 122, (e, h, i // 32)))
+        weights = dict(
+            gate_up=randint(0, 256, (e, 2 * i, h // 32, 16)),
+            gate_up_scales=randint(118, 122, (e, 2 * i, h // 32)),
+            down=randint(0, 256, (e, h, i // 32, 16)),
+            down_scales=randint(118, 122, (e, h, i // 32)),
+        )
     return dict(weights, gate_up_bias=randn((e, 2 * i), 0.1), down_bias=randn((e, h), 0.1))
 
 
@@ -62,9 +64,11 @@ def main() -> int:
     args = p.parse_args()
 
     if not torch.cuda.is_available():
-        print("bench_moe.py measures the Triton MoE kernels on a CUDA GPU; none is available here. "
-              "(The kernels are checked on CPU by tests/test_triton_moe.py under TRITON_INTERPRET=1.)",
-              file=sys.stderr)
+        print(
+            "bench_moe.py measures the Triton MoE kernels on a CUDA GPU; none is available here. "
+            "(The kernels are checked on CPU by tests/test_triton_moe.py under TRITON_INTERPRET=1.)",
+            file=sys.stderr,
+        )
         return 2
 
     from brisk.kernels.triton_moe import default_config, fused_experts
@@ -76,8 +80,10 @@ def main() -> int:
     per_expert = expert_bytes(layers[0])
     peak = copy_gbps()
     device = torch.cuda.get_device_name()
-    print(f"{device}: E={e} top-{k} H={h} I={i} {'bf16' if args.bf16_weights else 'MXFP4'} weights, "
-          f"{per_expert / 1e6:.1f} MB per expert, copy {peak:.0f} GB/s, {'eager' if args.eager else 'CUDA graph'}")
+    print(
+        f"{device}: E={e} top-{k} H={h} I={i} {'bf16' if args.bf16_weights else 'MXFP4'} weights, "
+        f"{per_expert / 1e6:.1f} MB per expert, copy {peak:.0f} GB/s, {'eager' if args.eager else 'CUDA graph'}"
+    )
     print(f"{'T':>5} {'experts':>7} {'block_m':>7} {'us/layer':>9} {'weight GB/s':>11} {'% copy':>7} {'TFLOP/s':>8}")
 
     rows = []
@@ -87,7 +93,7 @@ def main() -> int:
         topk_ids, topk_weights = select_experts(logits, k)
         touched = int(topk_ids.unique().numel())
 
-        def forward() -> None:
+        def forward(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights) -> None:
             for layer in layers:
                 fused_experts(hidden, topk_ids, topk_weights, **layer, swiglu_alpha=1.702, swiglu_limit=7.0)
 
@@ -95,15 +101,35 @@ def main() -> int:
         gbps = touched * per_expert / ms / 1e6
         tflops = 2 * t * k * (2 * i * h + h * i) / ms / 1e9
         cfg = default_config(t, k, e, 2 * i, h, mxfp4=not args.bf16_weights)
-        rows.append(dict(batch=t, experts_touched=touched, us_per_layer=ms * 1e3, weight_gbps=gbps,
-                         fraction_of_copy=gbps / peak, tflops=tflops, block_m=cfg.block_m))
-        print(f"{t:>5} {touched:>7} {cfg.block_m:>7} {ms * 1e3:>9.1f} {gbps:>11.0f} {100 * gbps / peak:>6.1f}% "
-              f"{tflops:>8.1f}")
+        rows.append(
+            dict(
+                batch=t,
+                experts_touched=touched,
+                us_per_layer=ms * 1e3,
+                weight_gbps=gbps,
+                fraction_of_copy=gbps / peak,
+                tflops=tflops,
+                block_m=cfg.block_m,
+            )
+        )
+        print(
+            f"{t:>5} {touched:>7} {cfg.block_m:>7} {ms * 1e3:>9.1f} {gbps:>11.0f} {100 * gbps / peak:>6.1f}% "
+            f"{tflops:>8.1f}"
+        )
 
     if args.out:
-        meta = dict(device=device, experts=e, top_k=k, hidden=h, intermediate=i, layers=args.layers,
-                    weights="bf16" if args.bf16_weights else "mxfp4", copy_gbps=peak, graph=not args.eager,
-                    torch=torch.__version__)
+        meta = dict(
+            device=device,
+            experts=e,
+            top_k=k,
+            hidden=h,
+            intermediate=i,
+            layers=args.layers,
+            weights="bf16" if args.bf16_weights else "mxfp4",
+            copy_gbps=peak,
+            graph=not args.eager,
+            torch=torch.__version__,
+        )
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=2)
     return 0

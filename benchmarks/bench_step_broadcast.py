@@ -41,15 +41,25 @@ def make_inputs(batch: int, context: int, new_tokens: int, block_size: int = 32)
     """One DP rank's step: `batch` requests of `context` tokens each computing `new_tokens` (gpt-oss: 2 KV groups)."""
     blocks = [list(range(1 + i * (context // block_size), 1 + (i + 1) * (context // block_size))) for i in range(batch)]
     n = batch * new_tokens
-    return [StepInput(
-        input_ids=list(range(n)), positions=[context - 1] * n, query_start_loc=[i * new_tokens for i in range(batch + 1)],
-        seq_lens=[context] * batch, block_tables=[blocks, [b[-4:] for b in blocks]],
-        slot_mappings=[list(range(n)), list(range(n))], logits_indices=[(i + 1) * new_tokens - 1 for i in range(batch)],
-    )]
+    return [
+        StepInput(
+            input_ids=list(range(n)),
+            positions=[context - 1] * n,
+            query_start_loc=[i * new_tokens for i in range(batch + 1)],
+            seq_lens=[context] * batch,
+            block_tables=[blocks, [b[-4:] for b in blocks]],
+            slot_mappings=[list(range(n)), list(range(n))],
+            logits_indices=[(i + 1) * new_tokens - 1 for i in range(batch)],
+        )
+    ]
 
 
-CASES = {"decode-1": (1, 2048, 1), "decode-64": (64, 2048, 1), "decode-256": (256, 2048, 1),
-         "prefill-8192": (1, 8192, 8192)}
+CASES = {
+    "decode-1": (1, 2048, 1),
+    "decode-64": (64, 2048, 1),
+    "decode-256": (256, 2048, 1),
+    "prefill-8192": (1, 8192, 8192),
+}
 
 
 def run_rank(rank: int, world: int, port: int, steps: int, shm_name: str, barrier, results) -> None:
@@ -80,17 +90,18 @@ def run_rank(rank: int, world: int, port: int, steps: int, shm_name: str, barrie
                     if rank == 0:
                         data = encoder.encode(inputs)
                         shm.buf[:8] = len(data).to_bytes(8, "little")
-                        shm.buf[8: 8 + len(data)] = data
+                        shm.buf[8 : 8 + len(data)] = data
                     barrier.wait()  # written
                     if rank:
                         size = int.from_bytes(shm.buf[:8], "little")
-                        decoder.decode(bytes(shm.buf[8: 8 + size]))
+                        decoder.decode(bytes(shm.buf[8 : 8 + size]))
                     barrier.wait()  # read: the buffer may be reused
             dist.barrier()
             per_step_us = (time.perf_counter() - start) / steps * 1e6
             if rank == 0:
-                results.append(dict(case=case, way=way, per_step_us=per_step_us,
-                                    payload_bytes=len(encoder.encode(inputs))))
+                results.append(
+                    dict(case=case, way=way, per_step_us=per_step_us, payload_bytes=len(encoder.encode(inputs)))
+                )
     shm.close()
     dist.barrier()  # every message was taken before the publisher goes
     channel.close()
@@ -110,8 +121,12 @@ def main() -> None:
     barrier = mp.get_context("spawn").Barrier(args.world_size)
     shm = shared_memory.SharedMemory(create=True, size=SHM_BYTES)
     try:
-        mp.start_processes(run_rank, args=(args.world_size, free_port(), args.steps, shm.name, barrier, results),
-                           nprocs=args.world_size, start_method="spawn")
+        mp.start_processes(
+            run_rank,
+            args=(args.world_size, free_port(), args.steps, shm.name, barrier, results),
+            nprocs=args.world_size,
+            start_method="spawn",
+        )
     finally:
         shm.close()
         shm.unlink()
@@ -120,12 +135,20 @@ def main() -> None:
     print("|---|---|" + "---|" * len(WAYS))
     for case in CASES:
         cells = {r["way"]: r for r in rows if r["case"] == case}
-        print(f"| {case} | {cells[WAYS[0]]['payload_bytes']:,} | "
-              + " | ".join(f"{cells[w]['per_step_us']:.0f} us" for w in WAYS) + " |")
+        print(
+            f"| {case} | {cells[WAYS[0]]['payload_bytes']:,} | "
+            + " | ".join(f"{cells[w]['per_step_us']:.0f} us" for w in WAYS)
+            + " |"
+        )
     if args.out:
-        meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.node(),
-                    cpu_count=os.cpu_count(), command=shlex.join([sys.executable, *sys.argv]),
-                    world_size=args.world_size, steps=args.steps)
+        meta = dict(
+            date=datetime.datetime.now().isoformat(timespec="seconds"),
+            machine=platform.node(),
+            cpu_count=os.cpu_count(),
+            command=shlex.join([sys.executable, *sys.argv]),
+            world_size=args.world_size,
+            steps=args.steps,
+        )
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=2)
 

@@ -78,8 +78,15 @@ PROFILE_GROUPS: tuple[tuple[str, str | None, str], ...] = (
     ("llm.py", None, "output processing / detokenizer"),
 )
 BRISK_DIR = os.path.dirname(os.path.abspath(brisk.__file__)) + os.sep
-GROUP_ORDER = ("scheduler", "KV manager", "runner input preparation", "sampler", "model (null)",
-               "output processing / detokenizer", "other")
+GROUP_ORDER = (
+    "scheduler",
+    "KV manager",
+    "runner input preparation",
+    "sampler",
+    "model (null)",
+    "output processing / detokenizer",
+    "other",
+)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class NullModelShape:
             "max_position_embeddings": 131072,
             "sliding_window": self.sliding_window,
             "layer_types": ["sliding_attention", "full_attention"] * (self.num_layers // 2)
-                           + ["sliding_attention"] * (self.num_layers % 2),
+            + ["sliding_attention"] * (self.num_layers % 2),
             "rms_norm_eps": 1e-5,
             "eos_token_id": self.vocab_size - 1,
             "bos_token_id": self.vocab_size - 1,
@@ -149,8 +156,10 @@ def write_synthetic_tokenizer(path: str, vocab_size: int) -> None:
     ascii_chars = [alphabet[b] for b in range(0x20, 0x7F)]
     pairs = (a + b for a, b in itertools.product(ascii_chars, ascii_chars))
     merges: list[tuple[str, str]] = []
-    candidates = itertools.chain(((a, b) for a, b in itertools.product(ascii_chars, ascii_chars)),
-                                 ((ab, c) for ab, c in itertools.product(pairs, ascii_chars)))
+    candidates = itertools.chain(
+        ((a, b) for a, b in itertools.product(ascii_chars, ascii_chars)),
+        ((ab, c) for ab, c in itertools.product(pairs, ascii_chars)),
+    )
     for left, right in itertools.islice(candidates, vocab_size - 1 - len(vocab)):
         vocab[left + right] = len(vocab)
         merges.append((left, right))
@@ -224,8 +233,12 @@ class EnginePoint:
 
     def summary(self) -> dict[str, Any]:
         median = statistics.median(self.step_ms)
-        return {"step_ms_median": median, "step_ms_p90": percentile(self.step_ms, 90),
-                "tokens_per_s": self.batch / (median / 1000), "steps": len(self.step_ms)}
+        return {
+            "step_ms_median": median,
+            "step_ms_p90": percentile(self.step_ms, 90),
+            "tokens_per_s": self.batch / (median / 1000),
+            "steps": len(self.step_ms),
+        }
 
 
 def measure_engine(engine: EngineCore, batch: int, steps: int, profile: bool, max_tokens: int) -> EnginePoint:
@@ -282,8 +295,11 @@ def measure_offline(llm: LLM, batch: int, max_tokens: int, profile: bool) -> tup
 def num_engine_steps(profiler: cProfile.Profile) -> int:
     """How many times the profiled code called `EngineCore.step`."""
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    return sum(calls for (filename, _, name), (_, calls, *_) in stats.items()
-               if name == "step" and _brisk_path(filename) == "engine/core.py")
+    return sum(
+        calls
+        for (filename, _, name), (_, calls, *_) in stats.items()
+        if name == "step" and _brisk_path(filename) == "engine/core.py"
+    )
 
 
 # ---- HTTP --------------------------------------------------------------------------------------------------------
@@ -304,9 +320,20 @@ def running_server(model_dir: str, options: dict[str, Any], work_dir: str, num_t
     with open(options_path, "w") as f:
         yaml.safe_dump({k: v for k, v in options.items() if k not in cli_keys}, f)
     port = free_port()
-    cmd = [sys.executable, "-m", "brisk.cli", "serve", model_dir, "--port", str(port),
-           "--served-model-name", "null", "--extra_llm_api_options", options_path,
-           *(arg for key in cli_keys for arg in (f"--{key}", str(options[key])))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "brisk.cli",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "null",
+        "--extra_llm_api_options",
+        options_path,
+        *(arg for key in cli_keys for arg in (f"--{key}", str(options[key]))),
+    ]
     log_path = os.path.join(work_dir, "server.log")
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
@@ -339,8 +366,10 @@ def measure_http(url: str, concurrency: int, max_tokens: int) -> float:
     from brisk.bench.workload import RequestSpec
 
     target = Target(url, "completions", "null", ignore_eos=True, temperature=0.0)
-    specs = [RequestSpec(f"request {i}: the quick brown fox jumps over the lazy dog", PROMPT_LEN, max_tokens)
-             for i in range(max(4, 2 * concurrency))]
+    specs = [
+        RequestSpec(f"request {i}: the quick brown fox jumps over the lazy dog", PROMPT_LEN, max_tokens)
+        for i in range(max(4, 2 * concurrency))
+    ]
     results, duration = run_point(target, specs, concurrency, None)
     point = summarize_point(results, duration, concurrency, None, num_gpus=1)
     if point["failed"]:
@@ -363,7 +392,7 @@ FunctionKey = tuple[str, int, str]
 
 def _brisk_path(filename: str) -> str | None:
     """The path inside the brisk package, with / separators; None for files outside it."""
-    return filename[len(BRISK_DIR):].replace(os.sep, "/") if filename.startswith(BRISK_DIR) else None
+    return filename[len(BRISK_DIR) :].replace(os.sep, "/") if filename.startswith(BRISK_DIR) else None
 
 
 def _own_group(func: FunctionKey) -> str | None:
@@ -374,8 +403,10 @@ def _own_group(func: FunctionKey) -> str | None:
     if path is None:
         return None
     # Other brisk code (e.g. SamplingParams properties) is charged, like torch's, to its callers.
-    return next((group for prefix, function, group in PROFILE_GROUPS
-                 if path.startswith(prefix) and function in (None, name)), None)
+    return next(
+        (group for prefix, function, group in PROFILE_GROUPS if path.startswith(prefix) and function in (None, name)),
+        None,
+    )
 
 
 def group_times(stats: dict[FunctionKey, tuple]) -> dict[str, float]:
@@ -440,11 +471,22 @@ def summarize_profile(profiler: cProfile.Profile, num_steps: int) -> dict[str, A
     per_step = 1000 / max(num_steps, 1)
     groups = {group: seconds * per_step for group, seconds in group_times(stats).items()}
     ranked = sorted(stats.items(), key=lambda item: item[1][3], reverse=True)
-    top = [{"function": _function_name(func), "cum_ms": cum * per_step, "own_ms": own * per_step,
-            "calls": calls / max(num_steps, 1)}
-           for func, (_, calls, own, cum, _) in ranked if _worth_listing(func)][:TOP_FUNCTIONS]
-    return {"steps": num_steps, "group_ms_per_step": groups, "total_ms_per_step": sum(groups.values()),
-            "top_functions": top}
+    top = [
+        {
+            "function": _function_name(func),
+            "cum_ms": cum * per_step,
+            "own_ms": own * per_step,
+            "calls": calls / max(num_steps, 1),
+        }
+        for func, (_, calls, own, cum, _) in ranked
+        if _worth_listing(func)
+    ][:TOP_FUNCTIONS]
+    return {
+        "steps": num_steps,
+        "group_ms_per_step": groups,
+        "total_ms_per_step": sum(groups.values()),
+        "top_functions": top,
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------------------------
@@ -467,8 +509,10 @@ def format_table(rows: list[Row]) -> str:
     for row in rows:
         engine = row.engine or {}
         step = f"{engine['step_ms_median']:.2f} / {engine['step_ms_p90']:.2f}" if engine else "-"
-        lines.append(f"| {row.batch} | {step} | {_cell(engine.get('tokens_per_s'), ',.0f')} | "
-                     f"{_cell(row.offline_tokens_per_s, ',.0f')} | {_cell(row.http_tokens_per_s, ',.0f')} |")
+        lines.append(
+            f"| {row.batch} | {step} | {_cell(engine.get('tokens_per_s'), ',.0f')} | "
+            f"{_cell(row.offline_tokens_per_s, ',.0f')} | {_cell(row.http_tokens_per_s, ',.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -477,18 +521,30 @@ def format_profiles(rows: list[Row], path: str) -> str:
     profiled = [row for row in rows if path in row.profiles]
     if not profiled:
         return ""
-    lines = [f"where the time goes, {path} (cProfile, ms per engine step; profiling inflates Python time):",
-             "| group | " + " | ".join(f"batch {row.batch}" for row in profiled) + " |",
-             "|---|" + "---:|" * len(profiled)]
+    lines = [
+        f"where the time goes, {path} (cProfile, ms per engine step; profiling inflates Python time):",
+        "| group | " + " | ".join(f"batch {row.batch}" for row in profiled) + " |",
+        "|---|" + "---:|" * len(profiled),
+    ]
     for group in (*GROUP_ORDER, "total"):
-        values = [row.profiles[path]["total_ms_per_step"] if group == "total"
-                  else row.profiles[path]["group_ms_per_step"][group] for row in profiled]
+        values = [
+            row.profiles[path]["total_ms_per_step"]
+            if group == "total"
+            else row.profiles[path]["group_ms_per_step"][group]
+            for row in profiled
+        ]
         lines.append(f"| {group} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
     largest = profiled[-1]
-    lines += ["", f"top {TOP_FUNCTIONS} functions by cumulative time, {path}, batch {largest.batch} (ms per step):",
-              "| cum ms | own ms | calls | function |", "|---:|---:|---:|---|"]
+    lines += [
+        "",
+        f"top {TOP_FUNCTIONS} functions by cumulative time, {path}, batch {largest.batch} (ms per step):",
+        "| cum ms | own ms | calls | function |",
+        "|---:|---:|---:|---|",
+    ]
     for entry in largest.profiles[path]["top_functions"]:
-        lines.append(f"| {entry['cum_ms']:.2f} | {entry['own_ms']:.2f} | {entry['calls']:.3g} | `{entry['function']}` |")
+        lines.append(
+            f"| {entry['cum_ms']:.2f} | {entry['own_ms']:.2f} | {entry['calls']:.3g} | `{entry['function']}` |"
+        )
     return "\n".join(lines)
 
 
@@ -499,9 +555,16 @@ def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpu": cpu, "cpu_count": os.cpu_count(), "memory_gb": round(memory_gb, 1),
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gb": round(memory_gb, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -517,17 +580,37 @@ def _positive_ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="engine_overhead.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-sizes", type=_positive_ints, default=list(DEFAULT_BATCH_SIZES),
-                   help="concurrent decode requests, comma-separated (default 1,64,256,1024)")
-    p.add_argument("--http-concurrency", type=_positive_ints, default=list(DEFAULT_HTTP_CONCURRENCY),
-                   help="HTTP concurrencies, comma-separated (default 1,64,256)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help="timed engine steps per batch size; also the output tokens of each offline / HTTP request")
-    p.add_argument("--vocab-size", type=int, default=NullModelShape.vocab_size,
-                   help="vocabulary of the null model (default gpt-oss's 201088)")
+    p.add_argument(
+        "--batch-sizes",
+        type=_positive_ints,
+        default=list(DEFAULT_BATCH_SIZES),
+        help="concurrent decode requests, comma-separated (default 1,64,256,1024)",
+    )
+    p.add_argument(
+        "--http-concurrency",
+        type=_positive_ints,
+        default=list(DEFAULT_HTTP_CONCURRENCY),
+        help="HTTP concurrencies, comma-separated (default 1,64,256)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help="timed engine steps per batch size; also the output tokens of each offline / HTTP request",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=NullModelShape.vocab_size,
+        help="vocabulary of the null model (default gpt-oss's 201088)",
+    )
     p.add_argument("--layers", type=int, default=NullModelShape.num_layers, help="attention layers (default 36)")
-    p.add_argument("--torch-threads", type=int, default=DEFAULT_TORCH_THREADS,
-                   help="torch intra-op threads, here and in the server (default 1)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=DEFAULT_TORCH_THREADS,
+        help="torch intra-op threads, here and in the server (default 1)",
+    )
     p.add_argument("--skip-http", action="store_true", help="no `brisk serve` measurement")
     p.add_argument("--profile", action="store_true", help="also profile the engine and offline steps (cProfile)")
     p.add_argument("--out", help="write the results as JSON to this path")
@@ -539,15 +622,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     shape = NullModelShape(num_layers=args.layers, vocab_size=args.vocab_size)
-    rows = {batch: Row(batch) for batch in sorted({*args.batch_sizes,
-                                                    *([] if args.skip_http else args.http_concurrency)})}
+    rows = {
+        batch: Row(batch) for batch in sorted({*args.batch_sizes, *([] if args.skip_http else args.http_concurrency)})
+    }
     # Output room: chunked-prefill warm-up steps, the timed steps, and as many again under the profiler.
     max_output_tokens = 2 * args.steps + math.ceil(max(args.batch_sizes) * PROMPT_LEN / MAX_NUM_TOKENS) + 4
     with tempfile.TemporaryDirectory(prefix="brisk-engine-overhead-") as work_dir:
         model_dir = os.path.join(work_dir, "null-model")
         os.makedirs(model_dir)
-        print(f"writing the null model ({shape.num_layers} layers, vocab {shape.vocab_size}) to {model_dir}",
-              file=sys.stderr)
+        print(
+            f"writing the null model ({shape.num_layers} layers, vocab {shape.vocab_size}) to {model_dir}",
+            file=sys.stderr,
+        )
         write_null_model(model_dir, shape)
 
         # One LLM for both in-process paths: its `engine` is the EngineCore measured on its own in (a).
@@ -562,8 +648,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             rows[batch].offline_tokens_per_s = offline
             if offline_profile:
                 rows[batch].profiles["offline LLM.generate"] = offline_profile
-            print(f"batch {batch}: engine step {rows[batch].engine['step_ms_median']:.2f} ms, "
-                  f"offline {offline:,.0f} tok/s", file=sys.stderr)
+            print(
+                f"batch {batch}: engine step {rows[batch].engine['step_ms_median']:.2f} ms, "
+                f"offline {offline:,.0f} tok/s",
+                file=sys.stderr,
+            )
         del llm
         gc.collect()  # the server below needs the memory
 
@@ -574,25 +663,41 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                 warm_up_http(url, max(args.http_concurrency))
                 for concurrency in args.http_concurrency:
                     rows[concurrency].http_tokens_per_s = measure_http(url, concurrency, args.steps)
-                    print(f"HTTP concurrency {concurrency}: {rows[concurrency].http_tokens_per_s:,.0f} tok/s",
-                          file=sys.stderr)
+                    print(
+                        f"HTTP concurrency {concurrency}: {rows[concurrency].http_tokens_per_s:,.0f} tok/s",
+                        file=sys.stderr,
+                    )
 
     ordered = [rows[b] for b in sorted(rows)]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "command": command,
-        "settings": {"model": asdict(shape), "prompt_len": PROMPT_LEN, "steps": args.steps,
-                     "output_tokens_per_request": args.steps, "batch_sizes": args.batch_sizes,
-                     "http_concurrency": None if args.skip_http else args.http_concurrency,
-                     "sampling": "greedy, ignore_eos", "torch_threads": args.torch_threads,
-                     "profile": args.profile},
-        "results": [{"batch": row.batch, "engine": row.engine, "offline_tokens_per_s": row.offline_tokens_per_s,
-                     "http_tokens_per_s": row.http_tokens_per_s} for row in ordered],
+        "settings": {
+            "model": asdict(shape),
+            "prompt_len": PROMPT_LEN,
+            "steps": args.steps,
+            "output_tokens_per_request": args.steps,
+            "batch_sizes": args.batch_sizes,
+            "http_concurrency": None if args.skip_http else args.http_concurrency,
+            "sampling": "greedy, ignore_eos",
+            "torch_threads": args.torch_threads,
+            "profile": args.profile,
+        },
+        "results": [
+            {
+                "batch": row.batch,
+                "engine": row.engine,
+                "offline_tokens_per_s": row.offline_tokens_per_s,
+                "http_tokens_per_s": row.http_tokens_per_s,
+            }
+            for row in ordered
+        ],
         "profiles": {str(row.batch): row.profiles for row in ordered if row.profiles},
         "table": format_table(ordered),
-        "profile_text": "\n\n".join(filter(None, (format_profiles(ordered, path)
-                                                  for path in ("engine core", "offline LLM.generate")))),
+        "profile_text": "\n\n".join(
+            filter(None, (format_profiles(ordered, path) for path in ("engine core", "offline LLM.generate")))
+        ),
     }
 
 

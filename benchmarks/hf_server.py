@@ -26,8 +26,13 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
-from transformers import (AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList,
-                          TextIteratorStreamer)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+)
 
 
 class PerTokenStreamer(TextIteratorStreamer):
@@ -45,7 +50,7 @@ class PerTokenStreamer(TextIteratorStreamer):
             return
         self.token_cache.extend(value.tolist())
         text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
-        ready = text[self.print_len:] if not text.endswith("\ufffd") else ""
+        ready = text[self.print_len :] if not text.endswith("\ufffd") else ""
         self.print_len += len(ready)
         self.on_finalized_text(ready)
 
@@ -54,7 +59,7 @@ class PerTokenStreamer(TextIteratorStreamer):
     def end(self) -> None:
         """Keep the held-back tail for the final chunk (every queue item stays one token), then stop."""
         if self.token_cache:
-            self.tail = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)[self.print_len:]
+            self.tail = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)[self.print_len :]
         self.next_tokens_are_prompt = True
         self.text_queue.put(self.stop_signal, timeout=self.timeout)
 
@@ -129,9 +134,14 @@ class Server:
         sampling: dict[str, Any] = {"do_sample": False}
         if req.temperature > 0:
             sampling = {"do_sample": True, "temperature": req.temperature, "top_p": req.top_p, "top_k": None}
-        return {"input_ids": torch.tensor([prompt_ids]),
-                "attention_mask": torch.ones(1, len(prompt_ids), dtype=torch.long), "max_new_tokens": req.max_tokens, "min_new_tokens": min_new,
-                "pad_token_id": self.tokenizer.pad_token_id, **sampling}
+        return {
+            "input_ids": torch.tensor([prompt_ids]),
+            "attention_mask": torch.ones(1, len(prompt_ids), dtype=torch.long),
+            "max_new_tokens": req.max_tokens,
+            "min_new_tokens": min_new,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            **sampling,
+        }
 
 
 def build_app(server: Server) -> FastAPI:
@@ -148,8 +158,10 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         # owned_by names the server in `brisk bench serve` results.
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
-                                            "owned_by": "transformers"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "transformers"}],
+        }
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -169,12 +181,21 @@ def build_app(server: Server) -> FastAPI:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def body(choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": server.name,
-                    "choices": choices, "usage": usage}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.name,
+                "choices": choices,
+                "usage": usage,
+            }
 
         def usage(completion_tokens: int) -> dict[str, int]:
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                    "total_tokens": len(prompt_ids) + completion_tokens}
+            return {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            }
 
         def finish_reason(n: int) -> str:
             return "length" if n >= req.max_tokens else "stop"
@@ -183,10 +204,12 @@ def build_app(server: Server) -> FastAPI:
             async with server.lock:
                 seed_everything(req.seed)
                 out = await asyncio.to_thread(server.model.generate, **kwargs)
-            new = out[0, len(prompt_ids):].tolist()
+            new = out[0, len(prompt_ids) :].tolist()
             text = server.tokenizer.decode(new, skip_special_tokens=True)
-            return body([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(len(new))}],
-                        usage(len(new)))
+            return body(
+                [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(len(new))}],
+                usage(len(new)),
+            )
 
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
@@ -195,15 +218,23 @@ def build_app(server: Server) -> FastAPI:
             streamer = PerTokenStreamer(server.tokenizer, skip_prompt=True, skip_special_tokens=True)
             async with server.lock:
                 seed_everything(req.seed)
-                thread = threading.Thread(target=generate_into, daemon=True, args=(server.model, streamer), kwargs={
-                    **kwargs, "stopping_criteria": StoppingCriteriaList([StopOnEvent(stop)])})
+                thread = threading.Thread(
+                    target=generate_into,
+                    daemon=True,
+                    args=(server.model, streamer),
+                    kwargs={**kwargs, "stopping_criteria": StoppingCriteriaList([StopOnEvent(stop)])},
+                )
                 thread.start()
                 try:
                     while (piece := await asyncio.to_thread(next, streamer, None)) is not None:
                         chunk = body([{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}])
                         yield f"data: {json.dumps(chunk)}\n\n"
-                    last = {"index": 0, "text": streamer.tail, "logprobs": None,
-                            "finish_reason": finish_reason(streamer.num_tokens)}
+                    last = {
+                        "index": 0,
+                        "text": streamer.tail,
+                        "logprobs": None,
+                        "finish_reason": finish_reason(streamer.num_tokens),
+                    }
                     yield f"data: {json.dumps(body([last]))}\n\n"
                     if include_usage:
                         yield f"data: {json.dumps(body([], usage(streamer.num_tokens)))}\n\n"

@@ -19,8 +19,16 @@ from pathlib import Path
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "brisk" / "demo_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-GPTOSS_SHAPE = dict(hidden_size=512, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=4)
+GPTOSS_SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=4,
+)
 
 
 def write_gptoss(path: Path, dtype_name: str, seed: int = 0) -> None:
@@ -31,11 +39,17 @@ def write_gptoss(path: Path, dtype_name: str, seed: int = 0) -> None:
     demo = json.loads((DEMO_MODEL / "config.json").read_text())
     layers = GPTOSS_SHAPE["num_hidden_layers"]
     config = GptOssConfig(
-        **GPTOSS_SHAPE, vocab_size=demo["vocab_size"], bos_token_id=demo["bos_token_id"],
-        eos_token_id=demo["eos_token_id"], pad_token_id=demo["pad_token_id"],
-        max_position_embeddings=demo["max_position_embeddings"], sliding_window=demo["sliding_window"],
-        rope_parameters=dict(demo["rope_parameters"]), tie_word_embeddings=False,
-        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
+        **GPTOSS_SHAPE,
+        vocab_size=demo["vocab_size"],
+        bos_token_id=demo["bos_token_id"],
+        eos_token_id=demo["eos_token_id"],
+        pad_token_id=demo["pad_token_id"],
+        max_position_embeddings=demo["max_position_embeddings"],
+        sliding_window=demo["sliding_window"],
+        rope_parameters=dict(demo["rope_parameters"]),
+        tie_word_embeddings=False,
+        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+    )
     config.architectures = ["GptOssForCausalLM"]
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(seed)

@@ -8,15 +8,38 @@ import sys
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # trtllm-serve spellings; both `--tp_size` and `--tp-size` are accepted.
-    for name, typ in [("max_batch_size", int), ("max_num_tokens", int), ("max_seq_len", int),
-                      ("kv_cache_free_gpu_memory_fraction", float), ("ep_size", int)]:
+    for name, typ in [
+        ("max_batch_size", int),
+        ("max_num_tokens", int),
+        ("max_seq_len", int),
+        ("kv_cache_free_gpu_memory_fraction", float),
+        ("ep_size", int),
+    ]:
         p.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest=name, type=typ)
-    p.add_argument("--tp_size", "--tp-size", "--tensor-parallel-size", "-tp", dest="tp_size", type=int,
-                   help="ranks (GPUs) the model is split over; more than one node: see docs/parallelism.md")
-    p.add_argument("--enable_attention_dp", "--enable-attention-dp", dest="enable_attention_dp", action="store_true",
-                   default=None, help="attention data parallel over the tp_size ranks, MoE expert/tensor parallel")
-    p.add_argument("--enable-expert-parallel", "--enable_expert_parallel", dest="enable_expert_parallel",
-                   action="store_true", help="vLLM spelling of ep_size = tp_size")
+    p.add_argument(
+        "--tp_size",
+        "--tp-size",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp_size",
+        type=int,
+        help="ranks (GPUs) the model is split over; more than one node: see docs/parallelism.md",
+    )
+    p.add_argument(
+        "--enable_attention_dp",
+        "--enable-attention-dp",
+        dest="enable_attention_dp",
+        action="store_true",
+        default=None,
+        help="attention data parallel over the tp_size ranks, MoE expert/tensor parallel",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        "--enable_expert_parallel",
+        dest="enable_expert_parallel",
+        action="store_true",
+        help="vLLM spelling of ep_size = tp_size",
+    )
     p.add_argument("--extra_llm_api_options", "--extra-llm-api-options", dest="extra_llm_api_options")
     p.add_argument("--load_format", "--load-format", dest="load_format", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -24,8 +47,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe_backend", "--moe-backend", dest="moe_backend", choices=["auto", "torch", "triton"])
     p.add_argument("--attn_backend", "--attn-backend", dest="attn_backend", choices=["auto", "torch", "triton", "cpu"])
     p.add_argument("--max_num_waiting", "--max-num-waiting", dest="max_num_waiting", type=int)
-    p.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true",
-                   default=None, help="accepted for compatibility; brisk runs no model code from checkpoints")
+    p.add_argument(
+        "--trust_remote_code",
+        "--trust-remote-code",
+        dest="trust_remote_code",
+        action="store_true",
+        default=None,
+        help="accepted for compatibility; brisk runs no model code from checkpoints",
+    )
 
 
 def _positive_float(text: str) -> float:
@@ -63,20 +92,55 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", "--served_model_name", dest="served_model_name")
-    serve.add_argument("--api-key", "--api_key", dest="api_key",
-                       help="require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)")
-    serve.add_argument("--api-key-file", "--api_key_file", dest="api_key_file",
-                       help="read the API key from the first line of this file (keeps it out of `ps`)")
-    serve.add_argument("--max-request-body-size", "--max_request_body_size", dest="max_request_body_size",
-                       type=int, default=8 << 20, help="bytes; larger bodies get 413, chunked uploads included")
-    serve.add_argument("--allowed-origins", "--allowed_origins", dest="allowed_origins", type=_comma_list,
-                       help="comma-separated origins allowed by CORS ('*' for any); CORS is off without this flag")
-    serve.add_argument("--log-prompts", "--log_prompts", dest="log_prompts", action="store_true",
-                       help="log each request's prompt (off by default: request logs carry no prompt text)")
-    serve.add_argument("--request-timeout", "--request_timeout", dest="request_timeout", type=_positive_float,
-                       help="seconds; longer-running requests are aborted (finish_reason 'abort')")
-    serve.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout", type=_positive_float,
-                       default=30.0, help="seconds in-flight requests may run after SIGTERM before being aborted")
+    serve.add_argument(
+        "--api-key",
+        "--api_key",
+        dest="api_key",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        "--api_key_file",
+        dest="api_key_file",
+        help="read the API key from the first line of this file (keeps it out of `ps`)",
+    )
+    serve.add_argument(
+        "--max-request-body-size",
+        "--max_request_body_size",
+        dest="max_request_body_size",
+        type=int,
+        default=8 << 20,
+        help="bytes; larger bodies get 413, chunked uploads included",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        "--allowed_origins",
+        dest="allowed_origins",
+        type=_comma_list,
+        help="comma-separated origins allowed by CORS ('*' for any); CORS is off without this flag",
+    )
+    serve.add_argument(
+        "--log-prompts",
+        "--log_prompts",
+        dest="log_prompts",
+        action="store_true",
+        help="log each request's prompt (off by default: request logs carry no prompt text)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        "--request_timeout",
+        dest="request_timeout",
+        type=_positive_float,
+        help="seconds; longer-running requests are aborted (finish_reason 'abort')",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        dest="shutdown_timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM before being aborted",
+    )
     _add_engine_args(serve)
     from brisk.bench import add_subcommands as add_bench_subcommands
 
@@ -95,12 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from brisk.server.serve import run
 
-        server_keys = ("host", "port", "served_model_name", "api_key", "api_key_file", "max_request_body_size",
-                       "extra_llm_api_options", "allowed_origins", "log_prompts", "request_timeout",
-                       "shutdown_timeout")
+        server_keys = (
+            "host",
+            "port",
+            "served_model_name",
+            "api_key",
+            "api_key_file",
+            "max_request_body_size",
+            "extra_llm_api_options",
+            "allowed_origins",
+            "log_prompts",
+            "request_timeout",
+            "shutdown_timeout",
+        )
         try:
-            return run(args.model, **{k: getattr(args, k) for k in server_keys},
-                       **_engine_options(args, exclude=server_keys))
+            return run(
+                args.model, **{k: getattr(args, k) for k in server_keys}, **_engine_options(args, exclude=server_keys)
+            )
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

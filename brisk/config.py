@@ -96,7 +96,7 @@ class EngineConfig(_Strict):
         return self.kv_cache_config.free_gpu_memory_fraction or self.kv_cache_free_gpu_memory_fraction
 
     @classmethod
-    def build(cls, model: str, yaml_path: str | os.PathLike | None = None, **options: Any) -> "EngineConfig":
+    def build(cls, model: str, yaml_path: str | os.PathLike | None = None, **options: Any) -> EngineConfig:
         """Merge YAML (lower precedence) and keyword options (higher); validate; name the bad key on error."""
         merged: dict[str, Any] = {}
         if yaml_path is not None:
@@ -164,7 +164,7 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "auto", device_type: str = "cpu") -> "ModelConfig":
+    def from_pretrained(cls, path: str, dtype: str = "auto", device_type: str = "cpu") -> ModelConfig:
         import torch
         from transformers import AutoConfig
 
@@ -272,7 +272,7 @@ class ParallelConfig:
         return self.dp_rank * self.tp_size + self.tp_rank
 
     @classmethod
-    def for_rank(cls, rank: int, world_size: int, ep_size: int = 1, attention_dp: bool = False) -> "ParallelConfig":
+    def for_rank(cls, rank: int, world_size: int, ep_size: int = 1, attention_dp: bool = False) -> ParallelConfig:
         moe_tp_size = world_size // ep_size
         return cls(
             tp_rank=0 if attention_dp else rank,

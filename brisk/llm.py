@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -17,12 +18,14 @@ from brisk.outputs import RequestOutput
 from brisk.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer: str | None = None, extra_llm_api_options: str | None = None, **options):
+    def __init__(
+        self, model: str, *, tokenizer: str | None = None, extra_llm_api_options: str | None = None, **options
+    ):
         path = resolve_model_path(model, options.get("revision"))
         self.config = EngineConfig.build(path, extra_llm_api_options, tokenizer=tokenizer, **options)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
@@ -34,7 +37,7 @@ class LLM:
         """Stop the worker ranks (tp_size > 1); the engine cannot be used afterwards."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -55,7 +58,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (
-            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params")
@@ -93,7 +98,10 @@ class LLM:
 
     def render_chat(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None) -> list[int]:
         out = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
             **(chat_template_kwargs or {}),
         )
         # transformers 5 returns a BatchEncoding-like mapping; 4.x returns the ids.

@@ -46,8 +46,12 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise bad(name, "must be a finite number")
-        for name, low, high in (("n", 1, MAX_INT32), ("top_k", -1, MAX_INT32), ("min_tokens", 0, MAX_INT32),
-                                ("priority", -MAX_INT32, MAX_INT32)):
+        for name, low, high in (
+            ("n", 1, MAX_INT32),
+            ("top_k", -1, MAX_INT32),
+            ("min_tokens", 0, MAX_INT32),
+            ("priority", -MAX_INT32, MAX_INT32),
+        ):
             if not low <= getattr(self, name) <= high:
                 raise bad(name, f"must be in [{low}, {high}]")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:

@@ -31,8 +31,17 @@ def oracle(tokens: list[int], window: int | None) -> int:
 
 
 class FakeEngine:
-    def __init__(self, groups: list[KVGroupSpec], num_blocks: int, block_size: int, *, max_batch_size=8,
-                 max_num_tokens=64, chunked=True, prefix_caching=True):
+    def __init__(
+        self,
+        groups: list[KVGroupSpec],
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_batch_size=8,
+        max_num_tokens=64,
+        chunked=True,
+        prefix_caching=True,
+    ):
         self.kv = KVCacheManager(groups, num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.kv, max_batch_size, max_num_tokens, chunked)
         self.groups = groups
@@ -44,8 +53,15 @@ class FakeEngine:
 
     def add(self, prompt: list[int], max_tokens: int, priority: int = 0, follows: Request | None = None) -> Request:
         n = next(self.ids)
-        req = Request(f"r{n}", list(prompt), SamplingParams(max_tokens=max_tokens, priority=priority, temperature=0),
-                      max_tokens, frozenset(), n, follows=follows)
+        req = Request(
+            f"r{n}",
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens, priority=priority, temperature=0),
+            max_tokens,
+            frozenset(),
+            n,
+            follows=follows,
+        )
         self.sched.add(req)
         return req
 
@@ -94,4 +110,4 @@ class FakeEngine:
         tokens = list(prompt)
         for _ in range(max_tokens):
             tokens.append(oracle(tokens, self.window()))
-        return tokens[len(prompt):]
+        return tokens[len(prompt) :]

@@ -79,11 +79,13 @@ def make_case(
         row = [0] * live + [ids.pop() for _ in range(n_pages - live)]
         tables.append(row + [0] * (width - n_pages))
         # Cached context, written by earlier steps.
-        cached = torch.tensor([row[p // s.page] * s.page + p % s.page for p in range(live * s.page, ctx)],
-                              dtype=torch.long)
+        cached = torch.tensor(
+            [row[p // s.page] * s.page + p % s.page for p in range(live * s.page, ctx)], dtype=torch.long
+        )
         for cache in (k_cache, v_cache):
             cache.view(-1, s.kv_heads, s.head_dim)[cached] = torch.randn(
-                len(cached), s.kv_heads, s.head_dim, generator=g).to(dtype)
+                len(cached), s.kv_heads, s.head_dim, generator=g
+            ).to(dtype)
         slots += [row[p // s.page] * s.page + p % s.page for p in range(ctx, seq_len)]
         qsl.append(qsl[-1] + n_q)
     t = qsl[-1]
@@ -98,8 +100,17 @@ def make_case(
         slot_mappings=[torch.tensor(slots, dtype=torch.int64, device=device)],
         block_size=s.page,
     )
-    return Case(s, window, meta, rand(t, s.heads, s.head_dim), rand(t, s.kv_heads, s.head_dim),
-                rand(t, s.kv_heads, s.head_dim), rand(s.heads) * 2, k_cache.to(device), v_cache.to(device))
+    return Case(
+        s,
+        window,
+        meta,
+        rand(t, s.heads, s.head_dim),
+        rand(t, s.kv_heads, s.head_dim),
+        rand(t, s.kv_heads, s.head_dim),
+        rand(s.heads) * 2,
+        k_cache.to(device),
+        v_cache.to(device),
+    )
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:

@@ -30,8 +30,14 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, script: str | None = None,
-                 launcher: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        script: str | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
         """`launcher`: python arguments before MODEL (default `-m brisk.cli serve`, or `script`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -22,12 +22,43 @@ from tests.server_utils import RunningServer, free_port
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
-RUN_KEYS = {"schema_version", "command", "date", "base_url", "endpoint", "model", "label", "server", "machine",
-            "num_gpus", "workload", "settings", "points"}
-POINT_KEYS = {"concurrency", "request_rate", "num_requests", "completed", "failed", "errors", "duration_s",
-              "total_input_tokens", "total_output_tokens", "output_tokens_source", "request_throughput",
-              "output_throughput", "total_token_throughput", "output_throughput_per_gpu", "output_throughput_per_user",
-              "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "requests"}
+RUN_KEYS = {
+    "schema_version",
+    "command",
+    "date",
+    "base_url",
+    "endpoint",
+    "model",
+    "label",
+    "server",
+    "machine",
+    "num_gpus",
+    "workload",
+    "settings",
+    "points",
+}
+POINT_KEYS = {
+    "concurrency",
+    "request_rate",
+    "num_requests",
+    "completed",
+    "failed",
+    "errors",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "output_tokens_source",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "output_throughput_per_gpu",
+    "output_throughput_per_user",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "requests",
+}
 REQUEST_KEYS = {"prompt_tokens", "output_tokens", "output_tokens_from_usage", "ttft_ms", "e2e_ms", "itl_ms", "error"}
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 16, 8
 
@@ -56,17 +87,52 @@ def _bench(out_dir: str, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def fixed_run(server, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bench_fixed"))
-    return _bench(out, "--base-url", server.url, "--concurrency", "1,4", "--num-prompts", str(NUM_PROMPTS),
-                  "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--warmup", "1", "--num-gpus", "2")
+    return _bench(
+        out,
+        "--base-url",
+        server.url,
+        "--concurrency",
+        "1,4",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--warmup",
+        "1",
+        "--num-gpus",
+        "2",
+    )
 
 
 @pytest.fixture(scope="module")
 def chat_run(server, tmp_path_factory):
     """Chat endpoint, random lengths, Poisson arrivals under a concurrency cap, model taken from /v1/models."""
     out = str(tmp_path_factory.mktemp("bench_chat"))
-    return _bench(out, "--base-url", f"{server.url}/v1", "--endpoint", "chat", "--concurrency", "2",
-                  "--request-rate", "50", "--num-prompts", "4", "--random-input-range", "20", "40",
-                  "--random-output-range", "2", "6", "--warmup", "0", "--label", "tiny chat")
+    return _bench(
+        out,
+        "--base-url",
+        f"{server.url}/v1",
+        "--endpoint",
+        "chat",
+        "--concurrency",
+        "2",
+        "--request-rate",
+        "50",
+        "--num-prompts",
+        "4",
+        "--random-input-range",
+        "20",
+        "40",
+        "--random-output-range",
+        "2",
+        "6",
+        "--warmup",
+        "0",
+        "--label",
+        "tiny chat",
+    )
 
 
 def _check_point(point: dict, num_gpus: int) -> None:
@@ -155,9 +221,12 @@ def test_sharegpt_dataset(tmp_path):
     def conversation(question: str, answer: str) -> dict:
         return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
 
-    data = [conversation("what is the capital city of the old river state", "the old river city is the capital"),
-            conversation("hi", "too short a question to keep"),  # filtered out, as vLLM does
-            {"conversations": [{"from": "human", "value": "no answer"}]}, "not a conversation"]
+    data = [
+        conversation("what is the capital city of the old river state", "the old river city is the capital"),
+        conversation("hi", "too short a question to keep"),  # filtered out, as vLLM does
+        {"conversations": [{"from": "human", "value": "no answer"}]},
+        "not a conversation",
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     specs = RequestFactory(Workload("sharegpt", dataset=str(path)), WordTokenizer(), seed=0).take(3)
@@ -167,12 +236,14 @@ def test_sharegpt_dataset(tmp_path):
 
 
 def test_point_summary_definitions():
-    ok = RequestResult(prompt_tokens=10, output_tokens=5, output_tokens_from_usage=5, ttft_s=0.1, e2e_s=0.5,
-                       itl_s=[0.1] * 4)
+    ok = RequestResult(
+        prompt_tokens=10, output_tokens=5, output_tokens_from_usage=5, ttft_s=0.1, e2e_s=0.5, itl_s=[0.1] * 4
+    )
     no_usage = RequestResult(10, 3, None, 0.2, 0.4, [0.1, 0.1])
     failed = RequestResult(10, 0, None, None, None, [], error="HTTP 500: boom")
-    point = summarize_point([ok, no_usage, failed, failed], duration_s=2.0, concurrency=4, request_rate=None,
-                            num_gpus=2)
+    point = summarize_point(
+        [ok, no_usage, failed, failed], duration_s=2.0, concurrency=4, request_rate=None, num_gpus=2
+    )
     assert (point["completed"], point["failed"], point["errors"]) == (2, 2, ["HTTP 500: boom"])
     assert point["output_tokens_source"] == "mixed"
     assert point["total_output_tokens"] == 8 and point["output_throughput_per_gpu"] == pytest.approx(2.0)

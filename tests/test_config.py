@@ -16,7 +16,9 @@ def _write(tmp_path, text):
 
 
 def test_yaml_options_with_trtllm_names(tmp_path):
-    yaml_path = _write(tmp_path, """
+    yaml_path = _write(
+        tmp_path,
+        """
 max_batch_size: 16
 max_num_tokens: 2048
 kv_cache_free_gpu_memory_fraction: 0.8
@@ -31,7 +33,8 @@ moe_config:
   backend: torch
 stream_interval: 4
 enable_attention_dp: false
-""")
+""",
+    )
     cfg = EngineConfig.build("m", yaml_path)
     assert (cfg.max_batch_size, cfg.max_num_tokens, cfg.stream_interval) == (16, 2048, 4)
     assert cfg.block_size == 64 and not cfg.enable_prefix_caching and not cfg.enable_chunked_prefill
@@ -91,12 +94,24 @@ def test_parallel_layout_of_each_rank():
 
 
 def test_model_config_defaults_from_config_and_generation_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512,
-    }))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6], "temperature": 0.6, "top_p": 0.9}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [5, 6], "temperature": 0.6, "top_p": 0.9})
+    )
     mc = ModelConfig.from_pretrained(str(tmp_path))
     assert mc.architecture == "LlamaForCausalLM" and mc.head_dim == 16 and mc.num_kv_heads == 2
     assert mc.eos_token_ids == [5, 6] and mc.max_position_embeddings == 512
@@ -122,13 +137,25 @@ def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, na
     import brisk.config
 
     monkeypatch.setattr(brisk.config, "cpu_has_native_bf16", lambda: native_bf16)
-    for declared, hidden, expected in (("bfloat16", 512, torch.bfloat16 if native_bf16 else torch.float32),
-                                       ("bfloat16", 64, torch.float32),  # too small for bf16 to pay on CPU
-                                       ("float32", 128, torch.bfloat16 if native_bf16 else torch.float32),
-                                       ("float32", 64, torch.float32)):
-        (tmp_path / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 16, "dtype": declared}))
+    for declared, hidden, expected in (
+        ("bfloat16", 512, torch.bfloat16 if native_bf16 else torch.float32),
+        ("bfloat16", 64, torch.float32),  # too small for bf16 to pay on CPU
+        ("float32", 128, torch.bfloat16 if native_bf16 else torch.float32),
+        ("float32", 64, torch.float32),
+    ):
+        (tmp_path / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "model_type": "llama",
+                    "hidden_size": hidden,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "vocab_size": 16,
+                    "dtype": declared,
+                }
+            )
+        )
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cpu").dtype == expected
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cuda").dtype == torch.bfloat16
         assert ModelConfig.from_pretrained(str(tmp_path), "float32", "cpu").dtype == torch.float32

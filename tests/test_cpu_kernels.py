@@ -178,8 +178,12 @@ def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
     gate_up = torch.randn(3, 16)
     assert torch.equal(moe.activation(gate_up, False), clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit))
     moe.cpu_kernels = kernels
-    torch.testing.assert_close(moe.activation(gate_up, False), clamped_swiglu(gate_up, moe.swiglu_alpha,
-                                                                              moe.swiglu_limit), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        moe.activation(gate_up, False),
+        clamped_swiglu(gate_up, moe.swiglu_alpha, moe.swiglu_limit),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     assert not kernels.swiglu_accepts(gate_up.half()) and not kernels.swiglu_accepts(gate_up.t())
 
 
@@ -239,8 +243,13 @@ def test_every_dense_layer_takes_the_bound_kernel(kernels, monkeypatch):
     calls = []
     monkeypatch.setattr(type(kernels), "linear", lambda self, x, w, b: calls.append(w.shape) or x @ w.T)
     with torch.device("cpu"):
-        layers = {"column": ColumnParallelLinear(32, 16), "merged": MergedColumnParallelLinear(32, [8, 8]),
-                  "qkv": QKVParallelLinear(32, 8, 2, 1), "row": RowParallelLinear(32, 16), "head": ParallelLMHead(40, 32)}
+        layers = {
+            "column": ColumnParallelLinear(32, 16),
+            "merged": MergedColumnParallelLinear(32, [8, 8]),
+            "qkv": QKVParallelLinear(32, 8, 2, 1),
+            "row": RowParallelLinear(32, 16),
+            "head": ParallelLMHead(40, 32),
+        }
     for name, layer in layers.items():
         layer.cpu_kernels = kernels
         calls.clear()
@@ -288,8 +297,18 @@ def test_moe_kernel_computes_what_the_torch_path_does(request, monkeypatch, buil
     ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(tokens)])
     ids[1::3, 0] = -1
     weights = torch.rand(tokens, 3, generator=g).to(dtype)
-    one_call = kernels.moe_experts(x, ids, weights, moe.gate_up_proj, moe.gate_up_proj_bias, moe.down_proj,
-                                   moe.down_proj_bias, moe.gate_up_halves, moe.swiglu_alpha, moe.swiglu_limit)
+    one_call = kernels.moe_experts(
+        x,
+        ids,
+        weights,
+        moe.gate_up_proj,
+        moe.gate_up_proj_bias,
+        moe.down_proj,
+        moe.down_proj_bias,
+        moe.gate_up_halves,
+        moe.swiglu_alpha,
+        moe.swiglu_limit,
+    )
     # The layer takes the one call for decode-sized batches: any on AVX-512, a single token on other CPUs.
     accepted = kernels.moe_accepts(x, moe.gate_up_proj)
     assert accepted == (tokens == 1 or kernels.linear_vectorized[dtype])
@@ -302,11 +321,25 @@ def test_moe_kernel_computes_what_the_torch_path_does(request, monkeypatch, buil
     else:
         torch.testing.assert_close(one_call, torch_path, rtol=1e-5, atol=1e-6 * one_call.abs().max().item())
     moe.cpu_kernels = None  # pure torch: the reference matmuls
-    torch.testing.assert_close(one_call, moe.backend.forward(moe, x, ids, weights), rtol=2**-6,
-                               atol=2**-7 * one_call.float().abs().max().item())
+    torch.testing.assert_close(
+        one_call,
+        moe.backend.forward(moe, x, ids, weights),
+        rtol=2**-6,
+        atol=2**-7 * one_call.float().abs().max().item(),
+    )
     # Without down_proj's bias (MoE tensor-parallel ranks but the first) the output lacks just the weighted biases.
-    no_down_bias = kernels.moe_experts(x, ids, weights, moe.gate_up_proj, moe.gate_up_proj_bias, moe.down_proj, None,
-                                       moe.gate_up_halves, moe.swiglu_alpha, moe.swiglu_limit)
+    no_down_bias = kernels.moe_experts(
+        x,
+        ids,
+        weights,
+        moe.gate_up_proj,
+        moe.gate_up_proj_bias,
+        moe.down_proj,
+        None,
+        moe.gate_up_halves,
+        moe.swiglu_alpha,
+        moe.swiglu_limit,
+    )
     picked = (weights.float() * (ids >= 0))[..., None] * moe.down_proj_bias.float()[ids.clamp(min=0)]
     scale = one_call.float().abs().max().item()  # bf16 rounds both outputs at their magnitude
     torch.testing.assert_close(one_call.float() - no_down_bias.float(), picked.sum(1), rtol=0, atol=2**-7 * scale)

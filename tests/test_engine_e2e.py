@@ -53,7 +53,7 @@ def _hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
         for p in prompts:
             ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW)
-            outs.append(ids[0, len(p):].tolist())
+            outs.append(ids[0, len(p) :].tolist())
     return outs
 
 

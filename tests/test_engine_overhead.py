@@ -36,10 +36,19 @@ MAX_TOKENS = 12
 def null_model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("null-model")
     config = {
-        "architectures": ["BriskNullForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 64,
-        "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": VOCAB, "max_position_embeddings": 256, "sliding_window": SLIDING_WINDOW,
-        "layer_types": ["sliding_attention", "full_attention"] * (NUM_LAYERS // 2), "eos_token_id": 0,
+        "architectures": ["BriskNullForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * (NUM_LAYERS // 2),
+        "eos_token_id": 0,
     }
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
@@ -58,9 +67,14 @@ def benchmark() -> ModuleType:
 
 
 def test_null_model_runs_through_the_engine_with_exact_kv_accounting(null_model_dir):
-    config = EngineConfig.build(null_model_dir, load_format="dummy", device="cpu", max_batch_size=8,
-                                max_num_tokens=24,  # prompts below need chunked prefill
-                                kv_cache_config={"tokens_per_block": BLOCK_SIZE, "max_blocks": 200})
+    config = EngineConfig.build(
+        null_model_dir,
+        load_format="dummy",
+        device="cpu",
+        max_batch_size=8,
+        max_num_tokens=24,  # prompts below need chunked prefill
+        kv_cache_config={"tokens_per_block": BLOCK_SIZE, "max_blocks": 200},
+    )
     engine = EngineCore(config)
     attention_layers = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
     assert len(attention_layers) == NUM_LAYERS

@@ -27,8 +27,15 @@ def test_triton_path_matches_torch_path(tmp_path, mxfp4):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(path, device="cuda", dtype="float32", attn_backend=backend, moe_config={"backend": backend},
-                  tokens_per_block=16, max_num_tokens=64)
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            attn_backend=backend,
+            moe_config={"backend": backend},
+            tokens_per_block=16,
+            max_num_tokens=64,
+        )
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()

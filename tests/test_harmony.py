@@ -86,9 +86,7 @@ def test_tokenizer_is_o200k_harmony(tokenizer: PreTrainedTokenizerFast, encoding
     assert tokenizer.decode(encoding.encode(text)) == text
 
 
-def test_tokenizer_directory_loads_with_auto_tokenizer(
-    tokenizer: PreTrainedTokenizerFast, tokenizer_dir: Path
-) -> None:
+def test_tokenizer_directory_loads_with_auto_tokenizer(tokenizer: PreTrainedTokenizerFast, tokenizer_dir: Path) -> None:
     built_at = (tokenizer_dir / "tokenizer.json").stat().st_mtime_ns
     loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     assert len(loaded) == VOCAB_SIZE
@@ -330,10 +328,10 @@ TOOL_CALL_CONSTRAIN = (
     "<|call|>"
 )
 TOOL_CALL_ROLE_RECIPIENT = (
-    '<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json'
+    "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json"
     '<|message|>{"location": "東京"}<|call|>'
 )
-FIRST_MESSAGE_ROLE_RECIPIENT = ' to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>'
+FIRST_MESSAGE_ROLE_RECIPIENT = " to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
 PREAMBLE_AND_TOOL_CALL = (
     "<|channel|>commentary<|message|>Let me check that.<|end|>"
     "<|start|>assistant to=functions.get_time<|channel|>commentary<|message|>{}<|call|>"

@@ -40,8 +40,9 @@ def test_models_names_the_server(base_url: str) -> None:
 
 @pytest.mark.parametrize("max_tokens", [1, 12])
 def test_non_streaming_exact_length(base_url: str, max_tokens: int) -> None:
-    out = client(base_url).completions.create(model=MODEL, prompt="Hello there", max_tokens=max_tokens,
-                                              temperature=0, extra_body={"ignore_eos": True})
+    out = client(base_url).completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == max_tokens
     assert out.choices[0].finish_reason == "length"
 
@@ -49,8 +50,14 @@ def test_non_streaming_exact_length(base_url: str, max_tokens: int) -> None:
 def test_streaming_exact_length_and_usage(base_url: str) -> None:
     max_tokens = 16
     stream = client(base_url).completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=max_tokens, temperature=0.8, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": max_tokens})
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=max_tokens,
+        temperature=0.8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": max_tokens},
+    )
     chunks = list(stream)
     token_chunks = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
     assert len(token_chunks) == max_tokens  # one chunk per token: the benchmark times each
@@ -59,11 +66,13 @@ def test_streaming_exact_length_and_usage(base_url: str) -> None:
 
 
 def test_streaming_matches_non_streaming_greedy(base_url: str) -> None:
-    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     whole = client(base_url).completions.create(**kwargs).choices[0].text
-    streamed = "".join(c.choices[0].text for c in client(base_url).completions.create(**kwargs, stream=True)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].text for c in client(base_url).completions.create(**kwargs, stream=True) if c.choices
+    )
     assert streamed == whole
 
 

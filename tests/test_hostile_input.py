@@ -29,8 +29,17 @@ LEAK_MARKERS = ("Traceback", 'File "', ".py", "/brisk/", "site-packages")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_hostile")
     make_tiny_llama_with_tokenizer(path)
-    srv = RunningServer(str(path), "--served-model-name", "tiny", "--max_seq_len", str(MAX_SEQ_LEN),
-                        "--max-request-body-size", str(BODY_LIMIT), "--request-timeout", "2")
+    srv = RunningServer(
+        str(path),
+        "--served-model-name",
+        "tiny",
+        "--max_seq_len",
+        str(MAX_SEQ_LEN),
+        "--max-request-body-size",
+        str(BODY_LIMIT),
+        "--request-timeout",
+        "2",
+    )
     yield srv
     srv.stop()
 
@@ -56,8 +65,9 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
 
 
 def post_raw(server: RunningServer, path: str, content: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", content=content,
-                      headers={"content-type": "application/json", **headers}, timeout=60)
+    return httpx.post(
+        f"{server.url}{path}", content=content, headers={"content-type": "application/json", **headers}, timeout=60
+    )
 
 
 # ---- malformed bodies ------------------------------------------------------------------------------
@@ -125,8 +135,13 @@ BAD_VALUES = {
     "responses input item not an object": (RESPONSES, {"input": [1, 2]}),
     "responses bad role": (RESPONSES, {"input": [{"type": "message", "role": "wizard", "content": "x"}]}),
     "responses bad item type": (RESPONSES, {"input": [{"type": "teleport"}]}),
-    "tools on a non-harmony model": (CHAT, {"messages": USER, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+    "tools on a non-harmony model": (
+        CHAT,
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        },
+    ),
 }
 
 
@@ -145,19 +160,26 @@ def nested_schema(depth: int) -> dict:
 @pytest.mark.parametrize("path", [CHAT, RESPONSES])
 def test_deeply_nested_tool_schema_is_400(server, path):
     function = {"name": "deep", "parameters": nested_schema(200)}
-    body = ({"messages": USER, "tools": [{"type": "function", "function": function}]} if path == CHAT
-            else {"input": "hi", "tools": [{"type": "function", **function}]})
+    body = (
+        {"messages": USER, "tools": [{"type": "function", "function": function}]}
+        if path == CHAT
+        else {"input": "hi", "tools": [{"type": "function", **function}]}
+    )
     error = assert_openai_error(post_raw(server, path, json.dumps(body).encode()), 400)
     assert "deeper than" in error["message"]
 
 
-@pytest.mark.parametrize("path, body", [
-    (COMPLETIONS, {"prompt": "word " * (4 * MAX_SEQ_LEN), "max_tokens": 1}),
-    (COMPLETIONS, {"prompt": list(range(10, 10 + MAX_SEQ_LEN))}),
-    (CHAT, {"messages": [{"role": "user", "content": "word " * (4 * MAX_SEQ_LEN)}]}),
-    (RESPONSES, {"input": "word " * (4 * MAX_SEQ_LEN)}),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": MAX_SEQ_LEN}),
-], ids=["text", "token ids", "chat", "responses", "max_tokens"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (COMPLETIONS, {"prompt": "word " * (4 * MAX_SEQ_LEN), "max_tokens": 1}),
+        (COMPLETIONS, {"prompt": list(range(10, 10 + MAX_SEQ_LEN))}),
+        (CHAT, {"messages": [{"role": "user", "content": "word " * (4 * MAX_SEQ_LEN)}]}),
+        (RESPONSES, {"input": "word " * (4 * MAX_SEQ_LEN)}),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": MAX_SEQ_LEN}),
+    ],
+    ids=["text", "token ids", "chat", "responses", "max_tokens"],
+)
 def test_longer_than_max_seq_len_is_400(server, path, body):
     assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=60), 400, "context_length_exceeded")
 
@@ -170,14 +192,16 @@ def test_body_over_the_limit_is_413(server):
 
 def test_chunked_body_over_the_limit_is_413(server):
     """No Content-Length: the limit is enforced on the bytes as they arrive."""
+
     def chunks() -> Iterator[bytes]:
         yield b'{"prompt": "'
         for _ in range(BODY_LIMIT // 4096 + 8):
             yield b"x" * 4096
         yield b'"}'
 
-    r = httpx.post(f"{server.url}{COMPLETIONS}", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        f"{server.url}{COMPLETIONS}", content=chunks(), headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.request.headers.get("transfer-encoding") == "chunked"
     assert_openai_error(r, 413, "request_too_large")
 
@@ -187,16 +211,19 @@ def test_chunked_body_within_the_limit_is_served(server):
         yield b'{"prompt": "chunked", '
         yield b'"max_tokens": 2, "ignore_eos": true}'  # a sampled EOS would end it after one token
 
-    r = httpx.post(f"{server.url}{COMPLETIONS}", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        f"{server.url}{COMPLETIONS}", content=chunks(), headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_content_length_over_the_limit_is_413_before_the_body_is_read(server):
     """A declared length over the limit is refused at once, without waiting for (or reading) the body."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10000000000\r\n\r\n{\"prompt\": ")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 10000000000\r\n\r\n{"prompt": '
+        )
         response = b""
         while b"\r\n\r\n" not in response or not response.endswith(b"}"):
             chunk = sock.recv(4096)
@@ -230,17 +257,26 @@ def test_fuzz_openapi_schema_never_5xx(server, pytestconfig):
         # Operations without parameters or a body have no invalid input to generate.
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
         for mode in modes:
+
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-            def call(case) -> None:
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
+            def call(case) -> None:  # runs within this iteration, so the loop variables are current
                 nonlocal num_cases
                 num_cases += 1
                 response = case.call(base_url=server.url, timeout=60)
                 leaked = any(marker in response.text for marker in LEAK_MARKERS)
                 if response.status_code >= 500 or leaked:
-                    failures.append(f"{operation.label} {mode.value} -> {response.status_code}: "
-                                    f"{response.text[:200]}\n  {case.as_curl_command()[:300]}")
+                    failures.append(
+                        f"{operation.label} {mode.value} -> {response.status_code}: "  # noqa: B023
+                        f"{response.text[:200]}\n  {case.as_curl_command()[:300]}"
+                    )
 
             call()
     assert num_cases >= 8 * examples

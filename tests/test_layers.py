@@ -36,6 +36,7 @@ def load(layer: torch.nn.Module, name: str, tensor: torch.Tensor, shard_id: obje
 
 # ---------------------------------------------------------------- MXFP4
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_mxfp4_matches_hf(dtype):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -71,6 +72,7 @@ def test_dequantize_mxfp4_rejects_bad_inputs():
 
 
 # ---------------------------------------------------------------- tensor-parallel slicing
+
 
 def test_column_parallel_slices_output_rows():
     full_w, full_b = torch.arange(48.0).view(8, 6), torch.arange(8.0)
@@ -116,6 +118,7 @@ def qkv_weights(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int):
     # Row values encode (projection, head): q rows 0.., k rows 1000.., v rows 2000..
     def proj(base, heads):
         return (base + torch.arange(heads * head_dim, dtype=torch.float32))[:, None].expand(-1, hidden).clone()
+
     return proj(0, num_heads), proj(1000, num_kv_heads), proj(2000, num_kv_heads)
 
 
@@ -206,20 +209,22 @@ def test_fused_moe_tp2_slices_intermediate_dim_and_sums_to_full(mxfp4, i):
         assert part.intermediate_size == per_rank
         gu, down = part.expert_weights(1, torch.float32)
         # whole (gate, up) pairs
-        assert torch.equal(gu, gu_full[p.moe_tp_rank * 2 * per_rank: (p.moe_tp_rank + 1) * 2 * per_rank])
-        assert torch.equal(down, down_full[:, p.moe_tp_rank * per_rank: (p.moe_tp_rank + 1) * per_rank])
+        assert torch.equal(gu, gu_full[p.moe_tp_rank * 2 * per_rank : (p.moe_tp_rank + 1) * 2 * per_rank])
+        assert torch.equal(down, down_full[:, p.moe_tp_rank * per_rank : (p.moe_tp_rank + 1) * per_rank])
         total += part.backend.forward(part, x, ids, weights)  # what the all-reduce would compute
     torch.testing.assert_close(total, full.backend.forward(full, x, ids, weights), atol=1e-4, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- MoE vs HF
 
+
 def test_torch_moe_backend_matches_hf_experts():
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    cfg = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                       swiglu_limit=1.0)
+    cfg = GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0
+    )
     cfg._experts_implementation = "eager"
     torch.manual_seed(0)
     hf = GptOssMLP(cfg)
@@ -257,8 +262,14 @@ def test_torch_moe_backend_matches_slot_loop_with_foreign_slots(num_tokens, one_
     gen = torch.Generator().manual_seed(3)
     moe = FusedMoE(4, 3, 16, 8)
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-        load(moe, name, torch.randn(getattr(moe, name).transpose(-1, -2).shape if name.endswith("proj")
-                                    else getattr(moe, name).shape, generator=gen))
+        load(
+            moe,
+            name,
+            torch.randn(
+                getattr(moe, name).transpose(-1, -2).shape if name.endswith("proj") else getattr(moe, name).shape,
+                generator=gen,
+            ),
+        )
     x = torch.randn(num_tokens, 16, generator=gen)
     ids = torch.randint(-1, 3, (num_tokens, 3), generator=gen)  # expert 3 never picked, -1 = another rank
     if one_token_ids is not None:
@@ -276,20 +287,28 @@ def test_prepacked_bf16_weights_give_the_same_outputs():
     with torch.device("cpu"):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = torch.nn.ModuleDict(dict(
-                qkv=QKVParallelLinear(64, 16, 4, 2, bias=True), row=RowParallelLinear(64, 48, bias=True),
-                merged=MergedColumnParallelLinear(64, [32, 32]), head=ParallelLMHead(100, 64),
-                moe=FusedMoE(4, 2, 64, 32)))
+            model = torch.nn.ModuleDict(
+                dict(
+                    qkv=QKVParallelLinear(64, 16, 4, 2, bias=True),
+                    row=RowParallelLinear(64, 48, bias=True),
+                    merged=MergedColumnParallelLinear(64, [32, 32]),
+                    head=ParallelLMHead(100, 64),
+                    moe=FusedMoE(4, 2, 64, 32),
+                )
+            )
         finally:
             torch.set_default_dtype(torch.float32)
     for param in model.parameters():
         param.data.copy_(torch.randn(param.shape, generator=gen))
-    inputs = [(torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 4, generator=gen).bfloat16())
-              for rows in (1, 5, 32)]
+    inputs = [
+        (torch.randn(rows, 64, generator=gen).bfloat16(), torch.randn(rows, 4, generator=gen).bfloat16())
+        for rows in (1, 5, 32)
+    ]
 
     def outputs():
-        return [[model[n](x) for n in ("qkv", "row", "merged", "head")] + [model["moe"](x, router)]
-                for x, router in inputs]
+        return [
+            [model[n](x) for n in ("qkv", "row", "merged", "head")] + [model["moe"](x, router)] for x, router in inputs
+        ]
 
     plain = outputs()
     assert prepack_weights(model) == 4 + 2 * 4  # four dense layers, two matrices per expert
@@ -313,16 +332,27 @@ def test_moe_backend_choice():
 
 # ---------------------------------------------------------------- RoPE and RMSNorm vs HF
 
+
 def rope_configs():
     from transformers import GptOssConfig, LlamaConfig
 
     yarn = GptOssConfig(head_dim=64, num_attention_heads=8, hidden_size=512)  # the real gpt-oss YaRN defaults
-    default = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope_type="default",
-                                                                                       rope_theta=10000.0))
-    llama3 = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                              low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=8192))
+    default = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope_type="default", rope_theta=10000.0)
+    )
+    llama3 = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    )
     return {"yarn": yarn, "default": default, "llama3": llama3}
 
 
@@ -347,8 +377,9 @@ def test_rotary_matches_hf(kind, dtype):
         assert ours.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
     q_ours, k_ours = ours(positions, q, k)
     cos, sin = hf_rope(q, positions[None])
-    q_hf, k_hf = hf_module.apply_rotary_pos_emb(q.view(1, t, heads, d).transpose(1, 2),
-                                                k.view(1, t, kv_heads, d).transpose(1, 2), cos, sin)
+    q_hf, k_hf = hf_module.apply_rotary_pos_emb(
+        q.view(1, t, heads, d).transpose(1, 2), k.view(1, t, kv_heads, d).transpose(1, 2), cos, sin
+    )
     assert torch.equal(q_ours, q_hf.transpose(1, 2).reshape(t, -1))
     assert torch.equal(k_ours, k_hf.transpose(1, 2).reshape(t, -1))
 
@@ -374,8 +405,9 @@ def test_rotary_step_positions_are_computed_once_and_renewed_each_step():
 def test_unsupported_rope_type_is_refused():
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4,
-                         rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    )
     with pytest.raises(ValueError, match="dynamic"):
         RotaryEmbedding(config, 16)
 

@@ -70,8 +70,10 @@ def test_stop_string_spanning_tokens(llm):
     c = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert c.text == expected and c.finish_reason == "stop" and c.stop_reason == stop
     assert len(c.token_ids) < len(full.token_ids)  # the engine stopped generating
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
-                                               include_stop_str_in_output=True))[0].outputs[0]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )[0].outputs[0]
     assert kept.text == expected + stop
     assert llm.engine.kv.pool.num_used == 0
 
@@ -84,8 +86,9 @@ def test_stop_token_ids_and_eos(llm):
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     # the same id held back by min_tokens
-    late = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id],
-                                                   min_tokens=first + 1))[0].outputs[0]
+    late = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id], min_tokens=first + 1)
+    )[0].outputs[0]
     assert len(late.token_ids) > first + 1 and stop_id not in late.token_ids[: first + 1]
 
 

@@ -48,7 +48,9 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path, arch, mxfp4):
     split_into_two_shards(sharded)
     (sharded / "stray.safetensors").write_bytes(b"not named by the index, must be ignored")
     assert [Path(f).name for f in checkpoint_files(str(sharded))] == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
     a = load_model(ModelConfig.from_pretrained(str(single)), device="cpu")
     b = load_model(ModelConfig.from_pretrained(str(sharded)), device="cpu")

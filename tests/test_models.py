@@ -32,8 +32,9 @@ VARIANTS = {
 class PagedKV:
     """Binds zeroed KV caches to every Attention layer and builds AttentionMetadata for flat steps."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS,
-                 backend: str = "torch") -> None:
+    def __init__(
+        self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, backend: str = "torch"
+    ) -> None:
         # "cpu": brisk's C kernels (decode attention, norms, MoE activation); "torch": the PyTorch reference paths.
         kernels = load_cpu_kernels() if backend == "cpu" else None
         attention_backend = make_attention_backend(backend, torch.device("cpu"), kernels)
@@ -127,8 +128,15 @@ def test_batch_of_three_sequences_in_one_forward(models):
         offset += len(prompt)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
-    not HAVE_C_COMPILER, reason="no C compiler: no CPU kernels to test"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(not HAVE_C_COMPILER, reason="no C compiler: no CPU kernels to test")
+        ),
+    ],
+)
 def test_chunked_prefill_then_decode(models, backend):
     """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode, and
     ends with a chunk of three while A decodes. Both CPU paths: the PyTorch reference and brisk's C kernels."""

@@ -99,6 +99,7 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
 
 # ---------------------------------------------------------------- what each rank holds
 
+
 def _expected_slice(name: str, full: dict[str, torch.Tensor], p: ParallelConfig, mc: ModelConfig) -> torch.Tensor:
     """The part of the checkpoint rank p must hold under `name`, derived from the layout rules alone."""
     tp, r = p.tp_size, p.tp_rank
@@ -130,10 +131,17 @@ def _expected_slice(name: str, full: dict[str, torch.Tensor], p: ParallelConfig,
     return full[name]  # norms, router, o_proj bias (added once), replicated layers
 
 
-@pytest.mark.parametrize("arch,options", [
-    ("llama", dict()), ("gpt_oss", dict()), ("gpt_oss", dict(ep_size=2)), ("gpt_oss_mxfp4", dict()),
-    ("gpt_oss", dict(ep_size=2, enable_attention_dp=True)), ("llama", dict(enable_attention_dp=True)),
-])
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("llama", dict()),
+        ("gpt_oss", dict()),
+        ("gpt_oss", dict(ep_size=2)),
+        ("gpt_oss_mxfp4", dict()),
+        ("gpt_oss", dict(ep_size=2, enable_attention_dp=True)),
+        ("llama", dict(enable_attention_dp=True)),
+    ],
+)
 def test_each_rank_holds_its_slice_of_every_weight(arch, options, models):
     path = models[arch]
     mc = ModelConfig.from_pretrained(path, "float32")
@@ -155,13 +163,15 @@ def test_each_rank_holds_its_slice_of_every_weight(arch, options, models):
 
 # ---------------------------------------------------------------- layouts refused with a reason
 
+
 def test_layouts_are_validated(models):
     with pytest.raises(ConfigError, match="ep_size .3. must divide tp_size .4."):
         EngineConfig.build("m", tp_size=4, ep_size=3)
     mc = ModelConfig.from_pretrained(models["gpt_oss"], "float32")
     with pytest.raises(ValueError, match="num_local_experts .4. is not divisible by ep_size .8."):
-        load_model(mc, device="meta", load_format="dummy",
-                   parallel=ParallelConfig.for_rank(0, 8, ep_size=8, attention_dp=True))
+        load_model(
+            mc, device="meta", load_format="dummy", parallel=ParallelConfig.for_rank(0, 8, ep_size=8, attention_dp=True)
+        )
     with pytest.raises(ValueError, match="num_heads .4. is not divisible by tp_size .8."):
         load_model(mc, device="meta", load_format="dummy", parallel=ParallelConfig.for_rank(0, 8))
 
@@ -169,8 +179,16 @@ def test_layouts_are_validated(models):
 def test_launcher_variables(monkeypatch):
     from brisk.distributed.launch import launcher_env, rank_place
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert launcher_env() is None
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")

@@ -22,16 +22,25 @@ SERVE_ARGS = ("--tp_size", "2", "--device", "cpu", "--max_batch_size", "8", "--s
 def model_and_expected(tmp_path_factory) -> tuple[str, str]:
     path = make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("llama"))
     with LLM(path, device="cpu") as llm:
-        out = llm.generate({"prompt_token_ids": PROMPT_IDS},
-                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        out = llm.generate(
+            {"prompt_token_ids": PROMPT_IDS}, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
     return path, out[0].outputs[0].text
 
 
 def _complete(server: RunningServer) -> str:
-    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": "m", "prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-    })
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": "m",
+            "prompt": PROMPT_IDS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
@@ -99,8 +108,17 @@ def test_no_worker_outlives_the_server(model_and_expected):
 
 def test_torchrun_launch(model_and_expected):
     path, expected = model_and_expected
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                "-m", "brisk.cli", "serve"]
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "brisk.cli",
+        "serve",
+    ]
     server = RunningServer(path, *SERVE_ARGS, launcher=launcher)
     ranks = _descendants(server.proc.pid)
     try:

@@ -96,7 +96,7 @@ def sse_events(lines: list[str]) -> list[dict | str]:
     events: list[dict | str] = []
     for line in lines:
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -148,10 +148,13 @@ def test_request_timeout_aborts_and_frees_kv(server):
     async def run():
         async with httpx.AsyncClient(timeout=120) as http:
             whole = http.post(f"{server.url}/v1/completions", json={"prompt": "slow", **long})
-            chat = stream_events(http, f"{server.url}/v1/chat/completions",
-                                 {"messages": [{"role": "user", "content": "slow"}], **long})
-            responses = http.post(f"{server.url}/v1/responses", json={"input": "slow", "max_output_tokens": 1000,
-                                                                      **GREEDY, "timeout": 0.2})
+            chat = stream_events(
+                http, f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "slow"}], **long}
+            )
+            responses = http.post(
+                f"{server.url}/v1/responses",
+                json={"input": "slow", "max_output_tokens": 1000, **GREEDY, "timeout": 0.2},
+            )
             return await asyncio.gather(whole, chat, responses)
 
     start = time.monotonic()
@@ -220,8 +223,15 @@ def test_engine_core_fails_only_nan_rows(model_dir, poison):
 def test_slow_reader_is_coalesced_not_lost(server):
     """A client that stops reading its stream: the engine finishes anyway, and the stream, read late,
     is complete (deltas were merged instead of queued one per token)."""
-    body = {"prompt": "a slow reader", "n": 8, "max_tokens": 100, "temperature": 1.0, "seed": 7,
-            "ignore_eos": True, "logprobs": 20}  # about 1 MB of events, five times what the socket buffers hold
+    body = {
+        "prompt": "a slow reader",
+        "n": 8,
+        "max_tokens": 100,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "logprobs": 20,
+    }  # about 1 MB of events, five times what the socket buffers hold
     expected = [c["text"] for c in complete(server, **body)["choices"]]
     coalesced_before = server.metrics().get(COALESCED, 0.0)
 
@@ -233,8 +243,10 @@ def test_slow_reader_is_coalesced_not_lost(server):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
         sock.connect(("127.0.0.1", server.port))
         # HTTP/1.0: the response body is delimited by the connection closing, not chunked.
-        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
         received = b""
         while b"data: " not in received:
             received += sock.recv(1024)
@@ -266,8 +278,9 @@ def test_concurrent_streams_match_requests_sent_alone(server, pytestconfig):
             url = f"{server.url}/v1/completions"
             requests = [p for p in prompts for _ in range(copies)]
             random.Random(0).shuffle(requests)
-            results = await asyncio.gather(*(stream_events(http, url, {"prompt": p, "max_tokens": 8, **GREEDY})
-                                             for p in requests))
+            results = await asyncio.gather(
+                *(stream_events(http, url, {"prompt": p, "max_tokens": 8, **GREEDY}) for p in requests)
+            )
             return requests, results
 
     requests, results = asyncio.run(run())
@@ -286,8 +299,11 @@ def test_disconnect_storm_releases_everything(server):
     rng = random.Random(1234)
 
     async def hang_up_streaming(http: httpx.AsyncClient, i: int, after_chunks: int) -> None:
-        async with http.stream("POST", f"{server.url}/v1/completions",
-                               json={"prompt": f"storm {i}", "max_tokens": 200, "stream": True, **GREEDY}) as r:
+        async with http.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            json={"prompt": f"storm {i}", "max_tokens": 200, "stream": True, **GREEDY},
+        ) as r:
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data:")
@@ -296,8 +312,13 @@ def test_disconnect_storm_releases_everything(server):
 
     async def hang_up_waiting(http: httpx.AsyncClient, i: int, after_s: float) -> None:
         try:
-            await asyncio.wait_for(http.post(f"{server.url}/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": f"storm {i}"}], "max_tokens": 200, **GREEDY}), after_s)
+            await asyncio.wait_for(
+                http.post(
+                    f"{server.url}/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": f"storm {i}"}], "max_tokens": 200, **GREEDY},
+                ),
+                after_s,
+            )
         except asyncio.TimeoutError:
             pass  # cancelled mid-request: the connection is dropped
 

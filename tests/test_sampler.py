@@ -4,14 +4,13 @@ with the torch sampler and with brisk's CPU kernels bound (random rows then draw
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import sys
 
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch

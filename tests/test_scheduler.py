@@ -176,8 +176,15 @@ def test_sibling_follows_leader_and_shares_prompt_blocks():
 def test_random_workloads_keep_accounting_and_outputs(seed, hybrid, num_blocks, block_size, budget, chunked, caching):
     rng = random.Random(seed)
     groups = HYBRID if hybrid else FULL
-    engine = FakeEngine(groups, num_blocks, block_size, max_batch_size=rng.randint(1, 8), max_num_tokens=budget,
-                        chunked=chunked, prefix_caching=caching)
+    engine = FakeEngine(
+        groups,
+        num_blocks,
+        block_size,
+        max_batch_size=rng.randint(1, 8),
+        max_num_tokens=budget,
+        chunked=chunked,
+        prefix_caching=caching,
+    )
     max_tokens_per_req = 6
     # every request must fit the pool alone, and without chunking the budget too
     limit = min((num_blocks - 1) // len(groups) * block_size, budget if not chunked else 10**9) - max_tokens_per_req

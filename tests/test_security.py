@@ -46,16 +46,29 @@ def server(tmp_path_factory):
     key_file = path / "api_key"
     key_file.write_text(API_KEY + "\n")
     # --request-timeout is tested here too: it only needs a server, and this one is already running.
-    srv = RunningServer(str(path), "--served-model-name", "tiny", "--api-key-file", str(key_file),
-                        "--allowed-origins", ORIGIN, "--request-timeout", "1",
-                        env={API_KEY_ENV: "not-this-one"})  # the file wins over the environment
+    srv = RunningServer(
+        str(path),
+        "--served-model-name",
+        "tiny",
+        "--api-key-file",
+        str(key_file),
+        "--allowed-origins",
+        ORIGIN,
+        "--request-timeout",
+        "1",
+        env={API_KEY_ENV: "not-this-one"},
+    )  # the file wins over the environment
     yield srv
     srv.stop()
 
 
 def assert_still_serving(server: RunningServer) -> None:
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0},
-                   headers=AUTH, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "ok", "max_tokens": 2, "temperature": 0},
+        headers=AUTH,
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
 
 
@@ -79,8 +92,12 @@ def test_api_key_sources(tmp_path, monkeypatch):
 
 
 def test_serve_refuses_an_unreadable_key_file(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "brisk.cli", "serve", "--api-key-file", str(tmp_path / "nope")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "brisk.cli", "serve", "--api-key-file", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "cannot read --api-key-file" in result.stderr
 
 
@@ -103,16 +120,26 @@ def test_key_check_is_constant_time(monkeypatch):
 def test_every_route_but_health_needs_the_key(server):
     paths = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()["paths"]
     routes = [(method.upper(), path) for path, methods in paths.items() for method in methods]
-    routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/v1/unknown"),
-               ("POST", "/v1/unknown")]
+    routes += [
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/redoc"),
+        ("GET", "/v1/unknown"),
+        ("POST", "/v1/unknown"),
+    ]
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
     for method, path in routes:
         url = f"{server.url}{path}"
         if path == "/health":
             assert httpx.request(method, url).status_code == 200
             continue
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                        {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": "Bearer ключ".encode()}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": API_KEY},
+            {"Authorization": f"Bearer {API_KEY}x"},
+            {"Authorization": "Bearer ключ".encode()},
+        ):
             r = httpx.request(method, url, headers=headers, json={})
             assert r.status_code == 401, (method, path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
@@ -122,8 +149,14 @@ def test_every_route_but_health_needs_the_key(server):
 
 # ---- CORS ------------------------------------------------------------------------------------------
 def preflight(client, url: str, origin: str) -> httpx.Response:
-    return client.options(url, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
-                                        "Access-Control-Request-Headers": "authorization,content-type"})
+    return client.options(
+        url,
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
 
 
 def test_cors_allows_only_the_configured_origin(server):
@@ -135,19 +168,28 @@ def test_cors_allows_only_the_configured_origin(server):
         bad = preflight(http, url, "https://evil.example")
         assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
         # Simple requests: the browser may read the answer (even a 401) only for the allowed origin.
-        assert http.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": ORIGIN}).headers[
-            "access-control-allow-origin"] == ORIGIN
-        assert http.get(f"{server.url}/v1/models", headers={"Origin": ORIGIN}).headers[
-            "access-control-allow-origin"] == ORIGIN
-        assert "access-control-allow-origin" not in http.get(
-            f"{server.url}/v1/models", headers={**AUTH, "Origin": "https://evil.example"}).headers
+        assert (
+            http.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": ORIGIN}).headers[
+                "access-control-allow-origin"
+            ]
+            == ORIGIN
+        )
+        assert (
+            http.get(f"{server.url}/v1/models", headers={"Origin": ORIGIN}).headers["access-control-allow-origin"]
+            == ORIGIN
+        )
+        assert (
+            "access-control-allow-origin"
+            not in http.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": "https://evil.example"}).headers
+        )
     assert_still_serving(server)
 
 
 def fake_state(**overrides) -> ServerState:
     """A ServerState over a fake engine client, for in-process apps (no engine process)."""
-    client = SimpleNamespace(dead=False, info=SimpleNamespace(max_seq_len=64, vocab_size=64), num_in_flight=0,
-                             num_coalesced_deltas=0)
+    client = SimpleNamespace(
+        dead=False, info=SimpleNamespace(max_seq_len=64, vocab_size=64), num_in_flight=0, num_coalesced_deltas=0
+    )
     config = SimpleNamespace(model="fake", max_batch_size=4, max_num_waiting=4, stream_interval=1)
     return ServerState(client, None, config, "fake", {}, False, **overrides)
 
@@ -180,8 +222,12 @@ def test_unexpected_errors_are_opaque_500s_and_logged(caplog):
     with caplog.at_level(logging.ERROR, logger="brisk.server"):
         r = http.get("/boom")
         assert r.status_code == 500
-        assert r.json()["error"] == {"message": "The server had an internal error while processing the request.",
-                                     "type": "server_error", "param": None, "code": "internal_error"}
+        assert r.json()["error"] == {
+            "message": "The server had an internal error while processing the request.",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
         stream = http.get("/boom-stream")
     assert stream.status_code == 200
     assert '"code": "internal_error"' in stream.text and stream.text.endswith("data: [DONE]\n\n")
@@ -236,8 +282,12 @@ def test_server_request_timeout_caps_every_request(server):
     # 64 completions of 1,000 tokens: ~7 s of work on the CI machine against the 1 s cap (one completion alone
     # once finished within the second, and the cap was never exercised).
     start = time.monotonic()
-    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={
-        "prompt": "long", "max_tokens": 1000, "n": 64, "ignore_eos": True, "temperature": 0, "timeout": 600})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json={"prompt": "long", "max_tokens": 1000, "n": 64, "ignore_eos": True, "temperature": 0, "timeout": 600},
+    )
     assert r.status_code == 200 and {c["finish_reason"] for c in r.json()["choices"]} == {"abort"}
     assert r.json()["usage"]["completion_tokens"] < 64 * 1000 and time.monotonic() - start < 30
     assert_still_serving(server)
@@ -252,7 +302,7 @@ def socket_inodes(pid: int) -> set[int]:
         except OSError:
             continue  # closed meanwhile
         if target.startswith("socket:["):
-            inodes.add(int(target[len("socket:["):-1]))
+            inodes.add(int(target[len("socket:[") : -1]))
     return inodes
 
 

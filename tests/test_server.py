@@ -58,8 +58,9 @@ def test_chat_plain_and_streaming_agree(server, client):
     prompt_tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
     assert full.usage.prompt_tokens == prompt_tokens
     assert full.usage.completion_tokens == 12 and full.usage.total_tokens == prompt_tokens + 12
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -105,8 +106,14 @@ def test_n_seed_and_logprobs(client):
     lp = client.completions.create(model="tiny", prompt="Once", max_tokens=4, logprobs=2, **GREEDY)
     assert len(lp.choices[0].logprobs.token_logprobs) == 4
     assert all(len(t) >= 1 for t in lp.choices[0].logprobs.top_logprobs)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          logprobs=True, top_logprobs=2, **GREEDY)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy = top-1
@@ -142,15 +149,18 @@ def test_error_statuses(server):
     assert code == 400
     code, body = _status(f"{u}/v1/completions", json={"prompt": "x" * (9 << 20)})
     assert code == 413
-    code, body = _status(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                           "response_format": {"type": "json_object"}})
+    code, body = _status(
+        f"{u}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    )
     assert code == 400
     assert httpx.get(f"{u}/health").status_code == 200  # still serving
 
 
 async def _stream_text(aclient, prompt: str) -> str:
-    stream = await aclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                                   max_tokens=8, stream=True, **GREEDY)
+    stream = await aclient.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True, **GREEDY
+    )
     return "".join([c.choices[0].delta.content or "" async for c in stream])
 
 
@@ -158,8 +168,9 @@ def test_64_concurrent_streams_complete(aclient):
     prompts = [f"request number {i}" for i in range(64)]
 
     async def whole(prompt: str) -> str:
-        r = await aclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=8, **GREEDY)
+        r = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, **GREEDY
+        )
         return r.choices[0].message.content
 
     async def run():
@@ -175,9 +186,11 @@ def test_64_concurrent_streams_complete(aclient):
 def test_disconnects_release_kv_blocks(server):
     async def connect_and_drop(i: int):
         async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", f"{server.url}/v1/completions",
-                                   json={"prompt": f"drop {i}", "max_tokens": 400, "stream": True,
-                                         "ignore_eos": True}) as r:
+            async with http.stream(
+                "POST",
+                f"{server.url}/v1/completions",
+                json={"prompt": f"drop {i}", "max_tokens": 400, "stream": True, "ignore_eos": True},
+            ) as r:
                 async for _ in r.aiter_lines():
                     break  # first chunk, then hang up
 
@@ -186,8 +199,12 @@ def test_disconnects_release_kv_blocks(server):
 
     asyncio.run(run())
     key = 'brisk:kv_cache_usage_perc{model_name="tiny"}'
-    assert wait_until(lambda: server.metrics().get(key) == 0.0
-                       and server.metrics().get('brisk:num_requests_running{model_name="tiny"}') == 0.0)
+    assert wait_until(
+        lambda: (
+            server.metrics().get(key) == 0.0
+            and server.metrics().get('brisk:num_requests_running{model_name="tiny"}') == 0.0
+        )
+    )
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
@@ -203,8 +220,17 @@ def test_metrics_exposed(server, client):
 def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):
     options = tmp_path / "options.yaml"
     options.write_text("stream_interval: 4\n")
-    srv = RunningServer(model_dir, "--api-key", "sekret", "--max_batch_size", "1", "--max_num_waiting", "0",
-                        "--extra_llm_api_options", str(options))
+    srv = RunningServer(
+        model_dir,
+        "--api-key",
+        "sekret",
+        "--max_batch_size",
+        "1",
+        "--max_num_waiting",
+        "0",
+        "--extra_llm_api_options",
+        str(options),
+    )
     try:
         assert httpx.get(f"{srv.url}/health").status_code == 200  # health needs no key
         code, body = _status(f"{srv.url}/v1/models", method="get")
@@ -216,9 +242,11 @@ def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):
 
         async def run():
             async with httpx.AsyncClient(timeout=60, headers={"Authorization": "Bearer sekret"}) as http:
-                async with http.stream("POST", f"{srv.url}/v1/completions",
-                                       json={"prompt": "hold", "max_tokens": 300, "stream": True,
-                                             "ignore_eos": True}) as r:
+                async with http.stream(
+                    "POST",
+                    f"{srv.url}/v1/completions",
+                    json={"prompt": "hold", "max_tokens": 300, "stream": True, "ignore_eos": True},
+                ) as r:
                     async for _ in r.aiter_lines():
                         second = await http.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
                         return second
@@ -229,11 +257,22 @@ def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):
 
         # The held stream was dropped above; its abort reaches the engine asynchronously.
         auth = {"Authorization": "Bearer sekret"}
-        assert wait_until(lambda: not any(v for k, v in srv.metrics(headers=auth).items()
-                                           if k.startswith("brisk:num_requests_in_flight")))
+        assert wait_until(
+            lambda: (
+                not any(v for k, v in srv.metrics(headers=auth).items() if k.startswith("brisk:num_requests_in_flight"))
+            )
+        )
         # stream_interval 4: 10 tokens arrive in 3 chunks (4 + 4 + the final 2), never one per token
-        chunks = list(ok.completions.create(model=model_dir, prompt="The king", max_tokens=10, stream=True,
-                                            temperature=0, extra_body={"ignore_eos": True}))
+        chunks = list(
+            ok.completions.create(
+                model=model_dir,
+                prompt="The king",
+                max_tokens=10,
+                stream=True,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+        )
         assert len(chunks) == 3 and chunks[-1].choices[0].finish_reason == "length"
     finally:
         srv.stop()
@@ -249,8 +288,12 @@ def test_engine_death_fails_requests_and_exits_nonzero(model_dir):
     try:
         engine_pids = _children(srv.proc.pid)  # the engine core is the server's only child process
         assert engine_pids
-        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
-                          json={"prompt": "x", "max_tokens": 900, "stream": True, "ignore_eos": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{srv.url}/v1/completions",
+            timeout=60,
+            json={"prompt": "x", "max_tokens": 900, "stream": True, "ignore_eos": True},
+        ) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             for pid in engine_pids:

@@ -21,10 +21,16 @@ from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +114,18 @@ def test_named_tool_choice_calls_that_function(client):
 def test_multi_turn_tool_use_renders(server, harmony):
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temp_c": 3})},
     ]
     body = {"model": "gpt-oss-tiny", "messages": messages, "tools": TOOLS, "max_tokens": 4}
@@ -121,14 +136,27 @@ def test_multi_turn_tool_use_renders(server, harmony):
 
 def test_responses_api_function_call(client):
     tools = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
-    r = client.responses.create(model="gpt-oss-tiny", input="Weather in Rome?", tools=tools,
-                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=16,
-                                temperature=0)
+    r = client.responses.create(
+        model="gpt-oss-tiny",
+        input="Weather in Rome?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=16,
+        temperature=0,
+    )
     calls = [item for item in r.output if item.type == "function_call"]
     assert [c.name for c in calls] == ["get_weather"]
-    events = list(client.responses.create(model="gpt-oss-tiny", input="Weather in Rome?", tools=tools,
-                                          tool_choice={"type": "function", "name": "get_weather"},
-                                          max_output_tokens=16, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model="gpt-oss-tiny",
+            input="Weather in Rome?",
+            tools=tools,
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+    )
     done = events[-1]
     assert done.type == "response.completed"
     assert [i.name for i in done.response.output if i.type == "function_call"] == ["get_weather"]

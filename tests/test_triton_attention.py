@@ -17,7 +17,8 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit
 
 import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from brisk.kernels.triton_attention import (  # noqa: E402
     paged_decode_attention,
@@ -50,8 +51,9 @@ def device_lists(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backend_for(shape: Shape, partition: int | None = None) -> TritonAttentionBackend:
-    return TritonAttentionBackend(prefill_block_n=shape.block_n, decode_block_n=shape.block_n,
-                                  decode_partition_size=partition)
+    return TritonAttentionBackend(
+        prefill_block_n=shape.block_n, decode_block_n=shape.block_n, decode_partition_size=partition
+    )
 
 
 def _with_group(shape: Shape, group: int) -> Shape:
@@ -168,9 +170,16 @@ def test_decode_split_k(partition: int | None, window: int | None, use_sinks: bo
     layer = stored_layer(case)
     _, seq_lens = device_lists(case)
     out = paged_decode_attention(
-        case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], seq_lens, layer.scale,
-        sliding_window=window, sinks=case.sinks if use_sinks else None,
-        block_n=TINY.block_n, partition_size=partition,
+        case.q,
+        layer.k_cache,
+        layer.v_cache,
+        case.meta.block_tables[0],
+        seq_lens,
+        layer.scale,
+        sliding_window=window,
+        sinks=case.sinks if use_sinks else None,
+        block_n=TINY.block_n,
+        partition_size=partition,
     )
     assert_close(out, case.reference(use_sinks))
 
@@ -184,8 +193,17 @@ def test_prefill_tiles_and_windows(block_q: int, block_n: int, window: int | Non
     layer = stored_layer(case)
     cu, seq_lens = device_lists(case)
     out = paged_prefill_attention(
-        case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], cu, seq_lens, layer.scale,
-        sliding_window=window, sinks=case.sinks, block_q=block_q, block_n=block_n,
+        case.q,
+        layer.k_cache,
+        layer.v_cache,
+        case.meta.block_tables[0],
+        cu,
+        seq_lens,
+        layer.scale,
+        sliding_window=window,
+        sinks=case.sinks,
+        block_q=block_q,
+        block_n=block_n,
     )
     assert_close(out, case.reference(True))
 
@@ -196,8 +214,16 @@ def test_prefill_kernel_handles_decode_rows() -> None:
     layer = stored_layer(case)
     cu, seq_lens = device_lists(case)
     out = paged_prefill_attention(
-        case.q, layer.k_cache, layer.v_cache, case.meta.block_tables[0], cu, seq_lens, layer.scale,
-        sliding_window=6, sinks=case.sinks, block_n=TINY.block_n,
+        case.q,
+        layer.k_cache,
+        layer.v_cache,
+        case.meta.block_tables[0],
+        cu,
+        seq_lens,
+        layer.scale,
+        sliding_window=6,
+        sinks=case.sinks,
+        block_n=TINY.block_n,
     )
     assert_close(out, case.reference(True))
 
@@ -237,8 +263,9 @@ def test_real_chunked_prefill(group: int, window: int | None) -> None:
 @pytest.mark.parametrize("window", [None, 6, 8])
 @pytest.mark.parametrize("use_sinks", [False, True])
 @pytest.mark.parametrize("chunk_elements", [TorchAttentionBackend.decode_chunk_elements, 1, 10000])
-def test_torch_backend_batched_decode_matches_per_sequence(window: int | None, use_sinks: bool,
-                                                           chunk_elements: int) -> None:
+def test_torch_backend_batched_decode_matches_per_sequence(
+    window: int | None, use_sinks: bool, chunk_elements: int
+) -> None:
     # The reference computes a pure-decode batch at once over padded contexts, in chunks of sequences (one
     # chunk, one sequence per chunk, three per chunk with a shorter last one); NaN-filled unwritten and
     # released blocks must not leak into it, and it must equal the sequence-by-sequence computation.

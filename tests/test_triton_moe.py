@@ -13,13 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import pytest
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from brisk.config import ParallelConfig  # noqa: E402
-from brisk.kernels.triton_moe import (  # noqa: E402
+from brisk.config import ParallelConfig
+from brisk.kernels.triton_moe import (
     MoEConfig,
     default_config,
     fused_experts,
@@ -29,9 +29,9 @@ from brisk.kernels.triton_moe import (  # noqa: E402
     mxfp4_dequantize,
     route_topk,
 )
-from brisk.layers.moe import FusedMoE, TorchMoEBackend, clamped_swiglu, make_moe_backend, select_experts  # noqa: E402
-from brisk.layers.moe_triton import TritonMoEBackend  # noqa: E402
-from brisk.layers.mxfp4 import dequantize_mxfp4  # noqa: E402
+from brisk.layers.moe import FusedMoE, TorchMoEBackend, clamped_swiglu, make_moe_backend, select_experts
+from brisk.layers.moe_triton import TritonMoEBackend
+from brisk.layers.mxfp4 import dequantize_mxfp4
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -40,8 +40,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def fill_layer(layer: FusedMoE, gen: torch.Generator, dtype: torch.dtype,
-               scale_range: tuple[int, int] = (121, 125)) -> FusedMoE:
+def fill_layer(
+    layer: FusedMoE, gen: torch.Generator, dtype: torch.dtype, scale_range: tuple[int, int] = (121, 125)
+) -> FusedMoE:
     """Random weights: MXFP4 bytes over the whole range with E8M0 scales in scale_range, or plain weights."""
     for name, param in layer.named_parameters():
         if name.endswith("_blocks"):
@@ -55,11 +56,22 @@ def fill_layer(layer: FusedMoE, gen: torch.Generator, dtype: torch.dtype,
     return layer
 
 
-def make_layer(e: int, k: int, h: int, i: int, *, mxfp4: bool, dtype: torch.dtype = torch.float32, seed: int = 0,
-               parallel: ParallelConfig = ParallelConfig(), scale_range: tuple[int, int] = (121, 125),
-               **kwargs) -> FusedMoE:
-    layer = FusedMoE(e, k, h, i, quantization="mxfp4" if mxfp4 else None, parallel=parallel,
-                     moe_backend="torch", **kwargs)
+def make_layer(
+    e: int,
+    k: int,
+    h: int,
+    i: int,
+    *,
+    mxfp4: bool,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    parallel: ParallelConfig = ParallelConfig(),
+    scale_range: tuple[int, int] = (121, 125),
+    **kwargs,
+) -> FusedMoE:
+    layer = FusedMoE(
+        e, k, h, i, quantization="mxfp4" if mxfp4 else None, parallel=parallel, moe_backend="torch", **kwargs
+    )
     return fill_layer(layer, torch.Generator().manual_seed(seed), dtype, scale_range)
 
 
@@ -79,6 +91,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
 
 
 # ---------------------------------------------------------------- MXFP4 decoding in registers
+
 
 def test_mxfp4_dequantize_is_exact_over_all_bytes_and_scales():
     gen = torch.Generator().manual_seed(0)
@@ -104,6 +117,7 @@ def test_mxfp4_nibble_order_low_first():
 
 # ---------------------------------------------------------------- alignment
 
+
 def check_alignment(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
     align = moe_align_block_size(topk_ids.to(DEVICE), block_m, num_experts)
     flat = topk_ids.reshape(-1).cpu()
@@ -128,8 +142,9 @@ def check_alignment(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> N
     assert torch.equal(real, torch.sort(flat * num_slots + torch.arange(num_slots)).values % num_slots)
 
 
-@pytest.mark.parametrize("t,k,e,block_m", [(1, 4, 8, 16), (3, 2, 4, 16), (17, 4, 8, 16), (17, 1, 4, 4),
-                                           (40, 2, 130, 16), (5, 3, 6, 2)])
+@pytest.mark.parametrize(
+    "t,k,e,block_m", [(1, 4, 8, 16), (3, 2, 4, 16), (17, 4, 8, 16), (17, 1, 4, 4), (40, 2, 130, 16), (5, 3, 6, 2)]
+)
 def test_moe_align_block_size(t, k, e, block_m):
     ids, _ = routing(t, e, k, seed=t * e + k)
     check_alignment(ids, block_m, e)
@@ -157,12 +172,15 @@ def test_route_topk_matches_select_experts():
 
 # ---------------------------------------------------------------- the two GEMMs on their own
 
+
 def layer_weights(layer: FusedMoE) -> dict[str, torch.Tensor | None]:
     q = layer.quantization == "mxfp4"
-    return dict(gate_up=layer.gate_up_proj_blocks if q else layer.gate_up_proj,
-                gate_up_scales=layer.gate_up_proj_scales if q else None,
-                down=layer.down_proj_blocks if q else layer.down_proj,
-                down_scales=layer.down_proj_scales if q else None)
+    return dict(
+        gate_up=layer.gate_up_proj_blocks if q else layer.gate_up_proj,
+        gate_up_scales=layer.gate_up_proj_scales if q else None,
+        down=layer.down_proj_blocks if q else layer.down_proj,
+        down_scales=layer.down_proj_scales if q else None,
+    )
 
 
 @pytest.mark.parametrize("mxfp4", [True, False])
@@ -173,10 +191,27 @@ def test_fused_moe_gate_up_kernel(mxfp4, cfg):
     hidden = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 4  # clamp active
     ids, _ = routing(t, e, k, seed=5)
     w = layer_weights(layer)
-    act = fused_moe_gate_up(hidden, w["gate_up"], w["gate_up_scales"], layer.gate_up_proj_bias,
-                            moe_align_block_size(ids, cfg.block_m, e), k, layer.swiglu_alpha, layer.swiglu_limit, cfg)
-    gate_up = torch.stack([F.linear(hidden[s // k], layer.expert_weights(int(ids.view(-1)[s]), torch.float32)[0],
-                                    layer.gate_up_proj_bias[ids.view(-1)[s]]) for s in range(t * k)])
+    act = fused_moe_gate_up(
+        hidden,
+        w["gate_up"],
+        w["gate_up_scales"],
+        layer.gate_up_proj_bias,
+        moe_align_block_size(ids, cfg.block_m, e),
+        k,
+        layer.swiglu_alpha,
+        layer.swiglu_limit,
+        cfg,
+    )
+    gate_up = torch.stack(
+        [
+            F.linear(
+                hidden[s // k],
+                layer.expert_weights(int(ids.view(-1)[s]), torch.float32)[0],
+                layer.gate_up_proj_bias[ids.view(-1)[s]],
+            )
+            for s in range(t * k)
+        ]
+    )
     assert (gate_up[:, ::2] > layer.swiglu_limit).any() and (gate_up[:, 1::2].abs() > layer.swiglu_limit).any()
     assert_matches(act, clamped_swiglu(gate_up, layer.swiglu_alpha, layer.swiglu_limit), torch.float32)
 
@@ -202,14 +237,29 @@ def test_fused_moe_down_kernel(mxfp4, with_bias):
 
 # ---------------------------------------------------------------- the backend against TorchMoEBackend
 
-def compare_backends(layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     dtype: torch.dtype = torch.float32, **kwargs) -> None:
+
+def compare_backends(
+    layer: FusedMoE,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    **kwargs,
+) -> None:
     ref = TorchMoEBackend().forward(layer, hidden, topk_ids, topk_weights)
     if kwargs:
         w = layer_weights(layer)
-        out = fused_experts(hidden, topk_ids, topk_weights, **w, gate_up_bias=layer.gate_up_proj_bias,
-                            down_bias=layer.down_proj_bias, swiglu_alpha=layer.swiglu_alpha,
-                            swiglu_limit=layer.swiglu_limit, **kwargs)
+        out = fused_experts(
+            hidden,
+            topk_ids,
+            topk_weights,
+            **w,
+            gate_up_bias=layer.gate_up_proj_bias,
+            down_bias=layer.down_proj_bias,
+            swiglu_alpha=layer.swiglu_alpha,
+            swiglu_limit=layer.swiglu_limit,
+            **kwargs,
+        )
     else:
         out = TritonMoEBackend().forward(layer, hidden, topk_ids, topk_weights)
     assert_matches(out, ref, dtype)
@@ -257,11 +307,14 @@ def test_backend_idle_experts_and_one_hot_expert():
     compare_backends(layer, hidden, ids[:, :1], torch.ones(t, 1, device=DEVICE))  # k = 1: all to expert 3
 
 
-@pytest.mark.parametrize("configs", [
-    (MoEConfig(16, 32, 32), MoEConfig(16, 32, 32)),
-    (MoEConfig(32, 64, 64, group_m=4), MoEConfig(32, 64, 32, group_m=2)),
-    *([] if CUDA else [(MoEConfig(4, 32, 32), MoEConfig(4, 32, 64))]),  # tl.dot needs M >= 16 on a GPU
-])
+@pytest.mark.parametrize(
+    "configs",
+    [
+        (MoEConfig(16, 32, 32), MoEConfig(16, 32, 32)),
+        (MoEConfig(32, 64, 64, group_m=4), MoEConfig(32, 64, 32, group_m=2)),
+        *([] if CUDA else [(MoEConfig(4, 32, 32), MoEConfig(4, 32, 64))]),  # tl.dot needs M >= 16 on a GPU
+    ],
+)
 def test_backend_tile_shapes(configs):
     e, k, h, i, t = 6, 2, 96, 96, 17  # H = I = 96: masked K tails (block_k 64) and N tails (block_n 64)
     layer = make_layer(e, k, h, i, mxfp4=True, seed=41)
@@ -316,8 +369,10 @@ def test_backend_choice(monkeypatch):
     ids, weights = select_experts(torch.randn(2, 4), 2)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
         TritonMoEBackend().forward(layer, hidden, ids, weights)
-    torch.testing.assert_close(TritonMoEBackend(torch_fallback=True).forward(layer, hidden, ids, weights),
-                               TorchMoEBackend().forward(layer, hidden, ids, weights))
+    torch.testing.assert_close(
+        TritonMoEBackend(torch_fallback=True).forward(layer, hidden, ids, weights),
+        TorchMoEBackend().forward(layer, hidden, ids, weights),
+    )
 
 
 def test_default_config_block_m_follows_slots_per_expert():
@@ -335,6 +390,7 @@ def test_default_config_block_m_follows_slots_per_expert():
 
 
 # ---------------------------------------------------------------- real gpt-oss shapes (GPU only)
+
 
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 8, 64, 512])

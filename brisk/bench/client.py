@@ -40,8 +40,12 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": spec.max_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:
@@ -98,7 +102,7 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, keep-alives
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 now = time.perf_counter()
@@ -126,8 +130,14 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
     return RequestResult(prompt_tokens, output_tokens, from_usage, ttft, end - start, itl)
 
 
-async def _run_point(target: Target, specs: list[RequestSpec], concurrency: int | None, request_rate: float | None,
-                     seed: int, progress: tqdm | None) -> tuple[list[RequestResult], float]:
+async def _run_point(
+    target: Target,
+    specs: list[RequestSpec],
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int,
+    progress: tqdm | None,
+) -> tuple[list[RequestResult], float]:
     limit = concurrency or len(specs)
     slots = asyncio.Semaphore(limit)
     arrivals = random.Random(seed)
@@ -153,8 +163,14 @@ async def _run_point(target: Target, specs: list[RequestSpec], concurrency: int 
         return list(results), time.perf_counter() - start
 
 
-def run_point(target: Target, specs: list[RequestSpec], concurrency: int | None, request_rate: float | None,
-              seed: int = 0, description: str | None = None) -> tuple[list[RequestResult], float]:
+def run_point(
+    target: Target,
+    specs: list[RequestSpec],
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int = 0,
+    description: str | None = None,
+) -> tuple[list[RequestResult], float]:
     """Run `specs` against the target at most `concurrency` at a time (None: no limit), sent all at once or at
     `request_rate` requests/s; returns the results in spec order and the wall time from first send to last end."""
     progress = tqdm(total=len(specs), desc=description, unit="req", leave=False) if description else None

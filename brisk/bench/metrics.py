@@ -22,8 +22,12 @@ def distribution_ms(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {stat: None for stat in STATS}
     ms = np.asarray(values_s, dtype=float) * 1000.0
-    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
-            "p99": float(np.percentile(ms, 99))}
+    return {
+        "mean": float(ms.mean()),
+        "p50": float(np.percentile(ms, 50)),
+        "p90": float(np.percentile(ms, 90)),
+        "p99": float(np.percentile(ms, 99)),
+    }
 
 
 def tpot_s(result: RequestResult) -> float | None:
@@ -37,13 +41,20 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def request_record(result: RequestResult) -> dict[str, Any]:
-    return {"prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
-            "output_tokens_from_usage": result.output_tokens_from_usage, "ttft_ms": _ms(result.ttft_s),
-            "e2e_ms": _ms(result.e2e_s), "itl_ms": [round(s * 1000.0, 4) for s in result.itl_s], "error": result.error}
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "output_tokens": result.output_tokens,
+        "output_tokens_from_usage": result.output_tokens_from_usage,
+        "ttft_ms": _ms(result.ttft_s),
+        "e2e_ms": _ms(result.e2e_s),
+        "itl_ms": [round(s * 1000.0, 4) for s in result.itl_s],
+        "error": result.error,
+    }
 
 
-def summarize_point(results: list[RequestResult], duration_s: float, concurrency: int | None,
-                    request_rate: float | None, num_gpus: int) -> dict[str, Any]:
+def summarize_point(
+    results: list[RequestResult], duration_s: float, concurrency: int | None, request_rate: float | None, num_gpus: int
+) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     errors: list[str] = []
     for r in results:

@@ -31,8 +31,13 @@ def _gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -40,8 +45,14 @@ def _gpus() -> list[str]:
 
 def machine_info() -> dict[str, Any]:
     """The machine the benchmark client ran on (the server's GPUs show only when it is the same machine)."""
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
-            "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "gpus": _gpus()}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "gpus": _gpus(),
+    }
 
 
 def server_info(http: httpx.Client, base_url: str, models: list[dict]) -> dict[str, Any]:

@@ -56,24 +56,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", type=int, help="output tokens (with --dataset: overrides the answer length)")
     w.add_argument("--random-input-range", type=int, nargs=2, metavar=("LO", "HI"), help="uniform prompt length")
     w.add_argument("--random-output-range", type=int, nargs=2, metavar=("LO", "HI"), help="uniform output length")
-    w.add_argument("--dataset", help="ShareGPT-format JSON: the first human turn is the prompt, the gpt answer's "
-                                     "length the output length")
+    w.add_argument(
+        "--dataset",
+        help="ShareGPT-format JSON: the first human turn is the prompt, the gpt answer's length the output length",
+    )
     w.add_argument("--tokenizer", help="local tokenizer for exact prompt lengths when the server has no /tokenize")
-    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="force exactly max_tokens output (ignore_eos and min_tokens in the request body)")
-    w.add_argument("--no-extensions", dest="extensions", action="store_false",
-                   help="send only standard OpenAI fields, for servers that reject unknown ones")
+    w.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="force exactly max_tokens output (ignore_eos and min_tokens in the request body)",
+    )
+    w.add_argument(
+        "--no-extensions",
+        dest="extensions",
+        action="store_false",
+        help="send only standard OpenAI fields, for servers that reject unknown ones",
+    )
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("load")
-    s.add_argument("--concurrency", type=_positive_ints,
-                   help="max requests in flight, comma-separated: one point each (default 1,4,16,64, or no limit "
-                        "with --request-rate)")
-    s.add_argument("--request-rate", type=_rates, help="Poisson arrivals, requests/s, comma-separated (default inf: "
-                                                       "all at once)")
-    s.add_argument("--num-prompts", type=int, help="requests per point (default max(32, 4 * concurrency); "
-                                                   "128 without a concurrency limit)")
+    s.add_argument(
+        "--concurrency",
+        type=_positive_ints,
+        help="max requests in flight, comma-separated: one point each (default 1,4,16,64, or no limit "
+        "with --request-rate)",
+    )
+    s.add_argument(
+        "--request-rate", type=_rates, help="Poisson arrivals, requests/s, comma-separated (default inf: all at once)"
+    )
+    s.add_argument(
+        "--num-prompts",
+        type=int,
+        help="requests per point (default max(32, 4 * concurrency); 128 without a concurrency limit)",
+    )
     s.add_argument("--warmup", type=int, default=1, help="requests before each point, not counted")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     o = p.add_argument_group("output")
@@ -102,8 +119,13 @@ def _workload(args: argparse.Namespace):
     kind = "random" if args.random_input_range or args.random_output_range else "fixed"
     input_range = tuple(args.random_input_range) if args.random_input_range else None
     output_range = tuple(args.random_output_range) if args.random_output_range else None
-    return Workload(kind, None if input_range else args.input_len or DEFAULT_LEN,
-                    None if output_range else args.output_len or DEFAULT_LEN, input_range, output_range)
+    return Workload(
+        kind,
+        None if input_range else args.input_len or DEFAULT_LEN,
+        None if output_range else args.output_len or DEFAULT_LEN,
+        input_range,
+        output_range,
+    )
 
 
 def _load_points(args: argparse.Namespace) -> list[tuple[int | None, float | None]]:
@@ -123,8 +145,9 @@ def _prompt_tokenizer(http, base_url: str, model: str, endpoint: str, local_path
         return server
     if local_path:
         return LocalTokenizer(local_path, endpoint)
-    print("note: no /tokenize on the server and no --tokenizer: prompt lengths are approximate (words)",
-          file=sys.stderr)
+    print(
+        "note: no /tokenize on the server and no --tokenizer: prompt lengths are approximate (words)", file=sys.stderr
+    )
     return WordTokenizer()
 
 
@@ -195,11 +218,22 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
             factory = RequestFactory(workload, tokenizer, args.seed)
         except (OSError, ValueError) as exc:
             raise BenchError(str(exc)) from None
-        target = Target(base_url, args.endpoint, model, api_key=args.api_key, ignore_eos=args.ignore_eos,
-                        extensions=args.extensions, temperature=args.temperature, extra_body=extra_body,
-                        timeout_s=args.timeout)
-        print(f"benchmarking {model} at {base_url} ({server['name'] or 'unknown server'} {server['version'] or ''}), "
-              f"/v1/{args.endpoint}, {workload.kind} workload, prompt lengths by {tokenizer.source}", file=sys.stderr)
+        target = Target(
+            base_url,
+            args.endpoint,
+            model,
+            api_key=args.api_key,
+            ignore_eos=args.ignore_eos,
+            extensions=args.extensions,
+            temperature=args.temperature,
+            extra_body=extra_body,
+            timeout_s=args.timeout,
+        )
+        print(
+            f"benchmarking {model} at {base_url} ({server['name'] or 'unknown server'} {server['version'] or ''}), "
+            f"/v1/{args.endpoint}, {workload.kind} workload, prompt lengths by {tokenizer.source}",
+            file=sys.stderr,
+        )
         points = []
         for i, (concurrency, rate) in enumerate(_load_points(args)):
             num_prompts = args.num_prompts or max(32, 4 * (concurrency or 32))
@@ -213,13 +247,19 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
             results, duration = run_point(target, specs, concurrency, rate, seed=args.seed + i, description=name)
             point = summarize_point(results, duration, concurrency, rate, args.num_gpus)
             points.append(point)
-            print(f"{name}: {point['completed']} ok, {point['failed']} failed, "
-                  f"{point['output_throughput']:.1f} output tok/s", file=sys.stderr)
+            print(
+                f"{name}: {point['completed']} ok, {point['failed']} failed, "
+                f"{point['output_throughput']:.1f} output tok/s",
+                file=sys.stderr,
+            )
             for error in point["errors"]:
                 print(f"  error: {error}", file=sys.stderr)
     if factory.inexact_prompts:
-        print(f"note: {factory.inexact_prompts} prompts missed their target length (is the chat template alone "
-              "longer?); the results record each request's actual prompt tokens", file=sys.stderr)
+        print(
+            f"note: {factory.inexact_prompts} prompts missed their target length (is the chat template alone "
+            "longer?); the results record each request's actual prompt tokens",
+            file=sys.stderr,
+        )
 
     run: dict[str, Any] = {
         "schema_version": report.SCHEMA_VERSION,
@@ -233,9 +273,16 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
         "machine": report.machine_info(),
         "num_gpus": args.num_gpus,
         "workload": {**workload.describe(), "prompt_tokenizer": tokenizer.source},
-        "settings": {"ignore_eos": args.ignore_eos, "extensions": args.extensions, "temperature": args.temperature,
-                     "extra_body": extra_body, "num_prompts": args.num_prompts, "warmup": args.warmup,
-                     "seed": args.seed, "timeout_s": args.timeout},
+        "settings": {
+            "ignore_eos": args.ignore_eos,
+            "extensions": args.extensions,
+            "temperature": args.temperature,
+            "extra_body": extra_body,
+            "num_prompts": args.num_prompts,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "timeout_s": args.timeout,
+        },
         "points": points,
     }
     label = report.run_label(run)

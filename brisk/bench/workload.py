@@ -17,15 +17,17 @@ import httpx
 
 # Random prompts are drawn from common words: real text tokenizes like real text (unlike random token ids,
 # which decode to byte soup and re-encode to a different length).
-WORDS = tuple((
-    "the of and to in is was for on are with as by at from this that be or have an not which but all were "
-    "when we there can more if no out so said what up its about into than them only other new some time "
-    "could these two may then first any like now my such make over our even most made after also did many "
-    "before must through back years where much your way well down should because each just those people "
-    "how too little state good very world still own see men work long here get both between life being "
-    "under never day same another know while last might us great old year off come since against go came "
-    "right used take three small large number place water system house light power music story river city"
-).split())
+WORDS = tuple(
+    (
+        "the of and to in is was for on are with as by at from this that be or have an not which but all were "
+        "when we there can more if no out so said what up its about into than them only other new some time "
+        "could these two may then first any like now my such make over our even most made after also did many "
+        "before must through back years where much your way well down should because each just those people "
+        "how too little state good very world still own see men work long here get both between life being "
+        "under never day same another know while last might us great old year off come since against go came "
+        "right used take three small large number place water system house light power music story river city"
+    ).split()
+)
 PREPARE_THREADS = 16  # prompts are prepared concurrently: one /tokenize round trip each is slow over a network
 LENGTH_FIX_ROUNDS = 8  # re-tokenizing a truncated text can shift its length by a token or two
 
@@ -99,8 +101,9 @@ class LocalTokenizer:
 
     def count(self, text: str) -> int:
         if self.endpoint == "chat" and getattr(self.tokenizer, "chat_template", None):
-            out = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                     add_generation_prompt=True)
+            out = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+            )
             return len(out["input_ids"] if hasattr(out, "keys") else out)
         return len(self.tokenizer.encode(text))
 
@@ -137,10 +140,14 @@ class Workload:
     dataset: str | None = None
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "input_len": self.input_len, "output_len": self.output_len,
-                "random_input_range": list(self.input_range) if self.input_range else None,
-                "random_output_range": list(self.output_range) if self.output_range else None,
-                "dataset": self.dataset}
+        return {
+            "kind": self.kind,
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "random_input_range": list(self.input_range) if self.input_range else None,
+            "random_output_range": list(self.output_range) if self.output_range else None,
+            "dataset": self.dataset,
+        }
 
 
 def exact_prompt(tokenizer: PromptTokenizer, rng: random.Random, target: int) -> tuple[str, int]:
@@ -225,9 +232,12 @@ class RequestFactory:
             return RequestSpec(pair[0], self.tokenizer.count(pair[0]), output_len)
 
         def keep(spec: RequestSpec) -> bool:
-            return (spec.prompt_tokens >= self.SHAREGPT_MIN_TOKENS and spec.max_tokens >= self.SHAREGPT_MIN_TOKENS
-                    and spec.prompt_tokens <= self.SHAREGPT_MAX_PROMPT
-                    and spec.prompt_tokens + spec.max_tokens <= self.SHAREGPT_MAX_TOTAL)
+            return (
+                spec.prompt_tokens >= self.SHAREGPT_MIN_TOKENS
+                and spec.max_tokens >= self.SHAREGPT_MIN_TOKENS
+                and spec.prompt_tokens <= self.SHAREGPT_MAX_PROMPT
+                and spec.prompt_tokens + spec.max_tokens <= self.SHAREGPT_MAX_TOTAL
+            )
 
         specs: list[RequestSpec] = []
         tried = 0
@@ -235,8 +245,10 @@ class RequestFactory:
             while len(specs) < n:
                 if tried >= len(self.conversations) and not specs:
                     raise ValueError(f"{self.workload.dataset}: no conversation passes the length filter")
-                batch = [self.conversations[(self.next_conversation + i) % len(self.conversations)]
-                         for i in range(n - len(specs))]
+                batch = [
+                    self.conversations[(self.next_conversation + i) % len(self.conversations)]
+                    for i in range(n - len(specs))
+                ]
                 self.next_conversation += len(batch)  # wraps around: a long run reuses the file
                 tried += len(batch)
                 specs += [s for s in pool.map(build, batch) if keep(s)]

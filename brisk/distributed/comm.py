@@ -43,11 +43,11 @@ def reduce_scatter_rows(x: torch.Tensor, counts: list[int], rank: int) -> torch.
     padded = x.new_zeros((len(counts) * width, *x.shape[1:]))
     offset = 0
     for r, n in enumerate(counts):
-        padded[r * width: r * width + n] = x[offset: offset + n]
+        padded[r * width : r * width + n] = x[offset : offset + n]
         offset += n
     if dist.get_backend() == "gloo":  # gloo has no reduce-scatter: reduce everything, keep our slice
         dist.all_reduce(padded)
-        return padded[rank * width: rank * width + counts[rank]].clone()
+        return padded[rank * width : rank * width + counts[rank]].clone()
     out = x.new_empty((width, *x.shape[1:]))
     dist.reduce_scatter_tensor(out, padded)
     return out[: counts[rank]]

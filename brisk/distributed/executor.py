@@ -43,15 +43,18 @@ class DistributedExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_seq_len: int):
         place = rank0_place(config)
         if place.rank != 0:
-            raise RuntimeError(f"the engine core runs on rank 0, not rank {place.rank}: launch `brisk serve` on "
-                               "every rank (ranks > 0 become workers)")
+            raise RuntimeError(
+                f"the engine core runs on rank 0, not rank {place.rank}: launch `brisk serve` on "
+                "every rank (ranks > 0 become workers)"
+            )
         self.device = rank_device(config, place.local_rank)
         self._stopping = threading.Event()
         self._in_step = False
         self._workers: list[subprocess.Popen] = []
         if not place.launched_externally:
-            spec = dict(config_json=config.model_dump_json(), world_size=place.world_size,
-                        init_method=place.init_method)
+            spec = dict(
+                config_json=config.model_dump_json(), world_size=place.world_size, init_method=place.init_method
+            )
             for rank in range(1, place.world_size):
                 self._spawn(WorkerSpec(rank=rank, **spec))
         self.runner, self.channel = join_world(config, place, self.device, model_config, max_seq_len)
@@ -63,8 +66,9 @@ class DistributedExecutor:
         proc.stdin.write(msgspec.json.encode(spec) + b"\n")
         proc.stdin.flush()  # the pipe stays open: the worker exits when it closes
         self._workers.append(proc)
-        threading.Thread(target=self._watch, args=(spec.rank, proc), daemon=True,
-                         name=f"brisk-watch-rank{spec.rank}").start()
+        threading.Thread(
+            target=self._watch, args=(spec.rank, proc), daemon=True, name=f"brisk-watch-rank{spec.rank}"
+        ).start()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()

@@ -37,16 +37,21 @@ class WorldPlace:
 
 # torchrun's variables, then Open MPI's (mpirun, as in the TensorRT-LLM guide; MASTER_ADDR / MASTER_PORT must
 # still be exported to every rank).
-LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"))
+LAUNCHER_VARIABLES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+)
 
 
 def launcher_env() -> dict[str, int] | None:
     """RANK / WORLD_SIZE / LOCAL_RANK as set by torchrun or mpirun, if this is such a job."""
     for rank, world, local in LAUNCHER_VARIABLES:
         if int(os.environ.get(world, "1")) > 1:
-            values = {"RANK": os.environ.get(rank, "0"), "WORLD_SIZE": os.environ[world],
-                      "LOCAL_RANK": os.environ.get(local, "0")}
+            values = {
+                "RANK": os.environ.get(rank, "0"),
+                "WORLD_SIZE": os.environ[world],
+                "LOCAL_RANK": os.environ.get(local, "0"),
+            }
             return {key: int(value) for key, value in values.items()}
     return None
 
@@ -58,8 +63,9 @@ def rank_place(config: EngineConfig, env: dict[str, int]) -> WorldPlace:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise ConfigError("a launcher-started job needs MASTER_ADDR and MASTER_PORT (rank 0's host and a free port)")
-    return WorldPlace(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], f"tcp://{addr}:{port}",
-                      launched_externally=True)
+    return WorldPlace(
+        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], f"tcp://{addr}:{port}", launched_externally=True
+    )
 
 
 def rank0_place(config: EngineConfig) -> WorldPlace:
@@ -85,8 +91,10 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     if local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
-                          f"{torch.cuda.device_count()}; lower tp_size or add nodes")
+        raise ConfigError(
+            f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
+            f"{torch.cuda.device_count()}; lower tp_size or add nodes"
+        )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -95,6 +103,7 @@ def init_distributed(place: WorldPlace, device: torch.device) -> dist.ProcessGro
     """Join the world (NCCL for GPU tensors, gloo for CPU ones); returns the gloo group for host bytes
     (None: the default group already is gloo)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=place.init_method, rank=place.rank,
-                            world_size=place.world_size, timeout=INIT_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=place.init_method, rank=place.rank, world_size=place.world_size, timeout=INIT_TIMEOUT
+    )
     return dist.new_group(backend="gloo") if backend != "gloo" else None

@@ -30,8 +30,9 @@ class WorkerSpec(msgspec.Struct):
     init_method: str
 
 
-def join_world(config: EngineConfig, place: WorldPlace, device: torch.device, model_config: ModelConfig,
-               max_seq_len: int) -> tuple[ModelRunner, StepChannel]:
+def join_world(
+    config: EngineConfig, place: WorldPlace, device: torch.device, model_config: ModelConfig, max_seq_len: int
+) -> tuple[ModelRunner, StepChannel]:
     """How every rank, 0 included, joins: the process group, the step channel, then its shard of the model
     and KV cache. Each step runs collectives, so every rank must take them in this one order."""
     cpu_group = init_distributed(place, device)

@@ -55,9 +55,16 @@ def merge_deltas(first: CompletionDelta, second: CompletionDelta) -> CompletionD
     logprobs = None
     if first.logprobs is not None or second.logprobs is not None:
         logprobs = (first.logprobs or []) + (second.logprobs or [])
-    return CompletionDelta(first.request_id, first.index, first.text + second.text,
-                           first.token_ids + second.token_ids, logprobs, second.finish_reason, second.stop_reason,
-                           second.output)
+    return CompletionDelta(
+        first.request_id,
+        first.index,
+        first.text + second.text,
+        first.token_ids + second.token_ids,
+        logprobs,
+        second.finish_reason,
+        second.stop_reason,
+        second.output,
+    )
 
 
 class DeltaBuffer:
@@ -128,8 +135,10 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config.model_dump_json().encode(), to_addr, from_addr),
-            name="brisk-engine-core", daemon=True,
+            target=run_engine_process,
+            args=(config.model_dump_json().encode(), to_addr, from_addr),
+            name="brisk-engine-core",
+            daemon=True,
         )
         self._output_task: asyncio.Task | None = None
 
@@ -176,8 +185,14 @@ class AsyncEngineClient:
             await self._to_engine.send(self._encoder.encode(AbortRequests([(rid, -1) for rid in self._queues])))
 
     # ---- requests ------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, timeout: float | None = None) -> AsyncIterator[CompletionDelta]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
         """Yields each completion delta until all n completions are finished; aborts if abandoned.
 
         After `timeout` seconds the request is aborted in the core; the completions still running then
@@ -193,7 +208,9 @@ class AsyncEngineClient:
         num_unfinished = params.n  # completions whose final delta the consumer has not taken yet
         finished = False
         try:
-            await self._to_engine.send(self._encoder.encode(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params))))
+            await self._to_engine.send(
+                self._encoder.encode(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params)))
+            )
             while True:
                 if deadline is None:
                     item = await buffer.get()
@@ -237,7 +254,7 @@ class AsyncEngineClient:
                     await self._dispatch(msg)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - a bug here must not leave requests hanging
+        except Exception:
             logger.exception("engine output loop failed")
             self._engine_died()
 

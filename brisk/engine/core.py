@@ -46,14 +46,23 @@ class EngineCore:
         for _ in range(self.runner.parallel.dp_size):
             kv = self.runner.make_kv_manager()
             self.kv_managers.append(kv)
-            self.schedulers.append(Scheduler(kv, max_batch_size=config.max_batch_size,
-                                             max_num_tokens=config.max_num_tokens,
-                                             enable_chunked_prefill=config.enable_chunked_prefill))
+            self.schedulers.append(
+                Scheduler(
+                    kv,
+                    max_batch_size=config.max_batch_size,
+                    max_num_tokens=config.max_num_tokens,
+                    enable_chunked_prefill=config.enable_chunked_prefill,
+                )
+            )
         self.requests: dict[str, list[Request]] = {}  # request id -> its n completions
         self._arrivals = itertools.count()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d",
-            self.model_config.architecture, self.device, self.runner.num_blocks, config.block_size, self.max_seq_len,
+            self.model_config.architecture,
+            self.device,
+            self.runner.num_blocks,
+            config.block_size,
+            self.max_seq_len,
         )
 
     @property
@@ -69,9 +78,12 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         scheds, kvs = self.schedulers, self.kv_managers
         return SchedulerStats(
-            sum(len(s.running) for s in scheds), sum(len(s.waiting) for s in scheds),
-            sum(kv.usage for kv in kvs) / len(kvs), sum(kv.prefix_queries for kv in kvs),
-            sum(kv.prefix_hits for kv in kvs), sum(s.num_preemptions for s in scheds),
+            sum(len(s.running) for s in scheds),
+            sum(len(s.waiting) for s in scheds),
+            sum(kv.usage for kv in kvs) / len(kvs),
+            sum(kv.prefix_queries for kv in kvs),
+            sum(kv.prefix_hits for kv in kvs),
+            sum(s.num_preemptions for s in scheds),
         )
 
     def shutdown(self) -> None:
@@ -163,13 +175,14 @@ class EngineCore:
         result = self.runner.sample(self.executor.execute(inputs), rows)
         for req in result.failed:
             # Finished before update(): its token is dropped and its (suspect) KV blocks are not cached.
-            logger.error("request %s: the model produced non-finite logits; finishing it with an error",
-                         req.request_id)
+            logger.error("request %s: the model produced non-finite logits; finishing it with an error", req.request_id)
             req.finish_reason = "error"
             self.schedulers[req.dp_rank].abort(req)
-        outputs = [self._to_output(t, result)
-                   for scheduler, sched in zip(self.schedulers, scheds)
-                   for t in scheduler.update(sched, result.sampled)]
+        outputs = [
+            self._to_output(t, result)
+            for scheduler, sched in zip(self.schedulers, scheds)
+            for t in scheduler.update(sched, result.sampled)
+        ]
         if self.config.check_kv_invariants:
             for kv in self.kv_managers:
                 kv.check_invariants()

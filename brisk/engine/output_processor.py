@@ -49,8 +49,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
         with_logprobs = params.logprobs is not None
         outputs = [
-            CompletionOutput(index=i, logprobs=[] if with_logprobs else None,
-                             cumulative_logprob=0.0 if with_logprobs else None)
+            CompletionOutput(
+                index=i, logprobs=[] if with_logprobs else None, cumulative_logprob=0.0 if with_logprobs else None
+            )
             for i in range(params.n)
         ]
         self.states[request_id] = _RequestState(
@@ -88,8 +89,18 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = eo.finish_reason, eo.stop_reason
             comp.text = detok.output_text
             state.output.num_cached_tokens = eo.num_cached_tokens
-            result.deltas.append(CompletionDelta(eo.request_id, eo.index, text, list(eo.new_token_ids), new_logprobs,
-                                                 comp.finish_reason, comp.stop_reason, state.output))
+            result.deltas.append(
+                CompletionDelta(
+                    eo.request_id,
+                    eo.index,
+                    text,
+                    list(eo.new_token_ids),
+                    new_logprobs,
+                    comp.finish_reason,
+                    comp.stop_reason,
+                    state.output,
+                )
+            )
             if state.output.finished:
                 result.finished.append(state.output)
                 del self.states[eo.request_id]

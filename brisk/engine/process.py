@@ -52,7 +52,7 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
             torch.set_num_threads(cpu_threads_per_rank(config))
         core = EngineCore(config)
         _serve(core, inbox, outbox)
-    except Exception:  # noqa: BLE001 - the process must report why it died, then exit non-zero
+    except Exception:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         sys.exit(1)
 
@@ -61,10 +61,18 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToEngine)
     mc = core.model_config
-    outbox.send(encoder.encode(EngineInfo(
-        mc.architecture, mc.vocab_size, core.max_seq_len, core.runner.num_blocks, core.config.block_size,
-        len(core.runner.kv_groups),
-    )))
+    outbox.send(
+        encoder.encode(
+            EngineInfo(
+                mc.architecture,
+                mc.vocab_size,
+                core.max_seq_len,
+                core.runner.num_blocks,
+                core.config.block_size,
+                len(core.runner.kv_groups),
+            )
+        )
+    )
     server_pid = os.getppid()
     while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
@@ -77,7 +85,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     core.add_request(msg.request)
                 except InvalidRequestError as exc:
                     batch.failures.append(RequestFailure(msg.request.request_id, str(exc)))
-                except Exception:  # noqa: BLE001 - one bad request must not take the engine down
+                except Exception:
                     logger.exception("cannot add request %s", msg.request.request_id)
                     failure = RequestFailure(msg.request.request_id, "the engine could not accept this request")
                     batch.failures.append(failure)

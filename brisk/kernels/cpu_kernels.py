@@ -33,16 +33,57 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorizes expf into glibc's vector math library
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-ATTENTION_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr,
-                      _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
+ATTENTION_ARGTYPES = [
+    _ptr,
+    _i64,
+    _ptr,
+    _i64,
+    _ptr,
+    _ptr,
+    _ptr,
+    _ptr,
+    _i32,
+    _ptr,
+    _i64,
+    _ptr,
+    _ptr,
+    _i32,
+    _i32,
+    _i32,
+    _i32,
+    _i32,
+    _f32,
+    _i32,
+    _i32,
+]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
 # Rows up to which the layers take brisk_linear (decode batches; beyond, prompts: oneDNN / MKL). docs/performance.md
 LINEAR_MAX_ROWS = 64
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
 SAMPLE_ARGTYPES = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _i32]
-MOE_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32,
-                _f32, _f32, _i32]
+MOE_ARGTYPES = [
+    _ptr,
+    _i64,
+    _ptr,
+    _i64,
+    _ptr,
+    _ptr,
+    _i32,
+    _i32,
+    _i32,
+    _i32,
+    _i32,
+    _ptr,
+    _ptr,
+    _ptr,
+    _ptr,
+    _i32,
+    _i32,
+    _f32,
+    _f32,
+    _i32,
+]
 
 
 def _cpu_flags() -> str:
@@ -97,10 +138,20 @@ class CpuKernels:
     sample_fn: ctypes._CFuncPtr
     linear_vectorized: dict[torch.dtype, bool]  # dtypes whose matmul takes many rows in one pass over the weight
 
-    def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
-                         seq_ids: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor | None, scale: float,
-                         window: int | None) -> None:
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        rows: torch.Tensor | None,
+        seq_ids: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sinks: torch.Tensor | None,
+        scale: float,
+        window: int | None,
+    ) -> None:
         """`out[rows] = attention(q[rows])` for sequences with one new token each.
 
         q, out: [T, H, D] fp32 with each token's heads contiguous; rows / seq_ids: int32 [n] (None: 0..n-1);
@@ -109,36 +160,83 @@ class CpuKernels:
         num_seqs = rows.shape[0] if rows is not None else seq_lens.shape[0]
         _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        self.attention_fn(q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
-                          None if rows is None else rows.data_ptr(), None if seq_ids is None else seq_ids.data_ptr(),
-                          k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-                          block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                          None if sinks is None else sinks.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-                          block_size, scale, window or 0, torch.get_num_threads())
+        self.attention_fn(
+            q.data_ptr(),
+            q.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            None if rows is None else rows.data_ptr(),
+            None if seq_ids is None else seq_ids.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            None if sinks is None else sinks.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            window or 0,
+            torch.get_num_threads(),
+        )
 
     @staticmethod
     def rms_norm_accepts(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype and x.dim() == 2
-                and x.stride(1) == 1 and weight.is_contiguous() and x.device.type == "cpu")
+        return (
+            x.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype == x.dtype
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and weight.is_contiguous()
+            and x.device.type == "cpu"
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
         """RMSNorm of x [T, hidden] (see `rms_norm_accepts`) into a new tensor of x's dtype."""
         out = torch.empty(x.shape, dtype=x.dtype)
-        self.rms_norm_fn(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
-                         int(x.dtype == torch.bfloat16), int(weight_in_fp32), x.shape[0], x.shape[1], eps)
+        self.rms_norm_fn(
+            x.data_ptr(),
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            weight.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            int(weight_in_fp32),
+            x.shape[0],
+            x.shape[1],
+            eps,
+        )
         return out
 
     @staticmethod
     def swiglu_accepts(gate_up: torch.Tensor) -> bool:
-        return (gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.dim() == 2 and gate_up.stride(1) == 1
-                and gate_up.device.type == "cpu")
+        return (
+            gate_up.dtype in (torch.float32, torch.bfloat16)
+            and gate_up.dim() == 2
+            and gate_up.stride(1) == 1
+            and gate_up.device.type == "cpu"
+        )
 
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float, halves: bool) -> torch.Tensor:
         """gpt-oss's activation of gate_up [T, 2I] (see `swiglu_accepts`; layers/moe.py:clamped_swiglu) -> [T, I]."""
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter, dtype=gate_up.dtype)
-        self.swiglu_fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
-                       int(gate_up.dtype == torch.bfloat16), int(halves), rows, inter, alpha, limit)
+        self.swiglu_fn(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            int(gate_up.dtype == torch.bfloat16),
+            int(halves),
+            rows,
+            inter,
+            alpha,
+            limit,
+        )
         return out
 
     def linear_accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -147,26 +245,54 @@ class CpuKernels:
         if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
             return False
         max_rows = LINEAR_MAX_ROWS if self.linear_vectorized[x.dtype] else 1
-        return (0 < x.shape[0] <= max_rows and x.device.type == "cpu" and weight.dtype == x.dtype
-                and weight.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+        return (
+            0 < x.shape[0] <= max_rows
+            and x.device.type == "cpu"
+            and weight.dtype == x.dtype
+            and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        )
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ weight [N, K].T + bias (see `linear_accepts`) -> [M, N] in x's dtype."""
         (m, k), n = x.shape, weight.shape[0]
         out = torch.empty(m, n, dtype=x.dtype)
-        self.linear_fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                       out.data_ptr(), out.stride(0), m, n, k, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        self.linear_fn(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            m,
+            n,
+            k,
+            int(x.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
         return out
-
 
     def moe_accepts(self, hidden: torch.Tensor, gate_up: torch.Tensor) -> bool:
         """A decode step's tokens through unquantized experts (the matmuls inside go through `linear`)."""
-        return (self.linear_accepts(hidden, gate_up[0], None) and gate_up.is_contiguous()
-                and hidden.shape[1] == gate_up.shape[2])
+        return (
+            self.linear_accepts(hidden, gate_up[0], None)
+            and gate_up.is_contiguous()
+            and hidden.shape[1] == gate_up.shape[2]
+        )
 
-    def moe_experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor | None,
-                    halves: bool, alpha: float, limit: float) -> torch.Tensor:
+    def moe_experts(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        gate_up: torch.Tensor,
+        gate_up_bias: torch.Tensor,
+        down: torch.Tensor,
+        down_bias: torch.Tensor | None,
+        halves: bool,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor:
         """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) (see `moe_accepts`; ids outside the
         experts, -1 for another rank's, count nothing): hidden [T, H], gate_up [E, 2I, H], down [E, H, I] with
         biases [E, 2I] / [E, H] (or None), all of hidden's dtype -> [T, H]."""
@@ -177,23 +303,53 @@ class CpuKernels:
             if tensor is not None and (tensor.dtype != hidden.dtype or not tensor.is_contiguous()):
                 raise ValueError("expert weights and biases must be contiguous and of the hidden states' dtype")
         out = torch.empty(t, h, dtype=hidden.dtype)
-        self.moe_fn(hidden.data_ptr(), hidden.stride(0), out.data_ptr(), out.stride(0), ids.data_ptr(),
-                    weights.data_ptr(), t, ids.shape[1], num_experts, h, two_i // 2, gate_up.data_ptr(),
-                    gate_up_bias.data_ptr(), down.data_ptr(), None if down_bias is None else down_bias.data_ptr(),
-                    int(hidden.dtype == torch.bfloat16), int(halves), alpha, limit, torch.get_num_threads())
+        self.moe_fn(
+            hidden.data_ptr(),
+            hidden.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            t,
+            ids.shape[1],
+            num_experts,
+            h,
+            two_i // 2,
+            gate_up.data_ptr(),
+            gate_up_bias.data_ptr(),
+            down.data_ptr(),
+            None if down_bias is None else down_bias.data_ptr(),
+            int(hidden.dtype == torch.bfloat16),
+            int(halves),
+            alpha,
+            limit,
+            torch.get_num_threads(),
+        )
         return out
 
     @staticmethod
     def sample_accepts(logits: torch.Tensor) -> bool:
-        return logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 and logits.device.type == "cpu"
+        return (
+            logits.dtype == torch.float32
+            and logits.dim() == 2
+            and logits.stride(1) == 1
+            and logits.device.type == "cpu"
+        )
 
     def sample_rows(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         """One token per row of logits [B, V] (see `sample_accepts`) drawn from softmax(row), by inverse transform
         with uniforms [B] fp64 in [0, 1) -> int64 [B]. -inf logits are never drawn; a row needs one finite one."""
         uniforms = uniforms.to(torch.float64).contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        self.sample_fn(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], uniforms.data_ptr(),
-                       out.data_ptr(), torch.get_num_threads())
+        self.sample_fn(
+            logits.data_ptr(),
+            logits.stride(0),
+            logits.shape[0],
+            logits.shape[1],
+            uniforms.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
 
@@ -207,13 +363,22 @@ def load_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> CpuKerne
         logger.warning("loading the CPU kernels failed, staying on the PyTorch paths: %s", e)
         return None
     bound = []
-    for name, argtypes in (("brisk_decode_attention", ATTENTION_ARGTYPES), ("brisk_rms_norm", RMS_NORM_ARGTYPES),
-                           ("brisk_clamped_swiglu", SWIGLU_ARGTYPES), ("brisk_linear", LINEAR_ARGTYPES),
-                           ("brisk_moe_experts", MOE_ARGTYPES), ("brisk_sample_rows", SAMPLE_ARGTYPES)):
+    for name, argtypes in (
+        ("brisk_decode_attention", ATTENTION_ARGTYPES),
+        ("brisk_rms_norm", RMS_NORM_ARGTYPES),
+        ("brisk_clamped_swiglu", SWIGLU_ARGTYPES),
+        ("brisk_linear", LINEAR_ARGTYPES),
+        ("brisk_moe_experts", MOE_ARGTYPES),
+        ("brisk_sample_rows", SAMPLE_ARGTYPES),
+    ):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
         bound.append(fn)
     vectorized = library.brisk_linear_vectorized
     vectorized.argtypes, vectorized.restype = [_i32], _i32
-    return CpuKernels(*bound, linear_vectorized={dtype: bool(vectorized(int(dtype == torch.bfloat16)))
-                                                 for dtype in (torch.float32, torch.bfloat16)})
+    return CpuKernels(
+        *bound,
+        linear_vectorized={
+            dtype: bool(vectorized(int(dtype == torch.bfloat16))) for dtype in (torch.float32, torch.bfloat16)
+        },
+    )

@@ -57,10 +57,22 @@ def _needs_64bit_offsets(cache: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KVH_P: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KVH_P: tl.constexpr,
 ):
     # One program per token: its K and V rows for all KV heads.
     t = tl.program_id(0)
@@ -73,10 +85,12 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(k_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + slot * stride_kc_slot + h * stride_kc_head + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vc_slot + h * stride_vc_head + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        k_cache_ptr + slot * stride_kc_slot + h * stride_kc_head + d, k.to(k_cache_ptr.dtype.element_ty), mask=mask
+    )
+    tl.store(
+        v_cache_ptr + slot * stride_vc_slot + h * stride_vc_head + d, v.to(v_cache_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def store_kv_cache(
@@ -94,10 +108,22 @@ def store_kv_cache(
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
     assert slot_mapping.shape[0] == t
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=kvh, HEAD_DIM=d, KVH_P=_next_pow2(kvh),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=kvh,
+        HEAD_DIM=d,
+        KVH_P=_next_pow2(kvh),
     )
 
 
@@ -129,12 +155,30 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, q_pos,  # running state [M, D], [M], [M]; q [M, D]; q_pos [M]
-    k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, start,
-    kv_lo, kv_hi, window, scale_log2,
-    stride_b, stride_s, stride_h,  # cache strides (block, slot, head), shared by K and V
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, OFFS_64: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,  # running state [M, D], [M], [M]; q [M, D]; q_pos [M]
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    kv_head,
+    start,
+    kv_lo,
+    kv_hi,
+    window,
+    scale_log2,
+    stride_b,
+    stride_s,
+    stride_h,  # cache strides (block, slot, head), shared by K and V
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    OFFS_64: tl.constexpr,
 ):
     """Fold the keys [start, start + BLOCK_N) into the online softmax state.
 
@@ -199,14 +243,37 @@ def _init_state(sinks_ptr, head, row_valid, BLOCK_M: tl.constexpr, HAS_SINKS: tl
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
-    block_table_ptr, cu_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_start_ptr,
-    scale_log2, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_b, stride_s, stride_h,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr, OFFS_64: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    sinks_ptr,
+    block_table_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_b,
+    stride_s,
+    stride_h,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    OFFS_64: tl.constexpr,
 ):
     # Program = (query tile, KV head). A tile is BLOCK_Q consecutive new tokens of one sequence; the
     # host lists the tiles (heaviest first), so no program is launched just to exit.
@@ -227,8 +294,11 @@ def _prefill_kernel(
     q_pos = context_len + tok
     offs_d = tl.arange(0, HEAD_DIM)
     q_row = (q_begin + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
 
     # Key range of the tile: causal bound from its last query, window bound from its first.
     pos_first = context_len + tile_start
@@ -252,24 +322,93 @@ def _prefill_kernel(
     # Leading edge (window), unmasked middle, trailing edge (causal diagonal).
     for start in range(kv_start, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start,
-            kv_lo, kv_hi, window, scale_log2, stride_b, stride_s, stride_h,
-            PAGE, BLOCK_N, HEAD_DIM, True, HAS_WINDOW, F32_DOT, OFFS_64)
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            kv_head,
+            start,
+            kv_lo,
+            kv_hi,
+            window,
+            scale_log2,
+            stride_b,
+            stride_s,
+            stride_h,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            HAS_WINDOW,
+            F32_DOT,
+            OFFS_64,
+        )
     for start in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start,
-            kv_lo, kv_hi, window, scale_log2, stride_b, stride_s, stride_h,
-            PAGE, BLOCK_N, HEAD_DIM, False, HAS_WINDOW, F32_DOT, OFFS_64)
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            kv_head,
+            start,
+            kv_lo,
+            kv_hi,
+            window,
+            scale_log2,
+            stride_b,
+            stride_s,
+            stride_h,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            False,
+            HAS_WINDOW,
+            F32_DOT,
+            OFFS_64,
+        )
     for start in range(full_hi, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start,
-            kv_lo, kv_hi, window, scale_log2, stride_b, stride_s, stride_h,
-            PAGE, BLOCK_N, HEAD_DIM, True, HAS_WINDOW, F32_DOT, OFFS_64)
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            kv_head,
+            start,
+            kv_lo,
+            kv_hi,
+            window,
+            scale_log2,
+            stride_b,
+            stride_s,
+            stride_h,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            HAS_WINDOW,
+            F32_DOT,
+            OFFS_64,
+        )
 
     # Padding rows may have l == 0; they are not stored, the guard only keeps them NaN-free.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(
+        out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
 
 
 def default_prefill_block_q(num_heads: int, num_kv_heads: int, block_m: int = 128) -> int:
@@ -342,16 +481,39 @@ def paged_prefill_attention(
     assert block_q * group_p >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16"
     window = sliding_window if sliding_window is not None else 0
     _prefill_kernel[(num_tiles, kvh)](
-        q, k_cache, v_cache, out, sinks if sinks is not None else q,
-        block_table, cu_seqlens_q, seq_lens, tile_seqs, tile_starts,
-        scale * LOG2E, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=d, PAGE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_N=block_n,
-        HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window is not None, F32_DOT=_use_f32_dot(q),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        sinks if sinks is not None else q,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        tile_seqs,
+        tile_starts,
+        scale * LOG2E,
+        window,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=group,
+        GROUP_P=group_p,
+        HEAD_DIM=d,
+        PAGE=k_cache.shape[1],
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_p,
+        BLOCK_N=block_n,
+        HAS_SINKS=sinks is not None,
+        HAS_WINDOW=sliding_window is not None,
+        F32_DOT=_use_f32_dot(q),
         OFFS_64=_needs_64bit_offsets(k_cache),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -371,15 +533,40 @@ def _decode_range(seq_len, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constex
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_table_ptr, cu_q_ptr, seq_lens_ptr, decode_seq_ptr,
-    scale_log2, window, partition_size, max_parts,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_b, stride_s, stride_h,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    sinks_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    block_table_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    decode_seq_ptr,
+    scale_log2,
+    window,
+    partition_size,
+    max_parts,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_b,
+    stride_s,
+    stride_h,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr,
     OFFS_64: tl.constexpr,
 ):
     # Program = (decode sequence, KV head, partition). Rows are the GROUP query heads of the KV head.
@@ -399,8 +586,9 @@ def _decode_kernel(
     row_valid = g < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     q_row = tl.load(cu_q_ptr + seq).to(tl.int64)
-    q = tl.load(q_ptr + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0
+    )
     q_pos = tl.full([GROUP_P], 0, tl.int32) + (seq_len - 1)
 
     if SPLIT:
@@ -416,9 +604,31 @@ def _decode_kernel(
     # vectorized along head_dim) and the loop stays small.
     for start in range(p_lo, p_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, start,
-            kv_lo, p_hi, window, scale_log2, stride_b, stride_s, stride_h,
-            PAGE, BLOCK_N, HEAD_DIM, True, HAS_WINDOW, F32_DOT, OFFS_64)
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            kv_head,
+            start,
+            kv_lo,
+            p_hi,
+            window,
+            scale_log2,
+            stride_b,
+            stride_s,
+            stride_h,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            HAS_WINDOW,
+            F32_DOT,
+            OFFS_64,
+        )
 
     if SPLIT:
         # Partial state: m (base 2), l, and the unnormalised acc, indexed [i, head, part].
@@ -428,17 +638,34 @@ def _decode_kernel(
         tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
     else:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(
+            out_ptr + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, sinks_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    cu_q_ptr, seq_lens_ptr, decode_seq_ptr,
-    window, partition_size, max_parts, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PART_CHUNK: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    out_ptr,
+    sinks_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    decode_seq_ptr,
+    window,
+    partition_size,
+    max_parts,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PART_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Program = (decode sequence, query head): log-sum-exp merge of the partitions, plus the sink.
     i = tl.program_id(0)
@@ -450,10 +677,10 @@ def _decode_reduce_kernel(
 
     if HAS_SINKS:
         m = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
-        l = tl.full([], 1.0, tl.float32)
+        l_sum = tl.full([], 1.0, tl.float32)
     else:
         m = tl.full([], float("-inf"), tl.float32)
-        l = tl.full([], 0.0, tl.float32)
+        l_sum = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     base = (i * NUM_HEADS + head).to(tl.int64) * max_parts
     offs_d = tl.arange(0, HEAD_DIM)
@@ -463,16 +690,17 @@ def _decode_reduce_kernel(
         valid = offs_p < num_parts
         m_p = tl.load(part_m_ptr + base + offs_p, mask=valid, other=float("-inf"))
         l_p = tl.load(part_l_ptr + base + offs_p, mask=valid, other=0.0)
-        acc_p = tl.load(part_acc_ptr + (base + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
+        acc_p = tl.load(
+            part_acc_ptr + (base + offs_p)[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0
+        )
         m_new = tl.maximum(m, tl.max(m_p, 0))
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(m_p - m_new)
-        l = l * alpha + tl.sum(l_p * w, 0)
+        l_sum = l_sum * alpha + tl.sum(l_p * w, 0)
         acc = acc * alpha + tl.sum(acc_p * w[:, None], 0)
         m = m_new
     q_row = tl.load(cu_q_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d, (acc / l).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d, (acc / l_sum).to(out_ptr.dtype.element_ty))
 
 
 def default_partition_size(
@@ -541,23 +769,65 @@ def paged_decode_attention(
     part_acc = torch.empty((n, h, max_parts, d), dtype=f32, device=q.device) if split else out
     sinks_arg = sinks if sinks is not None else q
     _decode_kernel[(n, kvh, max_parts)](
-        q, k_cache, v_cache, out, sinks_arg, part_m, part_l, part_acc,
-        block_table, cu_seqlens_q, seq_lens, seq_ids,
-        scale * LOG2E, window, partition_size, max_parts,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=h, GROUP=group, GROUP_P=max(16, _next_pow2(group)), HEAD_DIM=d,
-        PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window is not None, SPLIT=split,
-        F32_DOT=_use_f32_dot(q), OFFS_64=_needs_64bit_offsets(k_cache),
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        sinks_arg,
+        part_m,
+        part_l,
+        part_acc,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        seq_ids,
+        scale * LOG2E,
+        window,
+        partition_size,
+        max_parts,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=h,
+        GROUP=group,
+        GROUP_P=max(16, _next_pow2(group)),
+        HEAD_DIM=d,
+        PAGE=k_cache.shape[1],
+        BLOCK_N=block_n,
+        HAS_SINKS=sinks is not None,
+        HAS_WINDOW=sliding_window is not None,
+        SPLIT=split,
+        F32_DOT=_use_f32_dot(q),
+        OFFS_64=_needs_64bit_offsets(k_cache),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _decode_reduce_kernel[(n, h)](
-            out, sinks_arg, part_m, part_l, part_acc, cu_seqlens_q, seq_lens, seq_ids,
-            window, partition_size, max_parts, out.stride(0), out.stride(1),
-            NUM_HEADS=h, HEAD_DIM=d, BLOCK_N=block_n, PART_CHUNK=min(16, _next_pow2(max_parts)),
-            HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window is not None,
+            out,
+            sinks_arg,
+            part_m,
+            part_l,
+            part_acc,
+            cu_seqlens_q,
+            seq_lens,
+            seq_ids,
+            window,
+            partition_size,
+            max_parts,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=h,
+            HEAD_DIM=d,
+            BLOCK_N=block_n,
+            PART_CHUNK=min(16, _next_pow2(max_parts)),
+            HAS_SINKS=sinks is not None,
+            HAS_WINDOW=sliding_window is not None,
             num_warps=1 if d <= 64 else 2,
         )
     return out

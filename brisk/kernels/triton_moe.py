@@ -44,6 +44,7 @@ def interpreting() -> bool:
 
 # ---------------------------------------------------------------- routing
 
+
 def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss routing with torch ops (same as brisk.layers.moe.select_experts): ids [T, k], weights [T, k]."""
     top_values, topk_ids = torch.topk(router_logits, top_k, dim=-1)
@@ -51,6 +52,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
 
 
 # ---------------------------------------------------------------- alignment
+
 
 @dataclass(frozen=True)
 class MoEAlignment:
@@ -70,9 +72,19 @@ class MoEAlignment:
 
 
 @triton.jit
-def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-                      num_slots, num_experts, max_blocks,
-                      BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+def _moe_align_kernel(
+    topk_ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_slots,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
     # A single program: at decode the whole job is a few hundred integer ops, and one launch beats a
     # histogram/scan/scatter kernel chain. The work is O(num_slots * E) on one SM, tens of microseconds for a
     # few thousand tokens at E = 128; a multi-program variant is the fix if long prefills show it in profiles.
@@ -140,12 +152,25 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     e_p2 = triton.next_power_of_2(num_experts)
     # ~8K one-hot elements per step keeps registers in check at E = 128 (64 slots per step).
     chunk = max(16, min(8192 // e_p2, triton.next_power_of_2(max(num_slots, max_blocks))))
-    _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_padded, num_slots, num_experts, max_blocks,
-                            BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, FILL=1024, num_warps=4)
+    _moe_align_kernel[(1,)](
+        ids,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        num_slots,
+        num_experts,
+        max_blocks,
+        BLOCK_M=block_m,
+        E_P2=e_p2,
+        CHUNK=chunk,
+        FILL=1024,
+        num_warps=4,
+    )
     return MoEAlignment(sorted_ids, expert_ids, num_post_padded, block_m, num_slots)
 
 
 # ---------------------------------------------------------------- MXFP4 in registers
+
 
 @triton.jit
 def _e2m1_to_f32(nibble):
@@ -167,8 +192,19 @@ def _e8m0_to_f32(scale):
 
 
 @triton.jit
-def _load_mxfp4_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_mxfp4_tile(
+    w_ptr,
+    s_ptr,
+    offs_n,
+    n_mask,
+    k0,
+    K,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """Weights [BLOCK_N, BLOCK_K] (fp32) of rows offs_n, inputs k0 .. k0 + BLOCK_K, from one expert's packed rows.
 
     A row of blocks [K/32, 16] is K/2 contiguous bytes (byte i holds inputs 2i, 2i+1), so the tile is a plain
@@ -216,17 +252,42 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 # ---------------------------------------------------------------- grouped GEMM
 
+
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, routing_ptr,
-    sorted_ids_ptr, expert_ids_ptr,
-    num_slots, num_m_blocks, N, K,
-    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
-    swiglu_alpha, swiglu_limit,
-    A_ROW_DIV: tl.constexpr,   # slot -> row of A: top_k for gate_up (A = hidden), 1 for down (A = act)
-    MXFP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTING: tl.constexpr,
-    EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    routing_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_slots,
+    num_m_blocks,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_om,
+    swiglu_alpha,
+    swiglu_limit,
+    A_ROW_DIV: tl.constexpr,  # slot -> row of A: top_k for gate_up (A = hidden), 1 for down (A = act)
+    MXFP4: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTING: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """out[slot, n-tile] for BLOCK_M slots of one expert x BLOCK_N weight rows.
 
@@ -264,8 +325,9 @@ def _moe_gemm_kernel(
         else:
             a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
         if MXFP4:
-            w = _load_mxfp4_tile(w_expert, s_expert, offs_n, n_mask, k0, K, stride_wn, stride_sn,
-                                 BLOCK_N, BLOCK_K, EVEN_K)
+            w = _load_mxfp4_tile(
+                w_expert, s_expert, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K
+            )
         else:
             w_ptrs = w_expert + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk
             if EVEN_K:
@@ -354,16 +416,26 @@ def _check_weights(weight: torch.Tensor, scales: torch.Tensor | None, k: int, wh
         raise ValueError(f"{what}: MXFP4 blocks/scales must be uint8, got {weight.dtype}/{scales.dtype}")
     groups = k // MXFP4_GROUP
     if tuple(weight.shape) != (e, n, groups, MXFP4_GROUP // 2) or tuple(scales.shape) != (e, n, groups):
-        raise ValueError(f"{what}: MXFP4 blocks {tuple(weight.shape)} / scales {tuple(scales.shape)} "
-                         f"do not fit {k} inputs")
+        raise ValueError(
+            f"{what}: MXFP4 blocks {tuple(weight.shape)} / scales {tuple(scales.shape)} do not fit {k} inputs"
+        )
     # The kernel walks a row's packed bytes (and scales) as one contiguous run.
     if weight.stride(3) != 1 or weight.stride(2) != MXFP4_GROUP // 2 or scales.stride(2) != 1:
         raise ValueError(f"{what}: MXFP4 blocks/scales must be contiguous within a row")
 
 
-def _launch_gemm(a: torch.Tensor, a_row_div: int, weight: torch.Tensor, scales: torch.Tensor | None,
-                 bias: torch.Tensor | None, out: torch.Tensor, routing: torch.Tensor | None,
-                 align: MoEAlignment, swiglu: tuple[float, float] | None, config: MoEConfig) -> None:
+def _launch_gemm(
+    a: torch.Tensor,
+    a_row_div: int,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    routing: torch.Tensor | None,
+    align: MoEAlignment,
+    swiglu: tuple[float, float] | None,
+    config: MoEConfig,
+) -> None:
     mxfp4 = scales is not None
     k = a.shape[1]
     n = weight.shape[1]
@@ -381,23 +453,55 @@ def _launch_gemm(a: torch.Tensor, a_row_div: int, weight: torch.Tensor, scales: 
     stride_wk = 1 if mxfp4 else weight.stride(2)
     s = scales if mxfp4 else weight  # unused pointer when not MXFP4
     _moe_gemm_kernel[grid](
-        a, weight, s, bias if bias is not None else weight, out, routing if routing is not None else a,
-        align.sorted_token_ids, align.expert_ids,
-        align.num_slots, num_m_blocks, n, k,
-        a.stride(0), weight.stride(0), weight.stride(1), stride_wk,
-        s.stride(0), s.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-        alpha, limit,
-        A_ROW_DIV=a_row_div, MXFP4=mxfp4, SWIGLU=swiglu is not None, HAS_BIAS=bias is not None,
-        MUL_ROUTING=routing is not None, EVEN_K=k % config.block_k == 0,
+        a,
+        weight,
+        s,
+        bias if bias is not None else weight,
+        out,
+        routing if routing is not None else a,
+        align.sorted_token_ids,
+        align.expert_ids,
+        align.num_slots,
+        num_m_blocks,
+        n,
+        k,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        stride_wk,
+        s.stride(0),
+        s.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        out.stride(0),
+        alpha,
+        limit,
+        A_ROW_DIV=a_row_div,
+        MXFP4=mxfp4,
+        SWIGLU=swiglu is not None,
+        HAS_BIAS=bias is not None,
+        MUL_ROUTING=routing is not None,
+        EVEN_K=k % config.block_k == 0,
         FP32_DOT=a.dtype == torch.float32 or interpreting(),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
-def fused_moe_gate_up(hidden: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-                      bias: torch.Tensor | None, align: MoEAlignment, top_k: int, swiglu_alpha: float,
-                      swiglu_limit: float, config: MoEConfig) -> torch.Tensor:
+def fused_moe_gate_up(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    align: MoEAlignment,
+    top_k: int,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+    config: MoEConfig,
+) -> torch.Tensor:
     """act [T*k, I]: row t*k+j = clamped_swiglu(hidden[t] @ gate_up[e]^T + bias[e]), e = topk_ids[t, j].
 
     weight: MXFP4 blocks [E, 2I, H/32, 16] with scales [E, 2I, H/32], or plain [E, 2I, H] with scales None.
@@ -411,9 +515,16 @@ def fused_moe_gate_up(hidden: torch.Tensor, weight: torch.Tensor, scales: torch.
     return act
 
 
-def fused_moe_down(act: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-                   bias: torch.Tensor | None, align: MoEAlignment, topk_weights: torch.Tensor,
-                   config: MoEConfig, unrouted_slots: bool = False) -> torch.Tensor:
+def fused_moe_down(
+    act: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    align: MoEAlignment,
+    topk_weights: torch.Tensor,
+    config: MoEConfig,
+    unrouted_slots: bool = False,
+) -> torch.Tensor:
     """[T, H] = sum_j topk_weights[t, j] * (act[t*k+j] @ down[e]^T + bias[e]); bias None skips it (TP rank > 0).
     unrouted_slots: some expert ids are -1 (experts of other EP ranks); their slots must read as zero.
 
@@ -430,11 +541,22 @@ def fused_moe_down(act: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     return y.view(num_tokens, -1) if top_k == 1 else y.sum(dim=1)
 
 
-def fused_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                  gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
-                  down: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
-                  swiglu_alpha: float, swiglu_limit: float,
-                  configs: tuple[MoEConfig, MoEConfig] | None = None, unrouted_slots: bool = False) -> torch.Tensor:
+def fused_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    gate_up: torch.Tensor,
+    gate_up_scales: torch.Tensor | None,
+    gate_up_bias: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scales: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+    configs: tuple[MoEConfig, MoEConfig] | None = None,
+    unrouted_slots: bool = False,
+) -> torch.Tensor:
     """The MoE layer: hidden [T, H] routed by topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype.
     With unrouted_slots, topk_ids may hold -1 (an expert on another EP rank): such a slot adds nothing.
 
@@ -448,12 +570,15 @@ def fused_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     num_experts, two_i = gate_up.shape[:2]
     if configs is None:
-        configs = (default_config(num_tokens, top_k, num_experts, two_i, h, mxfp4=gate_up_scales is not None),
-                   default_config(num_tokens, top_k, num_experts, h, two_i // 2, mxfp4=down_scales is not None))
+        configs = (
+            default_config(num_tokens, top_k, num_experts, two_i, h, mxfp4=gate_up_scales is not None),
+            default_config(num_tokens, top_k, num_experts, h, two_i // 2, mxfp4=down_scales is not None),
+        )
     up_cfg, down_cfg = configs
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError("gate_up and down configs must share block_m (they share one alignment)")
     align = moe_align_block_size(topk_ids, up_cfg.block_m, num_experts)
-    act = fused_moe_gate_up(hidden, gate_up, gate_up_scales, gate_up_bias, align, top_k,
-                            swiglu_alpha, swiglu_limit, up_cfg)
+    act = fused_moe_gate_up(
+        hidden, gate_up, gate_up_scales, gate_up_bias, align, top_k, swiglu_alpha, swiglu_limit, up_cfg
+    )
     return fused_moe_down(act, down, down_scales, down_bias, align, topk_weights, down_cfg, unrouted_slots)

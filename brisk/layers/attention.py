@@ -44,7 +44,7 @@ class AttentionBackend:
 
     def forward(
         self,
-        layer: "Attention",
+        layer: Attention,
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
@@ -176,9 +176,9 @@ class TorchAttentionBackend(AttentionBackend):
             chunks = [
                 _DecodeChunk(
                     seqs=slice(start, start + per_chunk),
-                    blocks=blocks[start:start + per_chunk].reshape(-1),
-                    dead_rows=(~allowed[start:start + per_chunk]).flatten().nonzero().flatten(),
-                    bias=bias[start:start + per_chunk, None, None, :],
+                    blocks=blocks[start : start + per_chunk].reshape(-1),
+                    dead_rows=(~allowed[start : start + per_chunk]).flatten().nonzero().flatten(),
+                    bias=bias[start : start + per_chunk, None, None, :],
                 )
                 for start in range(0, meta.num_seqs, per_chunk)
             ]
@@ -212,8 +212,9 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(b, layer.num_heads, d).to(q.dtype)
 
     @staticmethod
-    def _per_sequence(layer, q, meta, sinks, out: torch.Tensor | None = None,
-                      multi_token_only: bool = False) -> torch.Tensor:
+    def _per_sequence(
+        layer, q, meta, sinks, out: torch.Tensor | None = None, multi_token_only: bool = False
+    ) -> torch.Tensor:
         """Each sequence on its own (into `out` if given); `multi_token_only` leaves one-new-token rows alone."""
         block_table = meta.block_tables[layer.kv_group]
         bs = meta.block_size
@@ -253,8 +254,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def make_attention_backend(name: str, device: torch.device,
-                           cpu_kernels: "CpuKernels | None" = None) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device, cpu_kernels: CpuKernels | None = None) -> AttentionBackend:
     """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py, needs
     `cpu_kernels`); 'auto': triton on CUDA, cpu on CPU when the kernels are there, else torch.
 
@@ -264,8 +264,10 @@ def make_attention_backend(name: str, device: torch.device,
         name = "triton" if device.type == "cuda" else "cpu" if cpu_kernels is not None else "torch"
     if name == "cpu":
         if cpu_kernels is None or device.type != "cpu":
-            raise ValueError("attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: true "
-                             "and a C compiler: see the log)")
+            raise ValueError(
+                "attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: true "
+                "and a C compiler: see the log)"
+            )
         from brisk.layers.attention_cpu import CpuAttentionBackend
 
         return CpuAttentionBackend(cpu_kernels)

@@ -64,9 +64,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
             block_tables = meta.block_tables[layer.kv_group]
             if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
                 block_tables = block_tables.to(torch.int32).contiguous()
-            self.kernels.decode_attention(qf, out, plan.rows, plan.seq_ids, layer.k_cache, layer.v_cache, block_tables,
-                                          plan.seq_lens, None if sinks is None else sinks.float(), layer.scale,
-                                          layer.sliding_window)
+            self.kernels.decode_attention(
+                qf,
+                out,
+                plan.rows,
+                plan.seq_ids,
+                layer.k_cache,
+                layer.v_cache,
+                block_tables,
+                plan.seq_lens,
+                None if sinks is None else sinks.float(),
+                layer.scale,
+                layer.sliding_window,
+            )
         if plan.has_multi_token:
             self._per_sequence(layer, q, meta, sinks, out, multi_token_only=True)
         return out.to(q.dtype)

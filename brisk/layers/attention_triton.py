@@ -39,8 +39,11 @@ class _StepPlan:
     max_decode_len: int  # longest context among decode sequences
 
     def matches(self, meta: AttentionMetadata, block_q: int) -> bool:
-        return (self.block_q == block_q and self.query_start_loc == meta.query_start_loc
-                and self.seq_lens_list == meta.seq_lens)
+        return (
+            self.block_q == block_q
+            and self.query_start_loc == meta.query_start_loc
+            and self.seq_lens_list == meta.seq_lens
+        )
 
 
 def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device) -> _StepPlan:
@@ -99,14 +102,32 @@ class TritonAttentionBackend(AttentionBackend):
         common = dict(sliding_window=layer.sliding_window, sinks=sinks, out=out)
         if plan.decode_seqs.numel():
             paged_decode_attention(
-                q, layer.k_cache, layer.v_cache, block_table, plan.seq_lens, layer.scale,
-                seq_ids=plan.decode_seqs, cu_seqlens_q=plan.cu_seqlens_q, max_seq_len=plan.max_decode_len,
-                block_n=self.decode_block_n, partition_size=self.decode_partition_size, **common,
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                block_table,
+                plan.seq_lens,
+                layer.scale,
+                seq_ids=plan.decode_seqs,
+                cu_seqlens_q=plan.cu_seqlens_q,
+                max_seq_len=plan.max_decode_len,
+                block_n=self.decode_block_n,
+                partition_size=self.decode_partition_size,
+                **common,
             )
         if plan.tile_seqs.numel():
             paged_prefill_attention(
-                q, layer.k_cache, layer.v_cache, block_table, plan.cu_seqlens_q, plan.seq_lens, layer.scale,
-                tile_seqs=plan.tile_seqs, tile_starts=plan.tile_starts, block_q=block_q,
-                block_n=self.prefill_block_n, **common,
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                block_table,
+                plan.cu_seqlens_q,
+                plan.seq_lens,
+                layer.scale,
+                tile_seqs=plan.tile_seqs,
+                tile_starts=plan.tile_starts,
+                block_q=block_q,
+                block_n=self.prefill_block_n,
+                **common,
             )
         return out

@@ -29,8 +29,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:
-            raise ValueError(f"{type(self).__name__}: checkpoint has {loaded_weight.shape[0]} rows, "
-                             f"config vocab_size is {self.num_embeddings}")
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint has {loaded_weight.shape[0]} rows, "
+                f"config vocab_size is {self.num_embeddings}"
+            )
         n_rows = self.vocab_end - self.vocab_start
         if param.device.type != "meta":
             param.data[n_rows:].zero_()  # padding rows of the last rank

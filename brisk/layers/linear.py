@@ -45,14 +45,23 @@ def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's own (blocked) layout of a bf16 CPU weight [out, in], made once after loading; None where it
     does not apply. A bf16 matmul on a prepacked weight skips the per-call reorder: 1.3-2.5x faster than
     F.linear at 1-32 rows on an AVX512-BF16 CPU, with bit-identical results (docs/performance.md)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
-            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or not torch.backends.mkldnn.is_available()
+        or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None, cpu_kernels: CpuKernels | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
+    cpu_kernels: CpuKernels | None = None,
+) -> torch.Tensor:
     """x @ weight.T + bias: a decode-sized x through brisk's CPU kernel when bound (it streams the weight at memory
     speed), else through the prepacked weight when there is one, else F.linear."""
     if cpu_kernels is not None and cpu_kernels.linear_accepts(x, weight, bias):
@@ -103,8 +112,9 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the full weight (small layers such as the MoE router)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 parallel: ParallelConfig = ParallelConfig()) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, parallel: ParallelConfig = ParallelConfig()
+    ) -> None:
         super().__init__(input_size, output_size, bias, parallel)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
@@ -114,8 +124,9 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split into tp_size contiguous chunks; rank r holds chunk r."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 parallel: ParallelConfig = ParallelConfig()) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, parallel: ParallelConfig = ParallelConfig()
+    ) -> None:
         self.output_size_per_rank = divide(output_size, parallel.tp_size, "output_size")
         super().__init__(input_size, self.output_size_per_rank, bias, parallel)
 
@@ -132,8 +143,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     `shard_id` is the index into `output_sizes` of the checkpoint tensor being loaded.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 parallel: ParallelConfig = ParallelConfig()) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, parallel: ParallelConfig = ParallelConfig()
+    ) -> None:
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             divide(size, parallel.tp_size, "merged output size")
@@ -154,8 +166,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused. Heads are split across ranks; when tp_size > num_kv_heads each KV
     head is replicated on tp_size / num_kv_heads consecutive ranks (each rank holds one KV head)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 parallel: ParallelConfig = ParallelConfig()) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        parallel: ParallelConfig = ParallelConfig(),
+    ) -> None:
         tp = parallel.tp_size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, "num_heads")
@@ -186,8 +205,14 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; each rank computes a partial output, summed by all-reduce.
     The bias is full-size on every rank but added on rank 0 only, so the sum counts it once."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 parallel: ParallelConfig = ParallelConfig(), reduce_results: bool = True) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        parallel: ParallelConfig = ParallelConfig(),
+        reduce_results: bool = True,
+    ) -> None:
         self.input_size_per_rank = divide(input_size, parallel.tp_size, "input_size")
         self.reduce_results = reduce_results
         super().__init__(self.input_size_per_rank, output_size, bias, parallel)

@@ -59,8 +59,9 @@ class MoEBackend:
 
     name = "base"
 
-    def forward(self, layer: "FusedMoE", hidden: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         """topk_ids are local expert indices; -1 marks a slot routed to another rank's expert."""
         raise NotImplementedError
 
@@ -76,9 +77,18 @@ class TorchMoEBackend(MoEBackend):
     def forward(self, layer, hidden, topk_ids, topk_weights):
         kernels = layer.cpu_kernels
         if kernels is not None and layer.quantization is None and kernels.moe_accepts(hidden, layer.gate_up_proj):
-            return kernels.moe_experts(hidden, topk_ids, topk_weights, layer.gate_up_proj, layer.gate_up_proj_bias,
-                                       layer.down_proj, layer.down_proj_bias if layer.moe_tp_rank == 0 else None,
-                                       layer.gate_up_halves, layer.swiglu_alpha, layer.swiglu_limit)
+            return kernels.moe_experts(
+                hidden,
+                topk_ids,
+                topk_weights,
+                layer.gate_up_proj,
+                layer.gate_up_proj_bias,
+                layer.down_proj,
+                layer.down_proj_bias if layer.moe_tp_rank == 0 else None,
+                layer.gate_up_halves,
+                layer.swiglu_alpha,
+                layer.swiglu_limit,
+            )
         t, k = topk_ids.shape
         if t == 1:  # one sequence decoding: its k experts are distinct, no sorting or scattering needed
             experts = topk_ids[0].tolist()
@@ -92,7 +102,7 @@ class TorchMoEBackend(MoEBackend):
         picked = [e for e in range(layer.num_local_experts) if counts[e + 1]]
         if not picked:  # no tokens, or all of them routed to other ranks' experts
             return torch.zeros_like(hidden)
-        gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e]:bounds[e + 1]]) for e in picked])
+        gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e] : bounds[e + 1]]) for e in picked])
         act = layer.activation(gate_up, layer.gate_up_halves)
         act_bounds = [0, *itertools.accumulate(counts[e + 1] for e in picked)]
         ys = [hidden.new_zeros(counts[0], hidden.shape[1])]  # other ranks' experts contribute nothing here
@@ -150,8 +160,10 @@ class FusedMoE(nn.Module):
         if quantization == "mxfp4":
             padded = -(-intermediate_size // (MXFP4_BLOCK_SIZE * moe_tp)) * MXFP4_BLOCK_SIZE * moe_tp
         elif intermediate_size % moe_tp:
-            raise ValueError(f"moe intermediate_size ({intermediate_size}) is not divisible by the MoE "
-                             f"tensor-parallel size ({moe_tp} = tp_size / ep_size)")
+            raise ValueError(
+                f"moe intermediate_size ({intermediate_size}) is not divisible by the MoE "
+                f"tensor-parallel size ({moe_tp} = tp_size / ep_size)"
+            )
         else:
             padded = intermediate_size
         self.intermediate_size = padded // moe_tp
@@ -180,17 +192,28 @@ class FusedMoE(nn.Module):
         self._add("gate_up_proj_bias", (e, 2 * i), 1, None)
         self._add("down_proj_bias", (e, h), None, None)
 
-    def _add(self, name: str, shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype | None,
-             transpose: bool = False) -> None:
+    def _add(
+        self, name: str, shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype | None, transpose: bool = False
+    ) -> None:
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         param.weight_loader = partial(self._load, name=name, tp_dim=tp_dim, transpose=transpose)
         self.register_parameter(name, param)
 
-    def _load(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None, *,
-              name: str, tp_dim: int | None, transpose: bool) -> None:
+    def _load(
+        self,
+        param: nn.Parameter,
+        loaded_weight: torch.Tensor,
+        shard_id: object = None,
+        *,
+        name: str,
+        tp_dim: int | None,
+        transpose: bool,
+    ) -> None:
         if loaded_weight.shape[0] != self.num_experts:
-            raise ValueError(f"FusedMoE.{name}: checkpoint has {loaded_weight.shape[0]} experts, "
-                             f"config num_local_experts is {self.num_experts}")
+            raise ValueError(
+                f"FusedMoE.{name}: checkpoint has {loaded_weight.shape[0]} experts, "
+                f"config num_local_experts is {self.num_experts}"
+            )
         loaded_weight = loaded_weight.narrow(0, self.first_expert, self.num_local_experts)
         if transpose:
             loaded_weight = loaded_weight.transpose(1, 2)
@@ -237,8 +260,10 @@ class FusedMoE(nn.Module):
             return 0
         rows = 2 * self.intermediate_size
         halves = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(self.gate_up_proj.device)
-        packed = [(prepack_cpu_weight(self.gate_up_proj[e][halves]), prepack_cpu_weight(self.down_proj[e]))
-                  for e in range(self.num_local_experts)]
+        packed = [
+            (prepack_cpu_weight(self.gate_up_proj[e][halves]), prepack_cpu_weight(self.down_proj[e]))
+            for e in range(self.num_local_experts)
+        ]
         if any(g is None for g, _ in packed):
             return 0
         self.packed_experts = packed
@@ -247,8 +272,9 @@ class FusedMoE(nn.Module):
         self.gate_up_halves = True
         return 2 * len(packed)
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
-                dp_num_tokens: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, dp_num_tokens: list[int] | None = None
+    ) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H]. dp_num_tokens: every DP rank's T (attention DP)."""
         p = self.parallel
         if p.dp_size > 1:

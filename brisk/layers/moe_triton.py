@@ -21,16 +21,21 @@ class TritonMoEBackend(MoEBackend):
     def __init__(self, torch_fallback: bool = False) -> None:
         self.torch_fallback = torch_fallback
 
-    def forward(self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         if not hidden.is_cuda and not interpreting():
             if self.torch_fallback:
                 return TorchMoEBackend().forward(layer, hidden, topk_ids, topk_weights)
-            raise RuntimeError(f"moe backend 'triton' needs CUDA tensors, got {hidden.device} "
-                               "(set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)")
+            raise RuntimeError(
+                f"moe backend 'triton' needs CUDA tensors, got {hidden.device} "
+                "(set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+            )
         mxfp4 = layer.quantization == "mxfp4"
         return fused_experts(
-            hidden, topk_ids, topk_weights,
+            hidden,
+            topk_ids,
+            topk_weights,
             gate_up=layer.gate_up_proj_blocks if mxfp4 else layer.gate_up_proj,
             gate_up_scales=layer.gate_up_proj_scales if mxfp4 else None,
             gate_up_bias=layer.gate_up_proj_bias,

@@ -42,8 +42,10 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     # Read at call time: huggingface_hub reads HF_HUB_OFFLINE only once, when it is imported.
-    offline = any(os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
-                  for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    offline = any(
+        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
     try:
         return snapshot_download(
             repo_id=model,

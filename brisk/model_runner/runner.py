@@ -91,16 +91,28 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """One rank's model and KV cache. `cpu_group` (a gloo group) is where ranks agree on the KV size."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int,
-                 parallel: ParallelConfig = ParallelConfig(), cpu_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        max_seq_len: int,
+        parallel: ParallelConfig = ParallelConfig(),
+        cpu_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
         self.model_config = model_config
         self.device = device
         self.parallel = parallel
         self.block_size = config.block_size
-        self.model = load_model(model_config, load_format=config.load_format, device=device,
-                                moe_backend=config.moe_config.backend, parallel=parallel)
+        self.model = load_model(
+            model_config,
+            load_format=config.load_format,
+            device=device,
+            moe_backend=config.moe_config.backend,
+            parallel=parallel,
+        )
         self.model.eval()
         self.cpu_kernels = None
         if device.type == "cpu":
@@ -155,7 +167,10 @@ class ModelRunner:
         mc = self.model_config
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         slots = [
-            (torch.zeros(shape, dtype=mc.dtype, device=self.device), torch.zeros(shape, dtype=mc.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=mc.dtype, device=self.device),
+                torch.zeros(shape, dtype=mc.dtype, device=self.device),
+            )
             for _ in range(self.num_slots)
         ]
         for g, group in enumerate(self.kv_groups):

@@ -179,8 +179,10 @@ class Sampler:
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
-        processed = any(t is not None for t in (batch.logit_bias_rows, batch.masked_stop_rows,
-                                                  batch.seen_token_mask, batch.output_token_counts))
+        processed = any(
+            t is not None
+            for t in (batch.logit_bias_rows, batch.masked_stop_rows, batch.seen_token_mask, batch.output_token_counts)
+        )
         if batch.all_greedy and not processed:  # the common decode batch: no copy of the [B, V] logits
             token_ids = logits.argmax(dim=-1)
             if raw_logprobs is None:

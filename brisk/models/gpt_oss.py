@@ -56,7 +56,8 @@ class GptOssForCausalLM(CausalLM):
 
     def make_layer(self, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         mc, cfg = self.model_config, text_config(self.model_config)
-        attn = DecoderAttention(mc, layer_idx, rotary, self.parallel,
-                                bias=getattr(cfg, "attention_bias", True), sinks=True)
+        attn = DecoderAttention(
+            mc, layer_idx, rotary, self.parallel, bias=getattr(cfg, "attention_bias", True), sinks=True
+        )
         mlp = GptOssMLP(mc, self.parallel, self.moe_backend)
         return DecoderLayer(attn, mlp, mc.hidden_size, cfg.rms_norm_eps, norm_weight_in_fp32=True)

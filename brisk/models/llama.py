@@ -30,15 +30,26 @@ def text_config(model_config: ModelConfig):
 class DecoderAttention(nn.Module):
     """QKV projection -> (optional per-head q/k RMSNorm) -> RoPE -> paged attention -> output projection."""
 
-    def __init__(self, model_config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, parallel: ParallelConfig,
-                 *, bias: bool = False, qk_norm: bool = False, sinks: bool = False) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        parallel: ParallelConfig,
+        *,
+        bias: bool = False,
+        qk_norm: bool = False,
+        sinks: bool = False,
+    ) -> None:
         super().__init__()
         cfg = text_config(model_config)
         d = model_config.head_dim
-        self.qkv_proj = QKVParallelLinear(model_config.hidden_size, d, model_config.num_heads,
-                                          model_config.num_kv_heads, bias=bias, parallel=parallel)
-        self.o_proj = RowParallelLinear(model_config.num_heads * d, model_config.hidden_size, bias=bias,
-                                        parallel=parallel)
+        self.qkv_proj = QKVParallelLinear(
+            model_config.hidden_size, d, model_config.num_heads, model_config.num_kv_heads, bias=bias, parallel=parallel
+        )
+        self.o_proj = RowParallelLinear(
+            model_config.num_heads * d, model_config.hidden_size, bias=bias, parallel=parallel
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = d
@@ -51,8 +62,14 @@ class DecoderAttention(nn.Module):
         else:
             self.sinks = None
         is_sliding = model_config.layer_types[layer_idx] == "sliding_attention"
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, layer_idx,
-                              sliding_window=model_config.sliding_window if is_sliding else None)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            d**-0.5,
+            layer_idx,
+            sliding_window=model_config.sliding_window if is_sliding else None,
+        )
 
     def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         rank = self.qkv_proj.tp_rank
@@ -74,13 +91,15 @@ class DecoderAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
-                 parallel: ParallelConfig) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, parallel: ParallelConfig
+    ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act '{hidden_act}' (supported: silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                                       parallel=parallel)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, parallel=parallel
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, parallel=parallel)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
@@ -91,8 +110,9 @@ class LlamaMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
-                 norm_weight_in_fp32: bool = False) -> None:
+    def __init__(
+        self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, norm_weight_in_fp32: bool = False
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -105,8 +125,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, model_config: ModelConfig, layers: list[nn.Module], parallel: ParallelConfig,
-                 rotary: RotaryEmbedding, norm_weight_in_fp32: bool = False) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        layers: list[nn.Module],
+        parallel: ParallelConfig,
+        rotary: RotaryEmbedding,
+        norm_weight_in_fp32: bool = False,
+    ) -> None:
         super().__init__()
         cfg = text_config(model_config)
         self.rotary_emb = rotary  # shared with every layer's attention
@@ -135,8 +161,9 @@ class CausalLM(nn.Module):
     )
     norm_weight_in_fp32 = False
 
-    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
-                 moe_backend: str = "auto") -> None:
+    def __init__(
+        self, model_config: ModelConfig, parallel: ParallelConfig = ParallelConfig(), moe_backend: str = "auto"
+    ) -> None:
         super().__init__()
         self.model_config = model_config
         self.parallel = parallel
@@ -145,8 +172,9 @@ class CausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg, model_config.head_dim)
         layers = [self.make_layer(i, rotary) for i in range(model_config.num_layers)]
         self.model = DecoderModel(model_config, layers, parallel, rotary, self.norm_weight_in_fp32)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False)
-                                        or getattr(model_config.hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(
+            getattr(cfg, "tie_word_embeddings", False) or getattr(model_config.hf_config, "tie_word_embeddings", False)
+        )
         self.lm_head = ParallelLMHead(model_config.vocab_size, model_config.hidden_size, parallel)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -178,8 +206,9 @@ class CausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                raise ValueError(f"unexpected checkpoint weight '{name}': {type(self).__name__} has no "
-                                 f"parameter '{target}'")
+                raise ValueError(
+                    f"unexpected checkpoint weight '{name}': {type(self).__name__} has no parameter '{target}'"
+                )
             param.weight_loader(param, tensor, shard_id)
             shards_seen[target].add(shard_id)
         loaded = set()
@@ -195,8 +224,10 @@ class LlamaForCausalLM(CausalLM):
 
     def make_layer(self, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         mc, cfg = self.model_config, text_config(self.model_config)
-        attn = DecoderAttention(mc, layer_idx, rotary, self.parallel,
-                                bias=getattr(cfg, "attention_bias", False), qk_norm=self.qk_norm)
-        mlp = LlamaMLP(mc.hidden_size, cfg.intermediate_size, cfg.hidden_act, getattr(cfg, "mlp_bias", False),
-                       self.parallel)
+        attn = DecoderAttention(
+            mc, layer_idx, rotary, self.parallel, bias=getattr(cfg, "attention_bias", False), qk_norm=self.qk_norm
+        )
+        mlp = LlamaMLP(
+            mc.hidden_size, cfg.intermediate_size, cfg.hidden_act, getattr(cfg, "mlp_bias", False), self.parallel
+        )
         return DecoderLayer(attn, mlp, mc.hidden_size, cfg.rms_norm_eps)

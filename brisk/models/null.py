@@ -29,8 +29,14 @@ LOGIT_POOL_SPARE_ROWS = 61
 class BriskNullForCausalLM(nn.Module):
     """No weights, no math: zero hidden states and random logits, with the KV-cache layers a runner expects."""
 
-    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
-                 moe_backend: str = "auto", *, logits_seed: int = DEFAULT_LOGITS_SEED) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        parallel: ParallelConfig = ParallelConfig(),
+        moe_backend: str = "auto",
+        *,
+        logits_seed: int = DEFAULT_LOGITS_SEED,
+    ) -> None:
         super().__init__()
         self.model_config = model_config
         self.parallel = parallel
@@ -38,8 +44,14 @@ class BriskNullForCausalLM(nn.Module):
         self.hidden_size = model_config.hidden_size
         d = model_config.head_dim
         self.attention_layers = nn.ModuleList(
-            Attention(model_config.num_heads, model_config.num_kv_heads, d, d**-0.5, layer_idx,
-                      sliding_window=model_config.sliding_window if kind == "sliding_attention" else None)
+            Attention(
+                model_config.num_heads,
+                model_config.num_kv_heads,
+                d,
+                d**-0.5,
+                layer_idx,
+                sliding_window=model_config.sliding_window if kind == "sliding_attention" else None,
+            )
             for layer_idx, kind in enumerate(model_config.layer_types)
         )
         # One zero row in the model dtype, broadcast to [T, hidden] by forward: no allocation per step.
@@ -57,16 +69,23 @@ class BriskNullForCausalLM(nn.Module):
         wrote into it would change later calls' logits (brisk's Sampler copies its input before changing it)."""
         num_rows = hidden.shape[0]
         if self._logit_pool.shape[0] < num_rows or self._logit_pool.device != hidden.device:
-            pool = torch.rand(num_rows + LOGIT_POOL_SPARE_ROWS, self.vocab_size, dtype=torch.float32, device="cpu",
-                              generator=self.generator)
+            pool = torch.rand(
+                num_rows + LOGIT_POOL_SPARE_ROWS,
+                self.vocab_size,
+                dtype=torch.float32,
+                device="cpu",
+                generator=self.generator,
+            )
             self._logit_pool = pool.to(hidden.device)
         max_offset = self._logit_pool.shape[0] - num_rows
         offset = int(torch.randint(max_offset + 1, (), device="cpu", generator=self.generator))
-        return self._logit_pool[offset:offset + num_rows]
+        return self._logit_pool[offset : offset + num_rows]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The null model has no parameters: any checkpoint tensor is unexpected."""
         for name, _ in weights:
-            raise ValueError(f"unexpected checkpoint weight '{name}': {type(self).__name__} has no parameters "
-                             "(load it with load_format='dummy')")
+            raise ValueError(
+                f"unexpected checkpoint weight '{name}': {type(self).__name__} has no parameters "
+                "(load it with load_format='dummy')"
+            )
         return set()

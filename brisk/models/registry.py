@@ -11,12 +11,14 @@ from brisk.models.llama import LlamaForCausalLM
 from brisk.models.null import BriskNullForCausalLM
 from brisk.models.qwen3 import Qwen3ForCausalLM
 
-_MODEL_CLASSES = MappingProxyType({
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "GptOssForCausalLM": GptOssForCausalLM,
-    "BriskNullForCausalLM": BriskNullForCausalLM,
-})
+_MODEL_CLASSES = MappingProxyType(
+    {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "GptOssForCausalLM": GptOssForCausalLM,
+        "BriskNullForCausalLM": BriskNullForCausalLM,
+    }
+)
 
 
 def supported_architectures() -> list[str]:

@@ -25,7 +25,7 @@ class Request:
     stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and params.stop_token_ids
     arrival_seq: int  # admission order among equal priorities
     # n > 1: a sibling whose prefill this one waits for, so it can adopt the prompt's KV blocks.
-    follows: "Request | None" = None
+    follows: Request | None = None
     generator: torch.Generator | None = None
     dp_rank: int = 0  # attention data parallelism: the rank whose KV pool holds this request
     output_token_ids: list[int] = field(default_factory=list)

@@ -59,8 +59,12 @@ class ServerState:
     # ---- request helpers shared by the endpoints -----------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         info = self.client.info
@@ -71,9 +75,13 @@ class ServerState:
             raise APIError(400, f"Token id {bad} is outside the vocabulary [0, {info.vocab_size}).", param="prompt")
         room = info.max_seq_len - len(prompt_ids)
         if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
-            raise APIError(400, f"This model's maximum context length is {info.max_seq_len} tokens; the request has "
-                                f"{len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more.",
-                           param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {info.max_seq_len} tokens; the request has "
+                f"{len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         for t in params.stop_token_ids + list(params.logit_bias or {}):
             if not 0 <= t < info.vocab_size:
                 raise APIError(400, f"Token id {t} (stop_token_ids / logit_bias) is outside the vocabulary.")
@@ -92,16 +100,18 @@ class ServerState:
         if num_requests > capacity:
             raise APIError(400, f"A request may hold at most {capacity} prompts.", param="prompt")
         if self.client.num_in_flight + num_requests > capacity:
-            raise APIError(429, "The server is at capacity; retry later.", code="queue_full",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                429, "The server is at capacity; retry later.", code="queue_full", headers={"Retry-After": "1"}
+            )
 
     def timeout_for(self, requested: float | None) -> float | None:
         """The request's own `timeout`, capped by the server's --request-timeout."""
         limits = [t for t in (requested, self.request_timeout) if t is not None]
         return min(limits) if limits else None
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                       timeout: float | None = None) -> AsyncIterator[CompletionDelta]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None, timeout: float | None = None
+    ) -> AsyncIterator[CompletionDelta]:
         """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures.
 
         A completion that ends with finish_reason "error" (the model produced non-finite logits) fails
@@ -109,16 +119,16 @@ class ServerState:
         """
         rid = uuid.uuid4().hex
         if self.log_prompts:
-            logger.info("request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids,
-                        len(prompt_ids))
+            logger.info(
+                "request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids, len(prompt_ids)
+            )
         start = time.perf_counter()
         token_times: list[float] = []
         last = None
         try:
             async for delta in self.client.generate(rid, prompt_ids, params, prompt, self.timeout_for(timeout)):
                 if delta.finish_reason == "error":
-                    raise APIError(500, "The model produced non-finite logits for this request.",
-                                   code="model_error")
+                    raise APIError(500, "The model produced non-finite logits for this request.", code="model_error")
                 if delta.token_ids:
                     token_times.append(time.perf_counter())
                 last = delta
@@ -131,8 +141,12 @@ class ServerState:
             if last is not None and last.output.finished:
                 outs = last.output.outputs
                 self.metrics.observe_request(
-                    len(prompt_ids), sum(len(o.token_ids) for o in outs), [o.finish_reason for o in outs],
-                    token_times[0] - start if token_times else None, token_times, time.perf_counter() - start,
+                    len(prompt_ids),
+                    sum(len(o.token_ids) for o in outs),
+                    [o.finish_reason for o in outs],
+                    token_times[0] - start if token_times else None,
+                    token_times,
+                    time.perf_counter() - start,
                 )
 
 
@@ -141,8 +155,13 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.brisk = state
     app.add_middleware(GuardMiddleware, state=state)
     if state.allowed_origins:  # added last, so outermost: preflights and 401s carry the CORS headers
-        app.add_middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], allow_credentials=False)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=state.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            allow_credentials=False,
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -184,10 +203,19 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "brisk",
-            "root": state.config.model, "max_model_len": state.client.info.max_seq_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "brisk",
+                    "root": state.config.model,
+                    "max_model_len": state.client.info.max_seq_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -229,9 +257,12 @@ def sse(data: Any) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -241,7 +272,7 @@ async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
-    except Exception:  # noqa: BLE001 - logged here with its traceback; the client gets a fixed message
+    except Exception:
         logger.exception("unhandled error in a stream")
         yield sse(error_body(500, INTERNAL_ERROR_MESSAGE, code="internal_error"))
     yield "data: [DONE]\n\n"
@@ -274,4 +305,3 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     if work_task.cancelled():
         raise APIError(499, "The client closed the request.", code="client_closed_request")
     return work_task.result()
-

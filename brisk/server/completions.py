@@ -58,6 +58,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         n = params.n
 
         if not req.stream:
+
             async def run(text, ids):
                 final = None
                 async for delta in state.generate(ids, params, text, req.timeout):
@@ -68,16 +69,28 @@ def register(app: FastAPI, state: ServerState) -> None:
             choices = []
             for p, final in enumerate(finals):
                 for out in final.outputs:
-                    choices.append({
-                        "index": p * n + out.index, "text": out.text, "finish_reason": out.finish_reason,
-                        "logprobs": _logprobs(state, out.token_ids, out.logprobs, 0) if req.logprobs is not None else None,
-                        "stop_reason": out.stop_reason,
-                    })
+                    choices.append(
+                        {
+                            "index": p * n + out.index,
+                            "text": out.text,
+                            "finish_reason": out.finish_reason,
+                            "logprobs": _logprobs(state, out.token_ids, out.logprobs, 0)
+                            if req.logprobs is not None
+                            else None,
+                            "stop_reason": out.stop_reason,
+                        }
+                    )
             completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             cached = sum(f.num_cached_tokens for f in finals)
-            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                    "usage": usage(prompt_tokens, completion_tokens, cached)}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, cached),
+            }
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         interval = state.config.stream_interval
@@ -120,17 +133,40 @@ def register(app: FastAPI, state: ServerState) -> None:
                     if req.logprobs is not None:
                         logprobs = _logprobs(state, acc["ids"], acc["lps"], text_offset.get(index, 0))
                     text_offset[index] = text_offset.get(index, 0) + len(acc["text"])
-                    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": index, "text": acc["text"], "logprobs": logprobs,
-                                         "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}]}
+                    body = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [
+                            {
+                                "index": index,
+                                "text": acc["text"],
+                                "logprobs": logprobs,
+                                "finish_reason": delta.finish_reason,
+                                "stop_reason": delta.stop_reason,
+                            }
+                        ],
+                    }
                     if include_usage:
                         body["usage"] = None
                     yield sse(body)
                 if include_usage:
                     completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
-                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens,
-                                                              sum(f.num_cached_tokens for f in finals.values()))})
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": usage(
+                                sum(len(ids) for _, ids in prompts),
+                                completion_tokens,
+                                sum(f.num_cached_tokens for f in finals.values()),
+                            ),
+                        }
+                    )
             finally:
                 for t in tasks:
                     t.cancel()

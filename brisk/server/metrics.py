@@ -15,18 +15,34 @@ class ServerMetrics:
         self.running = Gauge("brisk:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.waiting = Gauge("brisk:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
         self.kv_usage = Gauge("brisk:kv_cache_usage_perc", "Fraction of KV blocks in use", labels, registry=r)
-        self.prefix_queries = Gauge("brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
-        self.prefix_hits = Gauge("brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r)
+        self.prefix_queries = Gauge(
+            "brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.prefix_hits = Gauge(
+            "brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
+        )
         self.preemptions = Gauge("brisk:num_preemptions", "Requests preempted (recomputed) so far", labels, registry=r)
         self.prompt_tokens = Counter("brisk:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("brisk:generation_tokens", "Tokens generated", labels, registry=r)
-        self.request_success = Counter("brisk:request_success", "Finished requests", labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("brisk:time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("brisk:inter_token_latency_seconds", "Time between tokens", labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("brisk:e2e_request_latency_seconds", "Request latency", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.request_success = Counter(
+            "brisk:request_success", "Finished requests", labels + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "brisk:time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "brisk:inter_token_latency_seconds", "Time between tokens", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "brisk:e2e_request_latency_seconds", "Request latency", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
         self.in_flight = Gauge("brisk:num_requests_in_flight", "Requests the API server is serving", labels, registry=r)
-        self.coalesced = Gauge("brisk:stream_deltas_coalesced", "Deltas merged because a client read its stream "
-                               "too slowly (monotonic)", labels, registry=r)
+        self.coalesced = Gauge(
+            "brisk:stream_deltas_coalesced",
+            "Deltas merged because a client read its stream too slowly (monotonic)",
+            labels,
+            registry=r,
+        )
         self.model_name = model_name
 
     def observe_engine(self, stats) -> None:
@@ -42,8 +58,15 @@ class ServerMetrics:
         self.in_flight.labels(self.model_name).set(num_in_flight)
         self.coalesced.labels(self.model_name).set(num_coalesced_deltas)
 
-    def observe_request(self, num_prompt: int, num_generated: int, finish_reasons: list[str | None],
-                        ttft: float | None, token_times: list[float], e2e: float) -> None:
+    def observe_request(
+        self,
+        num_prompt: int,
+        num_generated: int,
+        finish_reasons: list[str | None],
+        ttft: float | None,
+        token_times: list[float],
+        e2e: float,
+    ) -> None:
         m = self.model_name
         self.prompt_tokens.labels(m).inc(num_prompt)
         self.generation_tokens.labels(m).inc(num_generated)

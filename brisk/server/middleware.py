@@ -69,8 +69,9 @@ class GuardMiddleware:
             raise  # the app's error handler has answered (or could not); the traceback is logged there
         finally:
             level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
-            logger.log(level, "%s %s %d %.3fs", scope["method"], scope["path"], status["code"],
-                       time.perf_counter() - start)
+            logger.log(
+                level, "%s %s %d %.3fs", scope["method"], scope["path"], status["code"], time.perf_counter() - start
+            )
 
     async def _guarded(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         state, path = self.state, scope["path"]
@@ -78,8 +79,11 @@ class GuardMiddleware:
         if state.draining and path not in UNAUTHENTICATED_PATHS:
             await _respond(send, 503, "The server is shutting down.", "shutting_down", {"connection": "close"})
             return
-        if state.api_key and path not in UNAUTHENTICATED_PATHS \
-                and not api_key_matches(headers.get("authorization", ""), state.api_key):
+        if (
+            state.api_key
+            and path not in UNAUTHENTICATED_PATHS
+            and not api_key_matches(headers.get("authorization", ""), state.api_key)
+        ):
             await _respond(send, 401, "Invalid or missing API key.", "invalid_api_key")
             return
         limit = state.max_request_body_size
@@ -116,8 +120,9 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 
 def _replay(body: bytes | None, receive: Receive) -> Receive:
     """A receive() that hands the app the buffered body, then passes through (disconnect detection)."""
-    pending = [{"type": "http.disconnect"} if body is None else {"type": "http.request", "body": body,
-                                                                  "more_body": False}]
+    pending = [
+        {"type": "http.disconnect"} if body is None else {"type": "http.request", "body": body, "more_body": False}
+    ]
 
     async def replayed() -> Message:
         return pending.pop() if pending else await receive()
@@ -125,8 +130,9 @@ def _replay(body: bytes | None, receive: Receive) -> Receive:
     return replayed
 
 
-async def _respond(send: Send, status: int, message: str, code: str,
-                   extra_headers: dict[str, str] | None = None) -> None:
+async def _respond(
+    send: Send, status: int, message: str, code: str, extra_headers: dict[str, str] | None = None
+) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]

@@ -125,8 +125,7 @@ def prepare_tools(state, tools: list[dict] | None, tool_choice) -> tuple[list[di
     name = ""
     if choice != "required":
         if choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise APIError(400, f"tool_choice names an unknown function '{choice.function.name}'.",
-                           param="tool_choice")
+            raise APIError(400, f"tool_choice names an unknown function '{choice.function.name}'.", param="tool_choice")
         name = choice.function.name + " <|constrain|>json<|message|>"
     prefix = state.tokenizer.encode("<|channel|>commentary to=functions." + name, add_special_tokens=False)
     return tools, prefix

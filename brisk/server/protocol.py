@@ -39,7 +39,7 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         container, depth = stack.pop()
         if depth > max_depth:
             raise ValueError(f"the request nests deeper than {max_depth} levels")
-        for child in (list(container) + list(container.values()) if isinstance(container, dict) else container):
+        for child in list(container) + list(container.values()) if isinstance(container, dict) else container:
             if isinstance(child, str):
                 if _SURROGATE.search(child):
                     raise ValueError("strings must be valid Unicode (a lone UTF-16 surrogate was found)")
@@ -104,13 +104,25 @@ class _SamplingFields(_Body):
         except ValueError:
             raise ValueError("logit_bias keys must be token ids") from None
         return SamplingParams(
-            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=bias or None, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, priority=self.priority,
+            n=self.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias or None,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            priority=self.priority,
         )
 
 
@@ -227,8 +239,14 @@ class ResponsesRequest(_Body):
             return value if value is not None else defaults.get(name, fallback)
 
         return SamplingParams(
-            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0), seed=self.seed,
-            max_tokens=self.max_output_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            seed=self.seed,
+            max_tokens=self.max_output_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
             priority=self.priority,
         )

@@ -49,8 +49,11 @@ def input_to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             pending_reasoning = _text_of(item.get("content") or item.get("summary") or [])
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)
@@ -60,7 +63,9 @@ def input_to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     msg["reasoning_content"], pending_reasoning = pending_reasoning, None
                 messages.append(msg)
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_of(item.get("output", ""))})
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_of(item.get("output", ""))}
+            )
         else:
             raise APIError(400, f"unsupported input item type {kind!r}", param="input")
     return messages
@@ -79,40 +84,96 @@ class _OutputItems:
         self.close()
         self.items.append(item)
         self._open = item
-        self.events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
-                            "item": dict(item, content=[]) if "content" in item else dict(item)})
+        self.events.append(
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.items) - 1,
+                "item": dict(item, content=[]) if "content" in item else dict(item),
+            }
+        )
         if item["type"] == "message":
-            self.events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index":
-                                len(self.items) - 1, "content_index": 0,
-                                "part": {"type": "output_text", "text": "", "annotations": []}})
+            self.events.append(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": len(self.items) - 1,
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []},
+                }
+            )
 
     def add(self, fields: dict[str, Any]) -> None:
         idx = self._index
         if fields.get("reasoning_content"):
             if self._open is None or self._open["type"] != "reasoning":
-                self._start({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                             "content": [{"type": "reasoning_text", "text": ""}]})
+                self._start(
+                    {
+                        "type": "reasoning",
+                        "id": f"rs_{uuid.uuid4().hex}",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}],
+                    }
+                )
             self._open["content"][0]["text"] += fields["reasoning_content"]
-            self.events.append({"type": "response.reasoning_text.delta", "item_id": self._open["id"],
-                                "output_index": idx(), "content_index": 0, "delta": fields["reasoning_content"]})
+            self.events.append(
+                {
+                    "type": "response.reasoning_text.delta",
+                    "item_id": self._open["id"],
+                    "output_index": idx(),
+                    "content_index": 0,
+                    "delta": fields["reasoning_content"],
+                }
+            )
         if fields.get("content"):
             if self._open is None or self._open["type"] != "message":
-                self._start({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
-                             "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]})
+                self._start(
+                    {
+                        "type": "message",
+                        "id": f"msg_{uuid.uuid4().hex}",
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": "", "annotations": []}],
+                    }
+                )
             self._open["content"][0]["text"] += fields["content"]
-            self.events.append({"type": "response.output_text.delta", "item_id": self._open["id"],
-                                "output_index": idx(), "content_index": 0, "delta": fields["content"]})
+            self.events.append(
+                {
+                    "type": "response.output_text.delta",
+                    "item_id": self._open["id"],
+                    "output_index": idx(),
+                    "content_index": 0,
+                    "delta": fields["content"],
+                }
+            )
         for call in fields.get("tool_calls", []):
-            if call.get("id") or self._open is None or self._open["type"] != "function_call" \
-                    or self._call_index != call["index"]:
-                self._start({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.get("id"),
-                             "name": call["function"].get("name", ""), "arguments": "", "status": "in_progress"})
+            if (
+                call.get("id")
+                or self._open is None
+                or self._open["type"] != "function_call"
+                or self._call_index != call["index"]
+            ):
+                self._start(
+                    {
+                        "type": "function_call",
+                        "id": f"fc_{uuid.uuid4().hex}",
+                        "call_id": call.get("id"),
+                        "name": call["function"].get("name", ""),
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                )
                 self._call_index = call["index"]
             delta = call["function"].get("arguments", "")
             if delta:
                 self._open["arguments"] += delta
-                self.events.append({"type": "response.function_call_arguments.delta", "item_id": self._open["id"],
-                                    "output_index": idx(), "delta": delta})
+                self.events.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": self._open["id"],
+                        "output_index": idx(),
+                        "delta": delta,
+                    }
+                )
 
     def _index(self) -> int:
         return len(self.items) - 1
@@ -123,17 +184,44 @@ class _OutputItems:
             return
         i = len(self.items) - 1
         if item["type"] == "reasoning":
-            self.events.append({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
-                                "content_index": 0, "text": item["content"][0]["text"]})
+            self.events.append(
+                {
+                    "type": "response.reasoning_text.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "text": item["content"][0]["text"],
+                }
+            )
         elif item["type"] == "message":
             part = item["content"][0]
-            self.events.append({"type": "response.output_text.done", "item_id": item["id"], "output_index": i,
-                                "content_index": 0, "text": part["text"]})
-            self.events.append({"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
-                                "content_index": 0, "part": part})
+            self.events.append(
+                {
+                    "type": "response.output_text.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "text": part["text"],
+                }
+            )
+            self.events.append(
+                {
+                    "type": "response.content_part.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "part": part,
+                }
+            )
         else:
-            self.events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
-                                "output_index": i, "arguments": item["arguments"]})
+            self.events.append(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "arguments": item["arguments"],
+                }
+            )
         item["status"] = "completed"
         if item["type"] == "reasoning":
             item.pop("status")
@@ -148,7 +236,9 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
     """The Responses API names a function as {type, name}; chat completions as {type, function: {name}}."""
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):
-            raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice")
+            raise APIError(
+                400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice"
+            )
         return NamedToolChoice(function={"name": choice["name"]})
     return choice
 
@@ -160,8 +250,13 @@ def register(app: FastAPI, state: ServerState) -> None:
         state.admit()
         params = state.sampling_params(req)
         tools, forced = prepare_tools(
-            state, [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                    for t in req.tools or []], _chat_tool_choice(req.tool_choice))
+            state,
+            [
+                {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                for t in req.tools or []
+            ],
+            _chat_tool_choice(req.tool_choice),
+        )
         effort = req.reasoning.effort if req.reasoning else None
         prompt_ids = render_chat_prompt(state, input_to_messages(req), tools, effort, {}) + forced
         state.check_prompt(prompt_ids, params)
@@ -171,12 +266,24 @@ def register(app: FastAPI, state: ServerState) -> None:
 
         def response_body(status: str, final=None) -> dict[str, Any]:
             body: dict[str, Any] = {
-                "id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
-                "output": items.items, "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-                "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "temperature": params.temperature, "top_p": params.top_p, "max_output_tokens": req.max_output_tokens,
-                "instructions": req.instructions, "metadata": req.metadata or {}, "error": None,
-                "incomplete_details": None, "usage": None, "text": {"format": {"type": "text"}},
+                "id": rid,
+                "object": "response",
+                "created_at": created,
+                "status": status,
+                "model": state.model_name,
+                "output": items.items,
+                "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+                "tool_choice": req.tool_choice or "auto",
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "max_output_tokens": req.max_output_tokens,
+                "instructions": req.instructions,
+                "metadata": req.metadata or {},
+                "error": None,
+                "incomplete_details": None,
+                "usage": None,
+                "text": {"format": {"type": "text"}},
                 "reasoning": {"effort": effort, "summary": None},
             }
             if final is not None:
@@ -189,12 +296,16 @@ def register(app: FastAPI, state: ServerState) -> None:
                     body["incomplete_details"] = {"reason": "aborted"}
                 reasoning_text = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
                 body["usage"] = {
-                    "input_tokens": len(prompt_ids), "output_tokens": len(out.token_ids),
+                    "input_tokens": len(prompt_ids),
+                    "output_tokens": len(out.token_ids),
                     "total_tokens": len(prompt_ids) + len(out.token_ids),
                     "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
                     # re-encoding the reasoning text counts its tokens without the channel headers
-                    "output_tokens_details": {"reasoning_tokens": len(state.tokenizer.encode(
-                        reasoning_text, add_special_tokens=False)) if reasoning_text else 0},
+                    "output_tokens_details": {
+                        "reasoning_tokens": len(state.tokenizer.encode(reasoning_text, add_special_tokens=False))
+                        if reasoning_text
+                        else 0
+                    },
                 }
             return body
 

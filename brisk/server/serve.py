@@ -48,10 +48,22 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
     return api_key
 
 
-async def serve(model: str | None, *, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                extra_llm_api_options: str | None, max_request_body_size: int, api_key_file: str | None = None,
-                allowed_origins: list[str] | None = None, log_prompts: bool = False,
-                request_timeout: float | None = None, shutdown_timeout: float = 30.0, **engine_options) -> int:
+async def serve(
+    model: str | None,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    api_key: str | None,
+    extra_llm_api_options: str | None,
+    max_request_body_size: int,
+    api_key_file: str | None = None,
+    allowed_origins: list[str] | None = None,
+    log_prompts: bool = False,
+    request_timeout: float | None = None,
+    shutdown_timeout: float = 30.0,
+    **engine_options,
+) -> int:
     api_key = resolve_api_key(api_key, api_key_file)
     path = resolve_model_path(model) if model else str(DEMO_MODEL)
     config = EngineConfig.build(path, extra_llm_api_options, **engine_options)
@@ -80,16 +92,40 @@ async def serve(model: str | None, *, host: str, port: int, served_model_name: s
         logger.error("%s", exc)
         await client.shutdown()
         return 1
-    state = ServerState(client, tokenizer, config, name, model_config.generation_defaults, is_harmony, api_key,
-                        max_request_body_size, request_timeout, log_prompts, list(allowed_origins or []))
+    state = ServerState(
+        client,
+        tokenizer,
+        config,
+        name,
+        model_config.generation_defaults,
+        is_harmony,
+        api_key,
+        max_request_body_size,
+        request_timeout,
+        log_prompts,
+        list(allowed_origins or []),
+    )
     app = build_app(state)
     # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                                           timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
-                                           timeout_graceful_shutdown=ABORT_GRACE_S), state, shutdown_timeout)
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            access_log=False,
+            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+            timeout_graceful_shutdown=ABORT_GRACE_S,
+        ),
+        state,
+        shutdown_timeout,
+    )
     server_box["server"] = server
-    print(f"brisk serve: ready: '{name}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-          f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}", flush=True)
+    print(
+        f"brisk serve: ready: '{name}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}",
+        flush=True,
+    )
     try:
         await server.serve()
     finally:

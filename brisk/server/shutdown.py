@@ -48,8 +48,11 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         client = self.state.client
         self.state.draining = True
-        logger.info("shutting down: refusing new requests, waiting up to %.1fs for %d in flight",
-                    self.shutdown_timeout, client.num_in_flight)
+        logger.info(
+            "shutting down: refusing new requests, waiting up to %.1fs for %d in flight",
+            self.shutdown_timeout,
+            client.num_in_flight,
+        )
         if not await client.wait_idle(self.shutdown_timeout):
             logger.warning("shutting down: aborting %d requests still in flight", client.num_in_flight)
             await client.abort_all()
