@@ -49,6 +49,7 @@ import brisk
 from brisk import LLM, SamplingParams
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
+from brisk.host import cpu_info
 
 DEFAULT_BATCH_SIZES = (1, 64, 256, 1024)
 DEFAULT_HTTP_CONCURRENCY = (1, 64, 256)
@@ -552,9 +553,7 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     memory_gb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cpu = cpu_info().model_name
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
 
 
 class ConfigError(ValueError):
@@ -75,13 +77,28 @@ class EngineConfig(_Strict):
     # CPU serving of bf16 weights: reorder them once into oneDNN's blocked layout (faster matmuls, one more
     # copy of the dense and bf16 expert weights in memory); off: plain torch matmuls on the loaded tensors.
     cpu_weight_prepack: bool = True
-    # CPU serving: build brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm, gpt-oss's
-    # activation and experts, decode-sized matmuls, random sampling) with the system C compiler at first use and
-    # run them; off, or no compiler: PyTorch ops only (the reference paths).
-    cpu_kernels: bool = True
+    # CPU serving: brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm, gpt-oss's activation
+    # and experts, decode-sized matmuls, random sampling), built with the system C compiler at first use for one
+    # instruction set. auto (or true): the best this CPU runs, AVX-512 then AVX2 + FMA, PyTorch ops where neither
+    # (or no compiler); avx512 / avx2: that build, an error if the CPU lacks it (avx2 on an AVX-512 machine runs
+    # what AVX2-only CPUs run); torch (or false): PyTorch ops only, the reference paths.
+    cpu_kernels: Literal["auto", "avx512", "avx2", "torch"] = "auto"
     enable_attention_dp: bool = False
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
+
+    @field_validator("cpu_kernels", mode="before")
+    @classmethod
+    def _cpu_kernels_from_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # the field's first form: true = the kernels where they build, false = torch
+            return "auto" if value else "torch"
+        return value
+
+    @field_validator("cpu_kernels")
+    @classmethod
+    def _cpu_kernels_supported(cls, value: str) -> str:
+        check_cpu_kernels_choice(value)
+        return value
 
     @property
     def block_size(self) -> int:
@@ -163,6 +180,10 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def text_config(self) -> Any:
+        return hf_text_config(self.hf_config)
+
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "auto", device_type: str = "cpu") -> ModelConfig:
         import torch
@@ -172,7 +193,7 @@ class ModelConfig:
         archs = getattr(hf, "architectures", None) or []
         if not archs:
             raise ConfigError(f"{path}/config.json names no 'architectures'")
-        text = getattr(hf, "get_text_config", lambda: hf)()
+        text = hf_text_config(hf)
         n_layers = text.num_hidden_layers
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -204,6 +225,12 @@ class ModelConfig:
         )
 
 
+def hf_text_config(hf: Any) -> Any:
+    """The text model's part of a Hugging Face config (a multimodal config nests it; a text-only one is it)."""
+    get_text_config = getattr(hf, "get_text_config", None)
+    return get_text_config() if get_text_config is not None else hf
+
+
 def _read_generation_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
@@ -226,21 +253,11 @@ def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
         # natively and the matrices are big enough for it to pay: half the weight and KV bytes per token (with
         # brisk's CPU kernels, the demo model at hidden size 128: level at batch 1 and 8, 1.18x at 32;
         # docs/performance.md). Otherwise fp32, the reference path; `dtype: float32` keeps it everywhere.
-        text = getattr(hf, "get_text_config", lambda: hf)()
+        text = hf_text_config(hf)
         big_enough = getattr(text, "hidden_size", 0) >= CPU_BF16_MIN_HIDDEN_SIZE
         low_precision = declared in (torch.float32, torch.bfloat16, None) and big_enough and cpu_has_native_bf16()
         return torch.bfloat16 if low_precision else torch.float32
     return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX (Linux: from /proc/cpuinfo's flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)

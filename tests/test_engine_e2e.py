@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from tests.conftest import HAVE_C_COMPILER
+from tests.conftest import cpu_kernel_isas_under_test, skip_unless_isa_under_test
 from tests.tiny_models import hf_reference, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -68,22 +68,38 @@ def _brisk(path: str, prompts, **options) -> tuple[LLM, list[list[int]]]:
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-def test_batch_matches_transformers(tiny):
+def test_batch_matches_transformers(request, tiny):
     _, path, hf = tiny
     prompts = _prompts(1)
     llm, ours = _brisk(path, prompts)
-    if HAVE_C_COMPILER:  # by default the C kernels run (elsewhere: the PyTorch paths)
+    # By default the best C kernels this CPU runs (of those this run tests); no compiler, or none: PyTorch paths.
+    isas = cpu_kernel_isas_under_test(request.config)
+    kernels = llm.engine.runner.cpu_kernels
+    assert (kernels.isa if kernels else None) == (isas[0] if isas else None)
+    if kernels is not None:
         assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
-        assert llm.engine.runner.model.model.norm.cpu_kernels is not None
+        assert llm.engine.runner.model.model.norm.cpu_kernels is kernels
     assert ours == _hf_greedy(hf, prompts)
     assert llm.engine.kv.pool.num_used == 0
+
+
+def test_forced_avx2_kernels_match(request, tiny):
+    # `cpu_kernels: avx2` runs what CPUs without AVX-512 run (on an AVX-512 machine too): the same greedy tokens,
+    # with batched decode steps through the AVX2 matmul, attention and MoE kernels.
+    skip_unless_isa_under_test(request.config, "avx2")
+    _, path, hf = tiny
+    prompts = _prompts(5)
+    llm, ours = _brisk(path, prompts, cpu_kernels="avx2")
+    assert llm.engine.runner.cpu_kernels.isa == "avx2"
+    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
+    assert ours == _hf_greedy(hf, prompts)
 
 
 def test_pytorch_reference_paths_match(tiny):
     # By default CPU attention and norms run brisk's C kernels; the PyTorch reference must generate the same.
     _, path, hf = tiny
     prompts = _prompts(1)
-    llm, ours = _brisk(path, prompts, cpu_kernels=False, max_num_tokens=16)
+    llm, ours = _brisk(path, prompts, cpu_kernels="torch", max_num_tokens=16)
     runner = llm.engine.runner
     assert runner.cpu_kernels is None
     assert type(runner.attn_layers[0].backend).__name__ == "TorchAttentionBackend"

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from brisk.config import ModelConfig
-from brisk.kernels.cpu_kernels import load_cpu_kernels
+from brisk.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.model_runner.loader import load_model
-from tests.conftest import HAVE_C_COMPILER
+from tests.conftest import skip_unless_isa_under_test
 from tests.tiny_models import hf_reference, make_tiny_model
 
 ATOL = 1e-4
@@ -33,11 +33,14 @@ class PagedKV:
     """Binds zeroed KV caches to every Attention layer and builds AttentionMetadata for flat steps."""
 
     def __init__(
-        self, model: torch.nn.Module, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, backend: str = "torch"
+        self,
+        model: torch.nn.Module,
+        block_size: int = BLOCK_SIZE,
+        num_blocks: int = NUM_BLOCKS,
+        kernels: CpuKernels | None = None,
     ) -> None:
-        # "cpu": brisk's C kernels (decode attention, norms, MoE activation); "torch": the PyTorch reference paths.
-        kernels = load_cpu_kernels() if backend == "cpu" else None
-        attention_backend = make_attention_backend(backend, torch.device("cpu"), kernels)
+        # kernels: brisk's C kernels (decode attention, norms, matmuls, MoE); None: the PyTorch reference paths.
+        attention_backend = make_attention_backend("cpu" if kernels else "torch", torch.device("cpu"), kernels)
         for module in model.modules():  # norms and MoE layers
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
@@ -128,21 +131,16 @@ def test_batch_of_three_sequences_in_one_forward(models):
         offset += len(prompt)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "torch",
-        pytest.param(
-            "cpu", marks=pytest.mark.skipif(not HAVE_C_COMPILER, reason="no C compiler: no CPU kernels to test")
-        ),
-    ],
-)
-def test_chunked_prefill_then_decode(models, backend):
+@pytest.mark.parametrize("cpu_path", ["torch", "avx512", "avx2"])
+def test_chunked_prefill_then_decode(request, models, cpu_path):
     """Sequence A: prefill in two chunks, then decodes; B joins mid-way so steps mix prefill and decode, and
-    ends with a chunk of three while A decodes. Both CPU paths: the PyTorch reference and brisk's C kernels."""
+    ends with a chunk of three while A decodes. Every CPU path: the PyTorch reference and each build of brisk's C
+    kernels this run tests."""
+    if cpu_path != "torch":
+        skip_unless_isa_under_test(request.config, cpu_path)
     model, hf_model, _ = models
     full_a, full_b = random_tokens(37, seed=2), random_tokens(18, seed=3)
-    kv = PagedKV(model, backend=backend)
+    kv = PagedKV(model, kernels=None if cpu_path == "torch" else load_cpu_kernels(cpu_path))
     a, b = kv.add_sequence(len(full_a)), kv.add_sequence(len(full_b))
     steps = [[(a, full_a[:18])], [(a, full_a[18:30]), (b, full_b[:9])]]
     steps += [[(a, full_a[30 + i : 31 + i]), (b, full_b[9 + i : 10 + i])] for i in range(6)]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.sampling_params import SamplingParams
-from tests.conftest import HAVE_C_COMPILER
+from tests.conftest import skip_unless_isa_under_test
 
 EOS = 0
 
@@ -53,13 +53,13 @@ def draws(logits_row: list[float], params: SamplingParams, num_draws: int = 4000
 SAMPLER = Sampler()  # set per test by `sampler_kind`
 
 
-@pytest.fixture(autouse=True, params=["torch", "cpu_kernels"])
+@pytest.fixture(autouse=True, params=["torch", "avx512", "avx2"])
 def sampler_kind(request, monkeypatch) -> str:
+    """The torch sampler and the C sampler of each kernel build this run tests."""
     kernels = None
-    if request.param == "cpu_kernels":
-        if not HAVE_C_COMPILER:
-            pytest.skip("no C compiler on this machine: the torch sampler runs (tested everywhere else)")
-        kernels = load_cpu_kernels()
+    if request.param != "torch":
+        skip_unless_isa_under_test(request.config, request.param)
+        kernels = load_cpu_kernels(request.param)
         assert kernels is not None
     monkeypatch.setattr(sys.modules[__name__], "SAMPLER", Sampler(kernels))
     return request.param
@@ -330,19 +330,20 @@ def test_sampling_over_a_large_vocabulary_follows_the_distribution() -> None:
     assert chi_square < 30  # 3 degrees of freedom: P(chi2 > 30) ~ 1.4e-6
 
 
-def test_the_c_sampler_draws_by_inverse_transform() -> None:
+def test_the_c_sampler_draws_by_inverse_transform(request, sampler_kind) -> None:
     # The token where the running sum of probabilities passes u: u just below each cumulative boundary picks that
     # token, just above it the next; u = 0 the first weighted token; masked tokens are never picked.
-    if not HAVE_C_COMPILER:
-        pytest.skip("no C compiler on this machine: there is no C sampler")
+    if sampler_kind == "torch":
+        pytest.skip("a test of the C sampler (the torch sampler draws by exponential race)")
+    kernels = load_cpu_kernels(sampler_kind)
     probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(7, 1)  # log 0 = -inf: masked
     uniforms = torch.tensor([0.0, 0.499, 0.501, 0.799, 0.801, 0.951, 0.999999], dtype=torch.float64)
-    tokens = load_cpu_kernels().sample_rows(logits, uniforms).tolist()
+    tokens = kernels.sample_rows(logits, uniforms).tolist()
     assert tokens == [1, 1, 3, 3, 4, 5, 5]
     # A +inf logit takes the row; a row of nothing but -inf still gets an id of the vocabulary.
     odd = torch.tensor([[0.0, float("inf"), 1.0, float("-inf")], [float("-inf")] * 4])
-    assert load_cpu_kernels().sample_rows(odd, torch.tensor([0.5, 0.5], dtype=torch.float64)).tolist() == [1, 0]
+    assert kernels.sample_rows(odd, torch.tensor([0.5, 0.5], dtype=torch.float64)).tolist() == [1, 0]
 
 
 def test_overflowing_logit_biases_still_give_tokens_of_the_vocabulary() -> None:

@@ -13,18 +13,9 @@ from typing import Any
 
 import httpx
 
+from brisk.host import cpu_info
+
 SCHEMA_VERSION = 1
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _gpus() -> list[str]:
@@ -49,7 +40,7 @@ def machine_info() -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_info().model_name,
         "cpu_count": os.cpu_count(),
         "gpus": _gpus(),
     }

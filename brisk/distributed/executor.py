@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig
-from brisk.distributed.launch import rank0_place, rank_device
+from brisk.distributed.launch import rank0_place
 from brisk.distributed.worker import WorkerSpec, join_world
+from brisk.host import resolve_device
 from brisk.model_runner.runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class DistributedExecutor:
                 f"the engine core runs on rank 0, not rank {place.rank}: launch `brisk serve` on "
                 "every rank (ranks > 0 become workers)"
             )
-        self.device = rank_device(config, place.local_rank)
+        self.device = resolve_device(config.device, place.local_rank)
         self._stopping = threading.Event()
         self._in_step = False
         self._workers: list[subprocess.Popen] = []

@@ -82,23 +82,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK on GPUs, the CPU otherwise (device 'auto' picks as for one rank)."""
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    if local_rank >= torch.cuda.device_count():
-        raise ConfigError(
-            f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
-            f"{torch.cuda.device_count()}; lower tp_size or add nodes"
-        )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
 def init_distributed(place: WorldPlace, device: torch.device) -> dist.ProcessGroup | None:
     """Join the world (NCCL for GPU tensors, gloo for CPU ones); returns the gloo group for host bytes
     (None: the default group already is gloo)."""

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.channel import StepChannel
-from brisk.distributed.launch import WorldPlace, init_distributed, rank_device
+from brisk.distributed.launch import WorldPlace, init_distributed
+from brisk.host import resolve_device
 from brisk.model_runner.runner import ModelRunner, StepInput, cpu_threads_per_rank
 
 logger = logging.getLogger("brisk.worker")
@@ -44,7 +45,7 @@ def join_world(
 def run_worker(config: EngineConfig, place: WorldPlace) -> None:
     from brisk.engine.core import load_model_config  # the engine package imports this one
 
-    device = rank_device(config, place.local_rank)
+    device = resolve_device(config.device, place.local_rank)
     if device.type == "cpu":  # ranks on one host share its cores
         torch.set_num_threads(cpu_threads_per_rank(config))
     runner, channel = join_world(config, place, device, *load_model_config(config, device))

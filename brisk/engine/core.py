@@ -12,8 +12,9 @@ from dataclasses import replace
 from brisk.config import EngineConfig, ModelConfig
 from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
+from brisk.host import resolve_device
 from brisk.kv_cache.manager import KVCacheManager
-from brisk.model_runner.runner import StepResult, resolve_device
+from brisk.model_runner.runner import StepResult
 from brisk.scheduler.request import Request
 from brisk.scheduler.scheduler import Scheduler, TokenOutput
 

@@ -31,7 +31,8 @@ from brisk.engine.messages import (
     RequestFailure,
     ToEngine,
 )
-from brisk.model_runner.runner import cpu_threads_per_rank, resolve_device
+from brisk.host import resolve_device
+from brisk.model_runner.runner import cpu_threads_per_rank
 
 logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work

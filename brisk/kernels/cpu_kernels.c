@@ -1,6 +1,9 @@
-/* brisk's CPU kernels, compiled at first use by brisk/kernels/cpu_kernels.py with the system C compiler
- * (-O3 -march=native -ffast-math -fopenmp; linked without -ffast-math, see cpu_kernels.py) and called through
- * ctypes:
+/* brisk's CPU kernels, compiled at first use by brisk/kernels/cpu_kernels.py with the system C compiler for one
+ * x86 instruction set: the "avx512" build (-march=native on a CPU with AVX-512) or the "avx2" build (-march=native
+ * -mno-avx512f: AVX2 + FMA, also how an AVX-512 machine tests the code other CPUs run). Both with -O3 -ffast-math
+ * -fopenmp, linked without -ffast-math (see cpu_kernels.py), called through ctypes. The matmul has hand-written
+ * kernels for each instruction set; the other kernels are loops over contiguous fp32 that the compiler vectorizes
+ * for the target (16 or 8 lanes; bf16 widened by a shift), expf through glibc's vector math library.
  *
  * brisk_decode_attention: paged decode attention, one new query token per sequence, read against the sequence's
  * KV blocks where they lie in the cache (no gather, no padded copy), online softmax in fp32, GQA, sliding window,
@@ -8,12 +11,14 @@
  * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
  * instead of the half dozen ops torch's CPU rms_norm runs.
  * brisk_clamped_swiglu: gpt-oss's expert activation in one pass instead of eight elementwise ops.
- * brisk_linear: a decode step's rows times a weight (bf16 or fp32), reading the weight once per call (AVX-512: 8
- * rows per pass over L2-sized weight tiles, bf16 with AVX512-BF16 dot products; other CPUs: one row per pass):
- * oneDNN's and MKL's matmuls read a weight at half that speed or less at a few rows (docs/performance.md).
+ * brisk_linear: a decode step's rows times a weight (bf16 or fp32), reading the weight once per call: 8 rows per
+ * pass over L2-sized weight tiles (AVX-512: bf16 with AVX512-BF16 dot products where the CPU has them; AVX2: bf16
+ * widened to fp32 and FMA). oneDNN's and MKL's matmuls read a weight at half that speed or less at a few rows
+ * (docs/performance.md).
  * brisk_moe_experts: gpt-oss's experts for a decode step's tokens in one call (sort by expert, matmuls, activation,
  * weighted sum).
  * brisk_sample_rows: one random token per row of logits by inverse transform (one uniform draw per row).
+ * brisk_vector_bits: 512 or 256, the build's instruction set (cpu_kernels.py checks it is the one asked for).
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
@@ -23,12 +28,13 @@
  * int32; seq_lens[seq] int32 = context length including the new token, whose position is seq_len - 1.
  * rows[s] / seq_ids[s]: the q/out row and the table/seq_lens row of the s-th sequence computed (NULL: s).
  */
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "brisk's CPU kernels need AVX2 and FMA (cpu_kernels.py builds them only for such CPUs; others run PyTorch ops)"
+#endif
 #include <float.h>
 #include <math.h>
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -219,49 +225,19 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
 
 /* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for the rows m of a decode step: x [M, K] (rows x_stride apart),
  * w [N, K] row-major, bias [N] or NULL, y [M, N] (rows y_stride apart), all bf16 (is_bf16) or all fp32; products
- * summed in fp32, bf16 rounded once at the end (as torch's bf16 matmul does). */
-
-static inline float row_dot(const float *xf, const void *w, int is_bf16, int64_t n, int K) {
-    float acc = 0.0f;
-    if (is_bf16) {
-        const uint16_t *row = (const uint16_t *)w + n * K;
-        for (int k = 0; k < K; k++) acc += xf[k] * bf16_to_float(row[k]);
-    } else {
-        const float *row = (const float *)w + n * K;
-        for (int k = 0; k < K; k++) acc += xf[k] * row[k];
-    }
-    return acc;
-}
-
-/* CPUs without AVX-512: one row at a time (each row one pass over the weight). */
-static void linear_by_row(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride,
-                          int M, int N, int K, int is_bf16, int num_threads) {
-    for (int m = 0; m < M; m++) {
-        float xf[K];
-        load_row(x, is_bf16, (int64_t)m * x_stride, K, xf);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-        for (int n = 0; n < N; n++) {
-            float acc = row_dot(xf, w, is_bf16, n, K);
-            if (is_bf16) {
-                acc += bias ? bf16_to_float(((const uint16_t *)bias)[n]) : 0.0f;
-                ((uint16_t *)y + (int64_t)m * y_stride)[n] = float_to_bf16(acc);
-            } else {
-                ((float *)y + (int64_t)m * y_stride)[n] = acc + (bias ? ((const float *)bias)[n] : 0.0f);
-            }
-        }
-    }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* AVX-512: up to 8 rows of x against weight rows [n0, n1), each weight vector loaded once for all of them and each
- * row's products accumulated in its own named register (an indexed array of accumulators is kept in memory by the
- * compiler: a store-load chain per instruction, measured 2x slower). K needs no particular multiple: the last
- * chunk of a row is loaded masked, zeros beyond K. bf16 uses the AVX512-BF16 dot-product instruction (two products
- * per fp32 lane) where the CPU has it. */
+ * summed in fp32, bf16 rounded once at the end (as torch's bf16 matmul does).
+ *
+ * Up to 8 rows of x pass over weight rows [n0, n1) together: each weight vector is loaded once for all of them and
+ * each row's products accumulate in their own named register (an indexed array of accumulators is kept in memory
+ * by the compiler: a store-load chain per instruction, measured 2x slower). */
 typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride,
                         int n0, int n1, int K);
 
-#define ROWS_KERNEL(NAME, ROWS, T, LANES, MASK_T, LOAD, FMA, STORE)                                            \
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512: 16 fp32 lanes; K needs no particular multiple: the last chunk of a row is loaded masked, zeros beyond K.
+ * bf16 uses the AVX512-BF16 dot-product instruction (two products per fp32 lane) where the CPU has it; without it
+ * bf16 takes the AVX2 kernels below. */
+#define ROWS512_KERNEL(NAME, ROWS, T, LANES, MASK_T, LOAD, FMA, STORE)                                         \
     static void NAME##_##ROWS(const void *xv, int64_t x_stride, const void *wv, const void *biasv, void *yv,        \
                               int64_t y_stride, int n0, int n1, int K) {                                            \
         const T *x = (const T *)xv, *w = (const T *)wv, *bias = (const T *)biasv;                                   \
@@ -273,43 +249,117 @@ typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const vo
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;         \
             for (int k = 0; k < full; k += LANES) {                                                                 \
                 const __m512i wk = LOAD(all, row + k);                                                              \
-                ACC(0, all, LOAD, FMA) ACC(1, all, LOAD, FMA) ACC(2, all, LOAD, FMA) ACC(3, all, LOAD, FMA)         \
-                ACC(4, all, LOAD, FMA) ACC(5, all, LOAD, FMA) ACC(6, all, LOAD, FMA) ACC(7, all, LOAD, FMA)         \
+                ACC512(0, all, LOAD, FMA) ACC512(1, all, LOAD, FMA) ACC512(2, all, LOAD, FMA)                       \
+                ACC512(3, all, LOAD, FMA) ACC512(4, all, LOAD, FMA) ACC512(5, all, LOAD, FMA)                       \
+                ACC512(6, all, LOAD, FMA) ACC512(7, all, LOAD, FMA)                                                 \
             }                                                                                                       \
             if (tail) {                                                                                             \
                 const int k = full;                                                                                 \
                 const __m512i wk = LOAD(tail, row + k);                                                             \
-                ACC(0, tail, LOAD, FMA) ACC(1, tail, LOAD, FMA) ACC(2, tail, LOAD, FMA) ACC(3, tail, LOAD, FMA)     \
-                ACC(4, tail, LOAD, FMA) ACC(5, tail, LOAD, FMA) ACC(6, tail, LOAD, FMA) ACC(7, tail, LOAD, FMA)     \
+                ACC512(0, tail, LOAD, FMA) ACC512(1, tail, LOAD, FMA) ACC512(2, tail, LOAD, FMA)                    \
+                ACC512(3, tail, LOAD, FMA) ACC512(4, tail, LOAD, FMA) ACC512(5, tail, LOAD, FMA)                    \
+                ACC512(6, tail, LOAD, FMA) ACC512(7, tail, LOAD, FMA)                                               \
             }                                                                                                       \
             STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)                                 \
         }                                                                                                           \
     }
-#define ACC(r, mask, LOAD, FMA) if (R > r) a##r = FMA(a##r, LOAD(mask, x + r * x_stride + k), wk);
+#define ACC512(r, mask, LOAD, FMA) if (R > r) a##r = FMA(a##r, LOAD(mask, x + r * x_stride + k), wk);
 
-#define FP32_LOAD(mask, p) _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p))
-#define FP32_FMA(acc, xk, wk) _mm512_fmadd_ps(_mm512_castsi512_ps(xk), _mm512_castsi512_ps(wk), acc)
-#define FP32_STORE(r) if (R > r) y[r * y_stride + n] = _mm512_reduce_add_ps(a##r) + (bias ? bias[n] : 0.0f);
-#define FP32_ROWS(ROWS) ROWS_KERNEL(fp32_rows, ROWS, float, 16, __mmask16, FP32_LOAD, FP32_FMA, FP32_STORE)
-FP32_ROWS(1) FP32_ROWS(2) FP32_ROWS(3) FP32_ROWS(4) FP32_ROWS(5) FP32_ROWS(6) FP32_ROWS(7) FP32_ROWS(8)
-static const rows_fn fp32_rows[8] = {fp32_rows_1, fp32_rows_2, fp32_rows_3, fp32_rows_4,
-                                     fp32_rows_5, fp32_rows_6, fp32_rows_7, fp32_rows_8};
+#define FP32_LOAD512(mask, p) _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p))
+#define FP32_FMA512(acc, xk, wk) _mm512_fmadd_ps(_mm512_castsi512_ps(xk), _mm512_castsi512_ps(wk), acc)
+#define FP32_STORE512(r) if (R > r) y[r * y_stride + n] = _mm512_reduce_add_ps(a##r) + (bias ? bias[n] : 0.0f);
+#define FP32_ROWS512(ROWS) \
+    ROWS512_KERNEL(fp32_rows512, ROWS, float, 16, __mmask16, FP32_LOAD512, FP32_FMA512, FP32_STORE512)
+FP32_ROWS512(1) FP32_ROWS512(2) FP32_ROWS512(3) FP32_ROWS512(4)
+FP32_ROWS512(5) FP32_ROWS512(6) FP32_ROWS512(7) FP32_ROWS512(8)
+static const rows_fn fp32_rows512[8] = {fp32_rows512_1, fp32_rows512_2, fp32_rows512_3, fp32_rows512_4,
+                                        fp32_rows512_5, fp32_rows512_6, fp32_rows512_7, fp32_rows512_8};
 
 #ifdef __AVX512BF16__
-#define BF16_LOAD(mask, p) _mm512_maskz_loadu_epi16(mask, p)
-#define BF16_FMA(acc, xk, wk) _mm512_dpbf16_ps(acc, (__m512bh)(xk), (__m512bh)(wk))
-#define BF16_STORE(r)                                                                                             \
+#define BF16_LOAD512(mask, p) _mm512_maskz_loadu_epi16(mask, p)
+#define BF16_FMA512(acc, xk, wk) _mm512_dpbf16_ps(acc, (__m512bh)(xk), (__m512bh)(wk))
+#define BF16_STORE512(r)                                                                                          \
     if (R > r) y[r * y_stride + n] = float_to_bf16(_mm512_reduce_add_ps(a##r) + (bias ? bf16_to_float(bias[n]) : 0.0f));
-#define BF16_ROWS(ROWS) ROWS_KERNEL(bf16_rows, ROWS, uint16_t, 32, __mmask32, BF16_LOAD, BF16_FMA, BF16_STORE)
-BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6) BF16_ROWS(7) BF16_ROWS(8)
-static const rows_fn bf16_rows[8] = {bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4,
-                                     bf16_rows_5, bf16_rows_6, bf16_rows_7, bf16_rows_8};
+#define BF16_ROWS512(ROWS) \
+    ROWS512_KERNEL(bf16_rows512, ROWS, uint16_t, 32, __mmask32, BF16_LOAD512, BF16_FMA512, BF16_STORE512)
+BF16_ROWS512(1) BF16_ROWS512(2) BF16_ROWS512(3) BF16_ROWS512(4)
+BF16_ROWS512(5) BF16_ROWS512(6) BF16_ROWS512(7) BF16_ROWS512(8)
+static const rows_fn bf16_rows512[8] = {bf16_rows512_1, bf16_rows512_2, bf16_rows512_3, bf16_rows512_4,
+                                        bf16_rows512_5, bf16_rows512_6, bf16_rows512_7, bf16_rows512_8};
+#endif
 #endif
 
+/* AVX2 + FMA: 8 fp32 lanes. x always comes in fp32 (bf16 rows are widened once per call, see brisk_linear); bf16
+ * weights are widened to fp32 by a shift (bf16 is the top half of an fp32), so every product is exact in fp32 and
+ * summed by FMA. The last K % 8 columns of a row are summed in scalar code. */
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+
+#define ROWS256_KERNEL(NAME, ROWS, TW, LOADW, W_TO_FLOAT, STORE)                                                     \
+    static void NAME##_##ROWS(const void *xv, int64_t x_stride, const void *wv, const void *biasv, void *yv,        \
+                              int64_t y_stride, int n0, int n1, int K) {                                            \
+        const float *x = (const float *)xv;                                                                         \
+        const TW *w = (const TW *)wv, *bias = (const TW *)biasv;                                                    \
+        TW *y = (TW *)yv;                                                                                           \
+        const int R = ROWS, full = K - K % 8;                                                                       \
+        for (int n = n0; n < n1; n++) {                                                                             \
+            const TW *row = w + (int64_t)n * K;                                                                     \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;         \
+            for (int k = 0; k < full; k += 8) {                                                                     \
+                const __m256 wk = LOADW(row + k);                                                                   \
+                ACC256(0) ACC256(1) ACC256(2) ACC256(3) ACC256(4) ACC256(5) ACC256(6) ACC256(7)                     \
+            }                                                                                                       \
+            float tail[8] = {0};                                                                                    \
+            for (int k = full; k < K; k++)                                                                          \
+                for (int r = 0; r < R; r++) tail[r] += x[r * x_stride + k] * W_TO_FLOAT(row[k]);                   \
+            STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)                                 \
+        }                                                                                                           \
+    }
+#define ACC256(r) if (R > r) a##r = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + k), wk, a##r);
+#define FP32_LOAD256(p) _mm256_loadu_ps(p)
+#define FLOAT_AS_IS(v) (v)
+#define FP32_STORE256(r) if (R > r) y[r * y_stride + n] = hsum256(a##r) + tail[r] + (bias ? bias[n] : 0.0f);
+#define BF16_LOAD256(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define BF16_STORE256(r)                                                                                          \
+    if (R > r) y[r * y_stride + n] = float_to_bf16(hsum256(a##r) + tail[r] + (bias ? bf16_to_float(bias[n]) : 0.0f));
+#define FP32_ROWS256(ROWS) ROWS256_KERNEL(fp32_rows256, ROWS, float, FP32_LOAD256, FLOAT_AS_IS, FP32_STORE256)
+#define BF16_ROWS256(ROWS) ROWS256_KERNEL(bf16_rows256, ROWS, uint16_t, BF16_LOAD256, bf16_to_float, BF16_STORE256)
+FP32_ROWS256(1) FP32_ROWS256(2) FP32_ROWS256(3) FP32_ROWS256(4)
+FP32_ROWS256(5) FP32_ROWS256(6) FP32_ROWS256(7) FP32_ROWS256(8)
+BF16_ROWS256(1) BF16_ROWS256(2) BF16_ROWS256(3) BF16_ROWS256(4)
+BF16_ROWS256(5) BF16_ROWS256(6) BF16_ROWS256(7) BF16_ROWS256(8)
+static const rows_fn fp32_rows256[8] __attribute__((unused)) = {
+    fp32_rows256_1, fp32_rows256_2, fp32_rows256_3, fp32_rows256_4,
+    fp32_rows256_5, fp32_rows256_6, fp32_rows256_7, fp32_rows256_8};
+static const rows_fn bf16_rows256[8] __attribute__((unused)) = {
+    bf16_rows256_1, bf16_rows256_2, bf16_rows256_3, bf16_rows256_4,
+    bf16_rows256_5, bf16_rows256_6, bf16_rows256_7, bf16_rows256_8};
+
+/* The kernels for this dtype in this build; *x_in_fp32: they take x in fp32 whatever the dtype. */
+static const rows_fn *vector_rows(int is_bf16, int *x_in_fp32) {
+    *x_in_fp32 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512BF16__
+    if (is_bf16) return bf16_rows512;
+#endif
+    if (!is_bf16) return fp32_rows512;
+#else
+    if (!is_bf16) return fp32_rows256;
+#endif
+    *x_in_fp32 = 1;
+    return bf16_rows256;
+}
+
 /* All M rows against the weight, 8 at a time. Each thread takes tiles of weight rows small enough (~256 KB) to stay
- * in its L2 cache while every group of 8 rows passes over them: the weight is read from memory once per call. */
-static void linear_tiled(const rows_fn by_rows[8], size_t elt, const char *x, int64_t x_stride, const void *w,
-                         const void *bias, char *y, int64_t y_stride, int M, int N, int K, int num_threads) {
+ * in its L2 cache while every group of 8 rows passes over them: the weight is read from memory once per call.
+ * x_elt / elt: the bytes of an element of x / of the weight and y. */
+static void linear_tiled(const rows_fn by_rows[8], size_t x_elt, size_t elt, const char *x, int64_t x_stride,
+                         const void *w, const void *bias, char *y, int64_t y_stride, int M, int N, int K,
+                         int num_threads) {
     int tile = (int)((256 << 10) / ((size_t)K * elt));
     const int per_thread = (N + num_threads - 1) / num_threads;
     if (tile > per_thread) tile = per_thread;
@@ -320,42 +370,33 @@ static void linear_tiled(const rows_fn by_rows[8], size_t elt, const char *x, in
         const int n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
         for (int m = 0; m < M; m += 8) {
             const int rows = M - m < 8 ? M - m : 8;
-            by_rows[rows - 1](x + (size_t)m * x_stride * elt, x_stride, w, bias, y + (size_t)m * y_stride * elt,
+            by_rows[rows - 1](x + (size_t)m * x_stride * x_elt, x_stride, w, bias, y + (size_t)m * y_stride * elt,
                               y_stride, n0, n1, K);
         }
     }
 }
 
-/* The AVX-512 kernels for this dtype, NULL where this CPU (as compiled for) has none. */
-static const rows_fn *vector_rows(int is_bf16) {
-#ifdef __AVX512BF16__
-    if (is_bf16) return bf16_rows;
-#endif
-    return is_bf16 ? NULL : fp32_rows;
-}
-#endif
-
-/* Whether brisk_linear has a vector path for this dtype on this CPU: any number of rows in one pass over the
- * weight. Without one it makes a pass per row (callers then give it single rows only). */
-int brisk_linear_vectorized(int is_bf16) {
+int brisk_vector_bits(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    return vector_rows(is_bf16) != NULL;
+    return 512;
 #else
-    (void)is_bf16;
-    return 0;
+    return 256;
 #endif
 }
 
 void brisk_linear(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride, int M,
                   int N, int K, int is_bf16, int num_threads) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    const rows_fn *by_rows = vector_rows(is_bf16);
-    if (by_rows) {
-        linear_tiled(by_rows, is_bf16 ? 2 : 4, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
+    const size_t elt = is_bf16 ? 2 : 4;
+    int x_in_fp32;
+    const rows_fn *by_rows = vector_rows(is_bf16, &x_in_fp32);
+    if (!x_in_fp32 || !is_bf16) {
+        linear_tiled(by_rows, elt, elt, x, x_stride, w, bias, y, y_stride, M, N, K, num_threads);
         return;
     }
-#endif
-    linear_by_row(x, x_stride, w, bias, y, y_stride, M, N, K, is_bf16, num_threads);
+    float *xf = malloc((size_t)M * K * sizeof(float)); /* a decode step's rows: at most 64 x K */
+    for (int m = 0; m < M; m++) load_row(x, 1, (int64_t)m * x_stride, K, xf + (size_t)m * K);
+    linear_tiled(by_rows, sizeof(float), elt, (const char *)xf, K, w, bias, y, y_stride, M, N, K, num_threads);
+    free(xf);
 }
 
 /* gpt-oss's experts for a decode step: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j], in one

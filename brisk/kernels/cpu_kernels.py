@@ -1,11 +1,12 @@
 """Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation and
 experts, decode-sized matmul, random sampling.
 
-The source is compiled once per machine with the system C compiler (`cc`, or $CC) into the user's cache
-(~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), keyed by the source, the flags, the compiler and the CPU's
-feature flags (the build targets this CPU: -march=native). No compiler, or a failed build: `load_cpu_kernels`
-returns None and the callers keep their PyTorch paths. Its OpenMP runtime is the one torch already loaded
-(same soname, libgomp.so.1), so the two share one thread pool.
+The source is compiled for one instruction set (`ISA_FLAGS`: "avx512", or "avx2" = AVX2 + FMA) with the system C
+compiler (`cc`, or $CC) into the user's cache (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), once per
+machine, keyed by the source, the flags, the compiler and the CPU's feature flags. The config field `cpu_kernels`
+picks the instruction set (auto: the best this CPU runs; see brisk.host); where none fits, or there is no compiler,
+or the build fails, `load_cpu_kernels` returns None and the callers keep their PyTorch paths. Its OpenMP runtime is
+the one torch already loaded (same soname, libgomp.so.1), so the two share one thread pool.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ from pathlib import Path
 
 import torch
 
+from brisk.host import check_cpu_kernels_choice, cpu_info, cpu_kernel_isas
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
+# -march=native tunes for this CPU; -mno-avx512f keeps every AVX-512 instruction out of the avx2 build (so that an
+# AVX-512 machine runs and tests exactly what an AVX2-only CPU runs).
+ISA_FLAGS = {"avx512": ("-march=native",), "avx2": ("-march=native", "-mno-avx512f")}
+VECTOR_BITS = {"avx512": 512, "avx2": 256}  # what the build reports (brisk_vector_bits)
 # Linked in a second step without -ffast-math: linked with it, the library would carry crtfastmath.o, which turns
 # on flush-to-zero for the whole process when loaded (every torch op would then lose subnormals).
 LINK_FLAGS = ["-shared", "-fopenmp"]
@@ -86,30 +93,24 @@ MOE_ARGTYPES = [
 ]
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "brisk" / "kernels"
 
 
-def build_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> Path | None:
-    """Path of the compiled library, building it if this machine has none yet; None if it cannot be built.
-    (Tests build it with other flags too: without AVX-512, to check the code for other CPUs.)"""
+def build_cpu_kernels(isa: str) -> Path | None:
+    """Path of the library compiled for `isa` (a key of ISA_FLAGS), building it if this machine has none yet; None
+    if it cannot be built (no compiler, or the build failed: logged)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning("no C compiler found: brisk's CPU kernels are not built, the PyTorch paths run instead")
         return None
+    compile_flags = (*COMPILE_FLAGS, *ISA_FLAGS[isa])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key_parts = [SOURCE.read_text(), *compile_flags, *LINK_FLAGS, *LIBS, version, platform.machine(), _cpu_flags()]
+    flags = " ".join(sorted(cpu_info().flags))
+    key_parts = [SOURCE.read_text(), *compile_flags, *LINK_FLAGS, *LIBS, version, platform.machine(), flags]
     key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,7 @@ def build_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> Path | 
         for step in (compile_step, [compiler, *LINK_FLAGS, obj, "-o", lib, *LIBS]):
             build = subprocess.run(step, capture_output=True, text=True)
             if build.returncode != 0:
-                logger.warning("building the CPU kernels failed, staying on the PyTorch paths:\n%s", build.stderr)
+                logger.warning("building the %s CPU kernels failed:\n%s", isa, build.stderr)
                 return None
         os.replace(lib, target)
     return target
@@ -128,15 +129,16 @@ def build_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> Path | 
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The bound kernels. Callers check what a kernel accepts (see each method) and keep torch for the rest."""
+    """The bound kernels of one build (`isa`). Callers check what a kernel accepts (see each method) and keep torch
+    for the rest."""
 
+    isa: str
     attention_fn: ctypes._CFuncPtr
     rms_norm_fn: ctypes._CFuncPtr
     swiglu_fn: ctypes._CFuncPtr
     linear_fn: ctypes._CFuncPtr
     moe_fn: ctypes._CFuncPtr
     sample_fn: ctypes._CFuncPtr
-    linear_vectorized: dict[torch.dtype, bool]  # dtypes whose matmul takes many rows in one pass over the weight
 
     def decode_attention(
         self,
@@ -239,14 +241,15 @@ class CpuKernels:
         )
         return out
 
-    def linear_accepts(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """A decode-sized matmul, which the kernel computes reading the weight once: up to LINEAR_MAX_ROWS rows
-        where it has a vector path for the dtype (AVX-512), else one row; same dtype throughout, rows contiguous."""
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
-            return False
-        max_rows = LINEAR_MAX_ROWS if self.linear_vectorized[x.dtype] else 1
+    @staticmethod
+    def linear_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """A decode-sized matmul, which the kernel computes reading the weight once: up to LINEAR_MAX_ROWS rows,
+        same dtype throughout (fp32 or bf16), rows contiguous."""
         return (
-            0 < x.shape[0] <= max_rows
+            x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and 0 < x.shape[0] <= LINEAR_MAX_ROWS
             and x.device.type == "cpu"
             and weight.dtype == x.dtype
             and weight.is_contiguous()
@@ -353,15 +356,37 @@ class CpuKernels:
         return out
 
 
-def load_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> CpuKernels | None:
-    path = build_cpu_kernels(compile_flags)
-    if path is None:
+def load_cpu_kernels(choice: str = "auto") -> CpuKernels | None:
+    """The kernels for the config field `cpu_kernels` (auto, avx512, avx2 or torch), or None where the PyTorch ops
+    run; the choice is logged. A forced instruction set this CPU lacks, or whose build fails, raises ValueError."""
+    isas = cpu_kernel_isas()
+    check_cpu_kernels_choice(choice, isas)
+    isa = (isas[0] if isas else None) if choice == "auto" else None if choice == "torch" else choice
+    if isa is None:
+        why = "asked for (cpu_kernels: torch)" if choice == "torch" else "this CPU has neither AVX-512 nor AVX2 + FMA"
+        logger.info("CPU kernels: PyTorch ops (%s)", why)
         return None
+    path = build_cpu_kernels(isa)
+    kernels = None if path is None else _bind(isa, path)
+    if kernels is None:
+        if choice != "auto":
+            raise ValueError(f"cpu_kernels: the {isa} kernels asked for could not be built or loaded (see the log)")
+        logger.warning("CPU kernels: PyTorch ops (the %s kernels could not be built or loaded)", isa)
+        return None
+    logger.info("CPU kernels: %s build (%s)", isa, path)
+    return kernels
+
+
+def _bind(isa: str, path: Path) -> CpuKernels | None:
     try:
         library = ctypes.CDLL(str(path))
     except OSError as e:
-        logger.warning("loading the CPU kernels failed, staying on the PyTorch paths: %s", e)
+        logger.warning("loading the CPU kernels failed: %s", e)
         return None
+    bits = library.brisk_vector_bits
+    bits.argtypes, bits.restype = [], _i32
+    if bits() != VECTOR_BITS[isa]:
+        raise RuntimeError(f"{path} was built for {bits()}-bit vectors, not {isa}'s {VECTOR_BITS[isa]}")
     bound = []
     for name, argtypes in (
         ("brisk_decode_attention", ATTENTION_ARGTYPES),
@@ -374,11 +399,4 @@ def load_cpu_kernels(compile_flags: tuple[str, ...] = COMPILE_FLAGS) -> CpuKerne
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
         bound.append(fn)
-    vectorized = library.brisk_linear_vectorized
-    vectorized.argtypes, vectorized.restype = [_i32], _i32
-    return CpuKernels(
-        *bound,
-        linear_vectorized={
-            dtype: bool(vectorized(int(dtype == torch.bfloat16))) for dtype in (torch.float32, torch.bfloat16)
-        },
-    )
+    return CpuKernels(isa, *bound)

@@ -265,8 +265,8 @@ def make_attention_backend(name: str, device: torch.device, cpu_kernels: CpuKern
     if name == "cpu":
         if cpu_kernels is None or device.type != "cpu":
             raise ValueError(
-                "attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: true "
-                "and a C compiler: see the log)"
+                "attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: auto, avx512 "
+                "or avx2, a CPU that runs them and a C compiler: see the log)"
             )
         from brisk.layers.attention_cpu import CpuAttentionBackend
 

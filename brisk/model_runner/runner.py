@@ -82,12 +82,6 @@ def keep_freed_memory_in_the_heap() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class ModelRunner:
     """One rank's model and KV cache. `cpu_group` (a gloo group) is where ranks agree on the KV size."""
 
@@ -119,7 +113,7 @@ class ModelRunner:
             keep_freed_memory_in_the_heap()
             if config.cpu_weight_prepack:
                 prepack_weights(self.model)
-            self.cpu_kernels = load_cpu_kernels() if config.cpu_kernels else None
+            self.cpu_kernels = load_cpu_kernels(config.cpu_kernels)
             for module in self.model.modules():  # linears, LM head, norms, MoE layers
                 if hasattr(module, "cpu_kernels"):
                     module.cpu_kernels = self.cpu_kernels

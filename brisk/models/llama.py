@@ -23,8 +23,7 @@ from brisk.layers.rotary import RotaryEmbedding
 
 
 def text_config(model_config: ModelConfig):
-    hf = model_config.hf_config
-    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return model_config.text_config
 
 
 class DecoderAttention(nn.Module):

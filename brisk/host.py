@@ -1,0 +1,90 @@
+"""Facts about the machine brisk runs on, each read in one place: the CPU's name and feature flags, the instruction
+sets brisk's C kernels are built for that this CPU runs, and the torch device a rank computes on."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# brisk's CPU kernels (brisk/kernels/cpu_kernels.c) are built for one of these instruction sets, best first, and
+# need these /proc/cpuinfo flags for it; on any other CPU (or with no C compiler) the PyTorch ops run.
+CPU_KERNEL_ISAS: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx2", "fma"}),
+    "avx2": frozenset({"avx2", "fma"}),
+}
+CPU_KERNEL_CHOICES = ("auto", *CPU_KERNEL_ISAS, "torch")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model_name: str
+    flags: frozenset[str]
+
+
+def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
+    """The first processor's model name and flags (Linux); elsewhere platform's name and no flags."""
+    name, flags = "", frozenset[str]()
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not name:
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:  # x86 / Arm
+                    flags = frozenset(value.split())
+                elif not key and (name or flags):  # the blank line after the first processor
+                    break
+    except OSError:
+        pass
+    return CpuInfo(name or platform.processor() or platform.machine(), flags)
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """AVX512-BF16 or AMX: the CPU multiplies bf16 natively."""
+    flags = cpu_info().flags if flags is None else flags
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_kernel_isas(flags: frozenset[str] | None = None, machine: str | None = None) -> tuple[str, ...]:
+    """The instruction sets of brisk's CPU kernels this CPU runs, best first (empty: not x86-64, or too old)."""
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
+        return ()
+    flags = cpu_info().flags if flags is None else flags
+    return tuple(isa for isa, needs in CPU_KERNEL_ISAS.items() if needs <= flags)
+
+
+def check_cpu_kernels_choice(choice: str, isas: tuple[str, ...] | None = None) -> None:
+    """A forced instruction set this CPU lacks is an error (ValueError, for the config field `cpu_kernels`)."""
+    isas = cpu_kernel_isas() if isas is None else isas
+    if choice in CPU_KERNEL_ISAS and choice not in isas:
+        needs = ", ".join(sorted(CPU_KERNEL_ISAS[choice]))
+        runs = ", ".join(isas) or "none: PyTorch ops only"
+        raise ValueError(f"'{choice}' needs a CPU with {needs}; this one runs: {runs} (use auto, or torch)")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The torch device a rank computes on: `device` 'auto' is CUDA where torch sees a GPU, else the CPU; on CUDA
+    the rank's GPU is cuda:LOCAL_RANK, made the current device."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if device.index is not None:
+        return device
+    if local_rank >= torch.cuda.device_count():
+        from brisk.config import ConfigError
+
+        raise ConfigError(
+            f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
+            f"{torch.cuda.device_count()}; lower tp_size or add nodes"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
