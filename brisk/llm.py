@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,25 +24,42 @@ Message = dict[str, Any]
 
 
 class LLM:
+    """The offline engine of one model. It holds the engine and, with tp_size > 1, the worker processes and the
+    process group: released by `close()`, at the end of a `with` block, when the object is garbage-collected, or at
+    interpreter exit, whichever comes first (once)."""
+
     def __init__(
         self, model: str, *, tokenizer: str | None = None, extra_llm_api_options: str | None = None, **options
     ):
         path = resolve_model_path(model, options.get("revision"))
         self.config = EngineConfig.build(path, extra_llm_api_options, tokenizer=tokenizer, **options)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
-        self.engine = EngineCore(self.config)
+        self._engine = EngineCore(self.config)
+        # Holds the engine, not self: the finalizer runs when this object goes (or at exit, or on close()).
+        self._release = weakref.finalize(self, self._engine.shutdown)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    @property
+    def engine(self) -> EngineCore:
+        if not self._release.alive:
+            raise RuntimeError("this LLM was closed: create a new one")
+        return self._engine
+
+    def close(self) -> None:
+        """Stop the worker ranks (tp_size > 1) and leave the process group; the LLM cannot generate afterwards.
+        Calling it again does nothing."""
+        self._release()
+
     def shutdown(self) -> None:
-        """Stop the worker ranks (tp_size > 1); the engine cannot be used afterwards."""
-        self.engine.shutdown()
+        """The same as `close()`."""
+        self.close()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+        self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults, as vLLM applies them."""

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+import torch.distributed as dist
 
 from brisk import LLM, SamplingParams
 from brisk.engine.core import InvalidRequestError
@@ -134,3 +139,65 @@ def test_abort_releases_blocks(llm):
     outs = engine.abort_request("x")
     assert [o.finish_reason for o in outs] == ["abort"]
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------------------------
+def _child_pids() -> set[int]:
+    """This process's live children (Linux /proc), e.g. the worker ranks of a tp_size > 1 engine."""
+    pids: set[int] = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads children from Linux /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_an_llm_dropped_without_close_releases_everything(tmp_path, tp_size):
+    # Created, dropped (no close, no `with`), created again: the first one's workers and process group are gone
+    # before the second joins its own world ("default process group twice" before the finalizer existed).
+    path = str(make_tiny_llama_with_tokenizer(tmp_path / "llama"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = _child_pids()
+    llm = LLM(path, tp_size=tp_size, max_num_tokens=64)
+    workers = _child_pids() - before
+    assert len(workers) == tp_size - 1  # rank 0 is this process
+    first = _tokens(llm.generate(PROMPTS[:2], params))
+    del llm
+    assert _child_pids() == before and not dist.is_initialized()
+    with LLM(path, tp_size=tp_size, max_num_tokens=64) as again:
+        assert _tokens(again.generate(PROMPTS[:2], params)) == first
+    assert _child_pids() == before and not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        again.generate(PROMPTS[0], params)
+    again.close()  # a second close does nothing
+
+
+@needs_proc
+def test_a_second_world_while_the_first_is_open_is_a_clear_error(tmp_path):
+    path = str(make_tiny_llama_with_tokenizer(tmp_path / "llama"))
+    before = _child_pids()
+    with LLM(path, tp_size=2, max_num_tokens=64):
+        with pytest.raises(RuntimeError, match="another engine with tp_size > 1 is still open here"):
+            LLM(path, tp_size=2, max_num_tokens=64)
+        assert len(_child_pids() - before) == 1  # the refused one spawned nothing
+    assert _child_pids() == before
+
+
+@needs_proc
+def test_workers_are_stopped_at_interpreter_exit(tmp_path):
+    # A script that never closes its LLM: at exit its worker is stopped (not orphaned) and the script exits 0.
+    path = make_tiny_llama_with_tokenizer(tmp_path / "llama")
+    script = (
+        "import os\n"
+        "from brisk import LLM\n"
+        f"llm = LLM({str(path)!r}, tp_size=2, max_num_tokens=64)\n"
+        "print(*(p.pid for p in llm.engine.executor._workers), flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (worker,) = (int(p) for p in done.stdout.split())
+    assert not os.path.exists(f"/proc/{worker}")  # exited and reaped by the script before it exited

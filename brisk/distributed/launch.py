@@ -11,6 +11,7 @@ Two ways in, as with vLLM / TensorRT-LLM:
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -69,7 +70,15 @@ def rank_place(config: EngineConfig, env: dict[str, int]) -> WorldPlace:
 
 
 def rank0_place(config: EngineConfig) -> WorldPlace:
-    """Rank 0's place: from the launcher's variables, else a fresh local world that rank 0 will spawn."""
+    """Rank 0's place: from the launcher's variables, else a fresh local world that rank 0 will spawn. Checked
+    before any worker is spawned: a process joins one world at a time."""
+    if dist.is_initialized():
+        gc.collect()  # an engine dropped inside a reference cycle leaves its world when collected (LLM's finalizer)
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process is already in a distributed world: another engine with tp_size > 1 is still open here "
+            "(close() its LLM, or leave its `with` block, before creating the next one)"
+        )
     env = launcher_env()
     if env is None:
         return WorldPlace(0, config.tp_size, 0, f"tcp://127.0.0.1:{free_port()}", launched_externally=False)

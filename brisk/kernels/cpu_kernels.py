@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,12 +134,12 @@ class CpuKernels:
     for the rest."""
 
     isa: str
-    attention_fn: ctypes._CFuncPtr
-    rms_norm_fn: ctypes._CFuncPtr
-    swiglu_fn: ctypes._CFuncPtr
-    linear_fn: ctypes._CFuncPtr
-    moe_fn: ctypes._CFuncPtr
-    sample_fn: ctypes._CFuncPtr
+    attention_fn: Callable[..., None]
+    rms_norm_fn: Callable[..., None]
+    swiglu_fn: Callable[..., None]
+    linear_fn: Callable[..., None]
+    moe_fn: Callable[..., None]
+    sample_fn: Callable[..., None]
 
     def decode_attention(
         self,
