@@ -237,8 +237,9 @@ def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
     assert not kernels.swiglu_accepts(gate_up.half()) and not kernels.swiglu_accepts(gate_up.t())
 
 
-# 40: a masked last chunk for AVX-512's 16 lanes; 36: a scalar tail after AVX2's 8 lanes
-@pytest.mark.parametrize("k, n", [(512, 1024), (40, 24), (36, 20), (2880, 333), (64, 4160)])
+# 40: a masked last chunk for AVX-512's 16 lanes; 36: a scalar tail after AVX2's 8 lanes; 1100: AVX2's columns in
+# two chunks, the second ending in 16s, an 8 and a scalar tail
+@pytest.mark.parametrize("k, n", [(512, 1024), (40, 24), (36, 20), (1100, 40), (2880, 333), (64, 4160)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_kernel_matches_torch(kernels, k, n, with_bias):
     g = torch.Generator().manual_seed(k + n)

@@ -291,41 +291,68 @@ static const rows_fn bf16_rows512[8] = {bf16_rows512_1, bf16_rows512_2, bf16_row
 
 /* AVX2 + FMA: 8 fp32 lanes. x always comes in fp32 (bf16 rows are widened once per call, see brisk_linear); bf16
  * weights are widened to fp32 by a shift (bf16 is the top half of an fp32), so every product is exact in fp32 and
- * summed by FMA. The last K % 8 columns of a row are summed in scalar code. */
+ * summed by FMA. Columns go in chunks of KC256, so the 8 rows' chunk of x (32 KB) stays in L1 while the tile's
+ * weight rows pass (whole rows of x fell out of L1 at gpt-oss's K = 2880: 4x slower at 32 rows); partial sums per
+ * (row, weight row) in `sums`. Up to 4 rows take two accumulators a row (two weight vectors per iteration): one
+ * FMA chain a row waits on the FMA latency (measured: half the memory speed at 1 row). The last K % 8 columns of a
+ * row are summed in scalar code. */
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
 }
 
+#define KC256 1024
 #define ROWS256_KERNEL(NAME, ROWS, TW, LOADW, W_TO_FLOAT, STORE)                                                     \
     static void NAME##_##ROWS(const void *xv, int64_t x_stride, const void *wv, const void *biasv, void *yv,        \
                               int64_t y_stride, int n0, int n1, int K) {                                            \
         const float *x = (const float *)xv;                                                                         \
         const TW *w = (const TW *)wv, *bias = (const TW *)biasv;                                                    \
         TW *y = (TW *)yv;                                                                                           \
-        const int R = ROWS, full = K - K % 8;                                                                       \
-        for (int n = n0; n < n1; n++) {                                                                             \
-            const TW *row = w + (int64_t)n * K;                                                                     \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;         \
-            for (int k = 0; k < full; k += 8) {                                                                     \
-                const __m256 wk = LOADW(row + k);                                                                   \
-                ACC256(0) ACC256(1) ACC256(2) ACC256(3) ACC256(4) ACC256(5) ACC256(6) ACC256(7)                     \
+        const int R = ROWS, width = n1 - n0;                                                                        \
+        float sums[ROWS * width];                                                                                   \
+        memset(sums, 0, sizeof(sums));                                                                              \
+        for (int k0 = 0; k0 < K; k0 += KC256) {                                                                     \
+            const int k1 = k0 + KC256 < K ? k0 + KC256 : K;                                                         \
+            const int end16 = k0 + (k1 - k0) / 16 * 16, end8 = k0 + (k1 - k0) / 8 * 8;                             \
+            for (int n = n0; n < n1; n++) {                                                                         \
+                const TW *row = w + (int64_t)n * K;                                                                 \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;     \
+                __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                                          \
+                int k = k0;                                                                                         \
+                if (R <= 4)                                                                                         \
+                    for (; k < end16; k += 16) {                                                                    \
+                        const __m256 wk = LOADW(row + k), wk2 = LOADW(row + k + 8);                                 \
+                        ACC2(0) ACC2(1) ACC2(2) ACC2(3)                                                             \
+                    }                                                                                               \
+                for (; k < end8; k += 8) {                                                                          \
+                    const __m256 wk = LOADW(row + k);                                                               \
+                    ACC256(0) ACC256(1) ACC256(2) ACC256(3) ACC256(4) ACC256(5) ACC256(6) ACC256(7)                 \
+                }                                                                                                   \
+                float *s = sums + (n - n0);                                                                         \
+                for (; k < k1; k++)                                                                                 \
+                    for (int r = 0; r < R; r++) s[r * width] += x[r * x_stride + k] * W_TO_FLOAT(row[k]);          \
+                a0 = _mm256_add_ps(a0, b0), a1 = _mm256_add_ps(a1, b1);                                             \
+                a2 = _mm256_add_ps(a2, b2), a3 = _mm256_add_ps(a3, b3);                                             \
+                SUM256(0) SUM256(1) SUM256(2) SUM256(3) SUM256(4) SUM256(5) SUM256(6) SUM256(7)                     \
             }                                                                                                       \
-            float tail[8] = {0};                                                                                    \
-            for (int k = full; k < K; k++)                                                                          \
-                for (int r = 0; r < R; r++) tail[r] += x[r * x_stride + k] * W_TO_FLOAT(row[k]);                   \
-            STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)                                 \
         }                                                                                                           \
+        for (int r = 0; r < R; r++)                                                                                 \
+            for (int n = n0; n < n1; n++) STORE(r, n, sums[r * width + n - n0]);                                    \
+    }
+#define ACC2(r)                                                                         \
+    if (R > r) {                                                                        \
+        a##r = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + k), wk, a##r);        \
+        b##r = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + k + 8), wk2, b##r);   \
     }
 #define ACC256(r) if (R > r) a##r = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + k), wk, a##r);
+#define SUM256(r) if (R > r) s[r * width] += hsum256(a##r);
 #define FP32_LOAD256(p) _mm256_loadu_ps(p)
 #define FLOAT_AS_IS(v) (v)
-#define FP32_STORE256(r) if (R > r) y[r * y_stride + n] = hsum256(a##r) + tail[r] + (bias ? bias[n] : 0.0f);
+#define FP32_STORE256(r, n, sum) y[r * y_stride + n] = sum + (bias ? bias[n] : 0.0f);
 #define BF16_LOAD256(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define BF16_STORE256(r)                                                                                          \
-    if (R > r) y[r * y_stride + n] = float_to_bf16(hsum256(a##r) + tail[r] + (bias ? bf16_to_float(bias[n]) : 0.0f));
+#define BF16_STORE256(r, n, sum) y[r * y_stride + n] = float_to_bf16(sum + (bias ? bf16_to_float(bias[n]) : 0.0f));
 #define FP32_ROWS256(ROWS) ROWS256_KERNEL(fp32_rows256, ROWS, float, FP32_LOAD256, FLOAT_AS_IS, FP32_STORE256)
 #define BF16_ROWS256(ROWS) ROWS256_KERNEL(bf16_rows256, ROWS, uint16_t, BF16_LOAD256, bf16_to_float, BF16_STORE256)
 FP32_ROWS256(1) FP32_ROWS256(2) FP32_ROWS256(3) FP32_ROWS256(4)
@@ -363,6 +390,7 @@ static void linear_tiled(const rows_fn by_rows[8], size_t x_elt, size_t elt, con
     int tile = (int)((256 << 10) / ((size_t)K * elt));
     const int per_thread = (N + num_threads - 1) / num_threads;
     if (tile > per_thread) tile = per_thread;
+    if (tile > 512) tile = 512; /* bounds the AVX2 kernels' partial sums on the stack (8 x 512 floats) */
     if (tile < 1) tile = 1;
     const int num_tiles = (N + tile - 1) / tile;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
