@@ -11,7 +11,8 @@ read by them at start-up) and take that CPU's dtype, fp32 (`auto` is bf16 only w
 
 Each point: `LLM.generate` of `batch` four-token prompts, `output-len` greedy tokens each (ignore_eos), timed after
 a warm-up generate at the same batch; tok/s = output tokens / seconds (prefill of 4 tokens included). One run per
-point: on a shared machine read ratios to one decimal. The gpt-oss models are written once into --models-dir by
+point: on a shared machine read ratios to one decimal; the table also gives tok/s per second of this process's CPU
+time (in brackets; with one thread, what the run computed while it held a core). The gpt-oss models are written once into --models-dir by
 benchmarks/make_compare_models.py's writer (random weights, the side-by-side shape). The greedy tokens of every
 path are compared with the torch path's and the agreement printed (bf16 paths may part after a near tie).
 """
@@ -45,14 +46,15 @@ def model_path(name: str, models_dir: Path) -> str:
     return str(path)
 
 
-def run(llm: LLM, batch: int, output_len: int) -> tuple[float, list[list[int]]]:
+def run(llm: LLM, batch: int, output_len: int) -> tuple[float, float, list[list[int]]]:
+    """(tok/s of wall time, tok/s of this process's CPU time, the tokens)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 50 for j in range(4)]} for i in range(batch)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    return batch * output_len / seconds, [o.outputs[0].token_ids for o in outs]
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return batch * output_len / wall, batch * output_len / cpu, [o.outputs[0].token_ids for o in outs]
 
 
 def main() -> int:
@@ -77,11 +79,10 @@ def main() -> int:
                 llm = LLM(path, cpu_kernels=kernels, dtype=dtype_option, max_batch_size=max(args.batch), seed=0)
                 dtype = str(llm.engine.model_config.dtype).removeprefix("torch.")
                 for batch in args.batch:
-                    tok_s, tokens[kernels, batch] = run(llm, batch, args.output_len)
-                    block.append(
-                        dict(model=model, dtype=dtype, cpu_kernels=kernels, batch=batch, tok_s=round(tok_s, 1))
-                    )
-                    print(f"{model:12s} {dtype:9s} {kernels:7s} batch {batch:3d}: {tok_s:9.1f} tok/s", flush=True)
+                    tok_s, cpu_tok_s, tokens[kernels, batch] = run(llm, batch, args.output_len)
+                    speed = dict(tok_s=round(tok_s, 1), cpu_tok_s=round(cpu_tok_s, 1))
+                    block.append(dict(model=model, dtype=dtype, cpu_kernels=kernels, batch=batch, **speed))
+                    print(f"{model:12s} {dtype:9s} {kernels:7s} batch {batch:3d}: {speed}", flush=True)
                 llm.close()
             for row in block:
                 if ("torch", row["batch"]) in tokens:
@@ -98,7 +99,7 @@ def main() -> int:
         for batch in args.batch:
             cells = {r["cpu_kernels"]: r for r in block if r["batch"] == batch}
             first = cells[args.paths[0]]
-            speeds = " | ".join(f"{cells[k]['tok_s']:,.0f}" for k in args.paths)
+            speeds = " | ".join(f"{cells[k]['tok_s']:,.0f} ({cells[k]['cpu_tok_s']:,.0f})" for k in args.paths)
             same = ", ".join(
                 f"{k} {cells[k]['same_tokens_as_torch']:.0%}"
                 for k in args.paths

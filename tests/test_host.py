@@ -1,0 +1,56 @@
+"""brisk.host: the CPU facts read from /proc/cpuinfo, the kernel instruction sets they allow, device resolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16, cpu_info, cpu_kernel_isas, resolve_device
+
+X86 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx fma avx2 bmi2
+
+processor\t: 1
+model name\t: another
+flags\t\t: fpu avx512f
+"""
+ARM = """processor\t: 0
+BogoMIPS\t: 50.00
+Features\t: fp asimd bf16 sve
+
+"""
+
+
+def test_the_first_processors_name_and_flags_are_read(tmp_path):
+    (tmp_path / "x86").write_text(X86)
+    info = cpu_info(str(tmp_path / "x86"))
+    assert info.model_name == "AMD EPYC 7B13"
+    assert info.flags == {"fpu", "sse2", "avx", "fma", "avx2", "bmi2"}  # not the second processor's
+    (tmp_path / "arm").write_text(ARM)
+    assert cpu_info(str(tmp_path / "arm")).flags == {"fp", "asimd", "bf16", "sve"}
+    missing = cpu_info(str(tmp_path / "none"))  # not Linux: a name from platform, no flags
+    assert missing.model_name and missing.flags == frozenset()
+
+
+def test_kernel_instruction_sets_follow_the_flags():
+    avx2 = frozenset({"avx2", "fma"})
+    avx512 = avx2 | {"avx512f", "avx512bw"}
+    assert cpu_kernel_isas(avx512, "x86_64") == ("avx512", "avx2")  # best first
+    assert cpu_kernel_isas(avx2, "x86_64") == ("avx2",)
+    assert cpu_kernel_isas(frozenset({"avx2"}), "x86_64") == ()  # AVX2 without FMA
+    assert cpu_kernel_isas(avx512, "aarch64") == ()
+    check_cpu_kernels_choice("avx2", ("avx2",))
+    check_cpu_kernels_choice("auto", ())  # auto and torch run anywhere
+    check_cpu_kernels_choice("torch", ())
+    with pytest.raises(ValueError, match="'avx512' needs a CPU with avx2, avx512bw, avx512f, fma; this one runs: avx2"):
+        check_cpu_kernels_choice("avx512", ("avx2",))
+    assert cpu_has_native_bf16(frozenset({"avx512_bf16"})) and cpu_has_native_bf16(frozenset({"amx_bf16"}))
+    assert not cpu_has_native_bf16(avx512)
+
+
+def test_one_device_resolution_for_every_rank():
+    assert resolve_device("cpu") == resolve_device("cpu", local_rank=1) == torch.device("cpu")
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto") == expected
