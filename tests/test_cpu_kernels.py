@@ -264,6 +264,22 @@ def test_linear_kernel_matches_torch(kernels, k, n, with_bias):
                 torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
 
 
+def test_avx512_build_without_avx512_bf16_matches_torch(request):
+    # AVX-512 CPUs without AVX512-BF16 (Skylake-SP, Ice Lake) take the AVX2 bf16 kernels inside the avx512 build.
+    skip_unless_isa_under_test(request.config, "avx512")
+    kernels = cpu_kernels.load_cpu_kernels("avx512", ("-mno-avx512bf16",))
+    assert kernels is not None
+    g = torch.Generator().manual_seed(11)
+    for k, n in ((1100, 40), (64, 300)):
+        weight, bias = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        for rows in (1, 3, 8, 17):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            reference = torch.nn.functional.linear(x, weight, bias)
+            out = kernels.linear(x, weight, bias)
+            assert (out == reference).float().mean() >= 0.99  # as in test_linear_kernel_matches_torch
+            torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
+
+
 def test_linear_takes_the_kernel_for_decode_sized_inputs_only(kernels, monkeypatch):
     calls = []
     monkeypatch.setattr(type(kernels), "linear", lambda self, x, *a: calls.append(x) or torch.zeros(x.shape[0], 8))

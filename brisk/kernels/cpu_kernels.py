@@ -99,14 +99,15 @@ def _cache_dir() -> Path:
     return Path(base) / "brisk" / "kernels"
 
 
-def build_cpu_kernels(isa: str) -> Path | None:
+def build_cpu_kernels(isa: str, extra_flags: tuple[str, ...] = ()) -> Path | None:
     """Path of the library compiled for `isa` (a key of ISA_FLAGS), building it if this machine has none yet; None
-    if it cannot be built (no compiler, or the build failed: logged)."""
+    if it cannot be built (no compiler, or the build failed: logged). `extra_flags`: tests build variants too (the
+    avx512 build as for an AVX-512 CPU without AVX512-BF16)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning("no C compiler found: brisk's CPU kernels are not built, the PyTorch paths run instead")
         return None
-    compile_flags = (*COMPILE_FLAGS, *ISA_FLAGS[isa])
+    compile_flags = (*COMPILE_FLAGS, *ISA_FLAGS[isa], *extra_flags)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     flags = " ".join(sorted(cpu_info().flags))
     key_parts = [SOURCE.read_text(), *compile_flags, *LINK_FLAGS, *LIBS, version, platform.machine(), flags]
@@ -357,7 +358,7 @@ class CpuKernels:
         return out
 
 
-def load_cpu_kernels(choice: str = "auto") -> CpuKernels | None:
+def load_cpu_kernels(choice: str = "auto", extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
     """The kernels for the config field `cpu_kernels` (auto, avx512, avx2 or torch), or None where the PyTorch ops
     run; the choice is logged. A forced instruction set this CPU lacks, or whose build fails, raises ValueError."""
     isas = cpu_kernel_isas()
@@ -367,7 +368,7 @@ def load_cpu_kernels(choice: str = "auto") -> CpuKernels | None:
         why = "asked for (cpu_kernels: torch)" if choice == "torch" else "this CPU has neither AVX-512 nor AVX2 + FMA"
         logger.info("CPU kernels: PyTorch ops (%s)", why)
         return None
-    path = build_cpu_kernels(isa)
+    path = build_cpu_kernels(isa, extra_flags)
     kernels = None if path is None else _bind(isa, path)
     if kernels is None:
         if choice != "auto":
