@@ -80,3 +80,14 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def exported_names(self) -> set[str]:
+        """Every sample name /metrics can show (a histogram's _bucket/_sum/_count, a counter's _total, ...),
+        labelled or not yet observed included: what dashboards, rules and autoscalers may reference."""
+        suffixes = {
+            "counter": ("_total", "_created"),
+            "histogram": ("_bucket", "_sum", "_count", "_created"),
+            "gauge": ("",),
+            "info": ("_info",),
+        }
+        return {family.name + s for family in self.registry.collect() for s in suffixes[family.type]}
