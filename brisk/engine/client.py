@@ -115,6 +115,7 @@ class AsyncEngineClient:
         self.output_processor = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
+        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []  # called with every stats message
         self.dead = False
         self.on_engine_death = on_engine_death
         self._queues: dict[str, DeltaBuffer] = {}
@@ -260,6 +261,8 @@ class AsyncEngineClient:
 
     async def _dispatch(self, msg: EngineOutputs) -> None:
         self.stats = msg.stats
+        for listener in self.stats_listeners:
+            listener(msg.stats)
         for failure in msg.failures:
             self.output_processor.abort(failure.request_id)
             buffer = self._queues.get(failure.request_id)

@@ -31,6 +31,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    scheduled_time: float = 0.0  # time.time() of the first step that scheduled it (0: not yet)
 
     @property
     def finished(self) -> bool:
@@ -71,6 +72,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    kv_usage_per_dp_rank: tuple[float, ...] = ()
+    iteration_tokens: tuple[int, ...] = ()  # tokens scheduled in each step since the last stats
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

@@ -74,6 +74,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         )
     )
     server_pid = os.getppid()
+    iteration_tokens: list[int] = []  # tokens of each step since stats were last sent (a step may send nothing)
     while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         batch = EngineOutputs([])
@@ -94,7 +95,9 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
         if core.has_unfinished_requests():
             batch.outputs.extend(core.step())
+            iteration_tokens.append(core.last_step_num_tokens)
         if batch.outputs or batch.failures:
-            batch.stats = core.stats()
+            batch.stats = core.stats(tuple(iteration_tokens))
+            iteration_tokens.clear()
             outbox.send(encoder.encode(batch))
     logger.error("the API server process is gone; the engine core exits")

@@ -27,7 +27,7 @@ from brisk.engine.client import AsyncEngineClient, EngineDeadError, RequestFaile
 from brisk.engine.output_processor import CompletionDelta
 from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError, error_body, error_response
-from brisk.server.metrics import ServerMetrics
+from brisk.server.metrics import RequestTiming, ServerMetrics
 from brisk.server.middleware import GuardMiddleware
 from brisk.server.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -55,6 +55,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
+        self.metrics.bind_engine(self.client, self.config)
 
     # ---- request helpers shared by the endpoints -----------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -122,15 +123,13 @@ class ServerState:
             logger.info(
                 "request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids, len(prompt_ids)
             )
-        start = time.perf_counter()
-        token_times: list[float] = []
+        timing = RequestTiming(rid, len(prompt_ids), params.max_tokens, params.n)
         last = None
         try:
             async for delta in self.client.generate(rid, prompt_ids, params, prompt, self.timeout_for(timeout)):
                 if delta.finish_reason == "error":
                     raise APIError(500, "The model produced non-finite logits for this request.", code="model_error")
-                if delta.token_ids:
-                    token_times.append(time.perf_counter())
+                timing.on_delta(delta)
                 last = delta
                 yield delta
         except EngineDeadError as exc:
@@ -138,16 +137,8 @@ class ServerState:
         except RequestFailedError as exc:
             raise APIError(400, str(exc)) from None
         finally:
-            if last is not None and last.output.finished:
-                outs = last.output.outputs
-                self.metrics.observe_request(
-                    len(prompt_ids),
-                    sum(len(o.token_ids) for o in outs),
-                    [o.finish_reason for o in outs],
-                    token_times[0] - start if token_times else None,
-                    token_times,
-                    time.perf_counter() - start,
-                )
+            timing.finish(last)
+            self.metrics.observe_request(timing)
 
 
 def build_app(state: ServerState) -> FastAPI:
