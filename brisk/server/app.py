@@ -30,6 +30,7 @@ from brisk.server.errors import APIError, error_body, error_response
 from brisk.server.metrics import RequestTiming, ServerMetrics
 from brisk.server.middleware import GuardMiddleware
 from brisk.server.protocol import DetokenizeRequest, TokenizeRequest
+from brisk.server.tracing import ObservabilityConfig, install_observability
 
 logger = logging.getLogger("brisk.server")
 T = TypeVar("T")
@@ -50,6 +51,7 @@ class ServerState:
     log_prompts: bool = False
     allowed_origins: list[str] = field(default_factory=list)
     draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # traces, logs, profiling
     metrics: ServerMetrics = field(init=False)
     started: float = field(default_factory=time.time)
 
@@ -153,6 +155,7 @@ def build_app(state: ServerState) -> FastAPI:
             allow_headers=["Authorization", "Content-Type"],
             allow_credentials=False,
         )
+    install_observability(app, state)  # HTTP metrics and traces, outermost: they see every response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

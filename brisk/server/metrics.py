@@ -7,10 +7,11 @@ server's clock for arrival, tokens and the end, the engine's for the step that f
 
 from __future__ import annotations
 
+import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -52,6 +53,8 @@ class RequestTiming:
     finish_reasons: list[str | None] = field(default_factory=list)
     completed: bool = False  # every completion finished (else: the client left or an error cut it short)
     end: float = 0.0
+    # The context the request started in (its HTTP span, when tracing): traces hang the request's spans there.
+    context: contextvars.Context | None = field(default_factory=contextvars.copy_context, repr=False)
 
     def on_delta(self, delta: CompletionDelta) -> None:
         if delta.token_ids:
@@ -191,6 +194,12 @@ class ServerMetrics:
             labels,
             registry=r,
         )
+        self.http_requests = Counter(
+            "brisk:http_requests",
+            "HTTP responses by route and status code (errors included)",
+            ["method", "path", "status"],
+            registry=r,
+        )
         self._last_totals = {"queries": 0, "hits": 0, "preemptions": 0}
         # Called with each finished request's timing (traces, the JSON request log).
         self.request_listeners: list[Callable[[RequestTiming], None]] = []
@@ -280,3 +289,40 @@ class ServerMetrics:
             "info": ("_info",),
         }
         return {family.name + s for family in self.registry.collect() for s in suffixes[family.type]}
+
+
+ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP response by method, route and status code (`brisk:http_requests_total`).
+
+    Paths the app does not route are counted as "other", so a scan of random URLs cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._routes: set[str] | None = None
+
+    def _route(self, scope: MutableMapping[str, Any]) -> str:
+        if self._routes is None:
+            router = scope.get("app")
+            self._routes = {getattr(r, "path", "") for r in getattr(router, "routes", [])}
+        return scope["path"] if scope["path"] in self._routes else "other"
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_and_note(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.http_requests.labels(scope["method"], self._route(scope), str(status["code"])).inc()
