@@ -85,7 +85,10 @@ async def serve(
     model_config = ModelConfig.from_pretrained(path)
     is_harmony = model_config.hf_config.model_type == "gpt_oss" and "<|channel|>" in tokenizer.get_vocab()
     name = served_model_name or (model or "brisk-demo")
-    print("brisk serve: configuration in effect:\n" + json.dumps(config.model_dump(), indent=2), flush=True)
+    if log_format == "json":  # every line of a JSON log is one JSON object
+        logger.info("configuration in effect", extra={"brisk": {"config": config.model_dump(mode="json")}})
+    else:
+        print("brisk serve: configuration in effect:\n" + json.dumps(config.model_dump(), indent=2), flush=True)
 
     exit_code = {"value": 0}
     server_box: dict[str, uvicorn.Server] = {}
@@ -133,11 +136,14 @@ async def serve(
         shutdown_timeout,
     )
     server_box["server"] = server
-    print(
+    ready = (
         f"brisk serve: ready: '{name}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}",
-        flush=True,
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}"
     )
+    if log_format == "json":
+        logger.info(ready)
+    else:
+        print(ready, flush=True)
     try:
         await server.serve()
     finally:
