@@ -297,3 +297,18 @@ def test_json_log_has_a_line_per_request(server, traffic) -> None:
     assert len({e["request_id"] for e in finished}) == counts["ok"]
     assert all(e["ttft_s"] > 0 and e["e2e_s"] >= e["ttft_s"] and e["output_tokens"] >= 24 for e in finished)
     assert any(e["cached_tokens"] > 0 for e in finished)
+
+
+def test_profiling_endpoints_write_a_chrome_trace(server, traffic) -> None:
+    url = server.url
+    assert httpx.post(f"{url}/start_profile").status_code == 401  # admin-only: the API key is required
+    assert httpx.post(f"{url}/stop_profile", headers=AUTH).status_code == 409  # nothing to stop
+    assert httpx.post(f"{url}/start_profile", headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/start_profile", headers=AUTH).status_code == 409
+    body = {"prompt": "profile me", "max_tokens": 8, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    stopped = httpx.post(f"{url}/stop_profile", headers=AUTH, timeout=180)
+    assert stopped.status_code == 200, stopped.text
+    trace = json.loads(Path(stopped.json()["trace_path"]).read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any(name.startswith("aten::") for name in names), sorted(names)[:20]

@@ -30,6 +30,7 @@ from brisk.engine.messages import (
     EngineInfo,
     EngineOutputs,
     FromEngine,
+    ProfileRequest,
     SchedulerStats,
 )
 from brisk.engine.output_processor import CompletionDelta, OutputProcessor
@@ -184,6 +185,10 @@ class AsyncEngineClient:
         """Abort every in-flight request: each ends with finish_reason "abort" (used at shutdown)."""
         if self._queues and not self.dead:
             await self._to_engine.send(self._encoder.encode(AbortRequests([(rid, -1) for rid in self._queues])))
+
+    async def send_profile_request(self, request: ProfileRequest) -> None:
+        """Start or stop the torch profiler in the engine process (POST /start_profile, /stop_profile)."""
+        await self._to_engine.send(self._encoder.encode(request))
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(

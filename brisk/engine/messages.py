@@ -47,6 +47,11 @@ class AbortRequests(msgspec.Struct, tag=True):
     targets: list[tuple[str, int]]  # (request id, completion index); index -1 aborts all n completions
 
 
+class ProfileRequest(msgspec.Struct, tag=True):
+    action: str  # "start" | "stop"
+    trace_path: str = ""  # stop: where the engine writes the Chrome trace JSON
+
+
 class EngineInfo(msgspec.Struct, tag=True):
     """Sent once by the engine process when the model is loaded and the KV cache allocated."""
 
@@ -82,5 +87,5 @@ class EngineOutputs(msgspec.Struct, tag=True):
     stats: SchedulerStats = SchedulerStats()
 
 
-ToEngine = AddRequest | AbortRequests
+ToEngine = AddRequest | AbortRequests | ProfileRequest
 FromEngine = EngineInfo | EngineOutputs

@@ -28,9 +28,11 @@ from brisk.engine.messages import (
     AddRequest,
     EngineInfo,
     EngineOutputs,
+    ProfileRequest,
     RequestFailure,
     ToEngine,
 )
+from brisk.engine.profiler import EngineProfiler
 from brisk.model_runner.runner import cpu_threads_per_rank, resolve_device
 
 logger = logging.getLogger("brisk.engine")
@@ -74,6 +76,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         )
     )
     server_pid = os.getppid()
+    profiler = EngineProfiler()
     iteration_tokens: list[int] = []  # tokens of each step since stats were last sent (a step may send nothing)
     while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
@@ -93,6 +96,10 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             elif isinstance(msg, AbortRequests):
                 for rid, index in msg.targets:
                     batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
+            elif isinstance(msg, ProfileRequest) and msg.action == "start":
+                profiler.start()
+            elif isinstance(msg, ProfileRequest):
+                profiler.stop(msg.trace_path)
         if core.has_unfinished_requests():
             batch.outputs.extend(core.step())
             iteration_tokens.append(core.last_step_num_tokens)

@@ -238,7 +238,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    from brisk.server import chat, completions, responses
+    from brisk.server import chat, completions, profiling, responses
+
+    app.include_router(profiling.router)  # POST /start_profile, /stop_profile
 
     chat.register(app, state)
     completions.register(app, state)
