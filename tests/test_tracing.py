@@ -140,3 +140,13 @@ def test_otlp_exporter_targets_the_traces_path() -> None:
         assert exporter._endpoint == "http://127.0.0.1:4318/v1/traces"
     finally:
         provider.shutdown()
+
+
+def test_profiling_endpoints_are_off_without_profile_dir(served) -> None:
+    loop, app, _, _ = served
+
+    async def go() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://brisk") as http:
+            return [(await http.post(path)).status_code for path in ("/start_profile", "/stop_profile")]
+
+    assert loop.run_until_complete(go()) == [404, 404]
