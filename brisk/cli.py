@@ -141,6 +141,26 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM before being aborted",
     )
+    serve.add_argument(
+        "--otlp-traces-endpoint",
+        "--otlp_traces_endpoint",
+        dest="otlp_traces_endpoint",
+        help="export OpenTelemetry traces by OTLP/HTTP to this URL (e.g. http://collector:4318; the otel extra)",
+    )
+    serve.add_argument(
+        "--log-format",
+        "--log_format",
+        dest="log_format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one JSON object a log line, and one line per finished request with its id and timings",
+    )
+    serve.add_argument(
+        "--profile-dir",
+        "--profile_dir",
+        dest="profile_dir",
+        help="enable POST /start_profile and /stop_profile, writing torch profiler traces (Chrome JSON) here",
+    )
     _add_engine_args(serve)
     from brisk.bench import add_subcommands as add_bench_subcommands
 
@@ -171,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             "log_prompts",
             "request_timeout",
             "shutdown_timeout",
+            "otlp_traces_endpoint",
+            "log_format",
+            "profile_dir",
         )
         try:
             return run(

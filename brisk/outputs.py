@@ -28,6 +28,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    scheduled_time: float = 0.0  # time.time() when the engine first scheduled it (0: not yet); for metrics
 
     @property
     def finished(self) -> bool:

@@ -89,6 +89,7 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
         stats = engine.stats()
         assert stats.num_preemptions > 0, "the pool was meant to be too small for the whole batch"
         assert stats.prefix_hits > 0
+        assert len(stats.kv_usage_per_dp_rank) == parallel.dp_size  # /metrics' per-rank KV usage
         if parallel.dp_size == 2:  # both ranks served requests, each from its own pool
             assert all(kv.prefix_queries > 0 for kv in engine.kv_managers)
         for kv in engine.kv_managers:

@@ -214,7 +214,7 @@ def test_metrics_exposed(server, client):
     assert m['brisk:generation_tokens_total{model_name="tiny"}'] >= 3
     assert m['brisk:request_success_total{finished_reason="length",model_name="tiny"}'] >= 1
     assert any(k.startswith("brisk:time_to_first_token_seconds_bucket") for k in m)
-    assert 'brisk:prefix_cache_queries{model_name="tiny"}' in m
+    assert 'brisk:prefix_cache_queries_total{model_name="tiny"}' in m
 
 
 def test_api_key_queue_limit_and_stream_interval(model_dir, tmp_path):

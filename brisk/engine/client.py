@@ -30,6 +30,7 @@ from brisk.engine.messages import (
     EngineInfo,
     EngineOutputs,
     FromEngine,
+    ProfileRequest,
     SchedulerStats,
 )
 from brisk.engine.output_processor import CompletionDelta, OutputProcessor
@@ -115,6 +116,7 @@ class AsyncEngineClient:
         self.output_processor = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
+        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []  # called with every stats message
         self.dead = False
         self.on_engine_death = on_engine_death
         self._queues: dict[str, DeltaBuffer] = {}
@@ -183,6 +185,10 @@ class AsyncEngineClient:
         """Abort every in-flight request: each ends with finish_reason "abort" (used at shutdown)."""
         if self._queues and not self.dead:
             await self._to_engine.send(self._encoder.encode(AbortRequests([(rid, -1) for rid in self._queues])))
+
+    async def send_profile_request(self, request: ProfileRequest) -> None:
+        """Start or stop the torch profiler in the engine process (POST /start_profile, /stop_profile)."""
+        await self._to_engine.send(self._encoder.encode(request))
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
@@ -260,6 +266,8 @@ class AsyncEngineClient:
 
     async def _dispatch(self, msg: EngineOutputs) -> None:
         self.stats = msg.stats
+        for listener in self.stats_listeners:
+            listener(msg.stats)
         for failure in msg.failures:
             self.output_processor.abort(failure.request_id)
             buffer = self._queues.get(failure.request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import replace
 
 from brisk.config import EngineConfig, ModelConfig
@@ -56,6 +57,7 @@ class EngineCore:
                 )
             )
         self.requests: dict[str, list[Request]] = {}  # request id -> its n completions
+        self.last_step_num_tokens = 0  # tokens the last step() scheduled, for the iteration-tokens metric
         self._arrivals = itertools.count()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d",
@@ -76,7 +78,7 @@ class EngineCore:
         """The scheduler of DP rank 0 (the only one without attention data parallelism)."""
         return self.schedulers[0]
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, iteration_tokens: tuple[int, ...] = ()) -> SchedulerStats:
         scheds, kvs = self.schedulers, self.kv_managers
         return SchedulerStats(
             sum(len(s.running) for s in scheds),
@@ -85,6 +87,8 @@ class EngineCore:
             sum(kv.prefix_queries for kv in kvs),
             sum(kv.prefix_hits for kv in kvs),
             sum(s.num_preemptions for s in scheds),
+            tuple(kv.usage for kv in kvs),
+            iteration_tokens,
         )
 
     def shutdown(self) -> None:
@@ -166,8 +170,12 @@ class EngineCore:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         scheds = [s.schedule() for s in self.schedulers]
+        self.last_step_num_tokens = sum(s.num_tokens for s in scheds)
         if not any(scheds):
             return []
+        now = time.time()
+        for scheduled in (s for sched in scheds for s in sched.scheduled):
+            scheduled.request.first_scheduled_time = scheduled.request.first_scheduled_time or now
         inputs, rows = [], []
         for sched, kv in zip(scheds, self.kv_managers):
             step_input, step_rows = self.runner.prepare(sched, kv)
@@ -216,6 +224,7 @@ class EngineCore:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            scheduled_time=req.first_scheduled_time,
         )
 
     def _forget_if_done(self, rid: str) -> None:

@@ -31,6 +31,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    scheduled_time: float = 0.0  # time.time() of the first step that scheduled it (0: not yet)
 
     @property
     def finished(self) -> bool:
@@ -44,6 +45,11 @@ class AddRequest(msgspec.Struct, tag=True):
 
 class AbortRequests(msgspec.Struct, tag=True):
     targets: list[tuple[str, int]]  # (request id, completion index); index -1 aborts all n completions
+
+
+class ProfileRequest(msgspec.Struct, tag=True):
+    action: str  # "start" | "stop"
+    trace_path: str = ""  # stop: where the engine writes the Chrome trace JSON
 
 
 class EngineInfo(msgspec.Struct, tag=True):
@@ -71,6 +77,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    kv_usage_per_dp_rank: tuple[float, ...] = ()
+    iteration_tokens: tuple[int, ...] = ()  # tokens scheduled in each step since the last stats
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -79,5 +87,5 @@ class EngineOutputs(msgspec.Struct, tag=True):
     stats: SchedulerStats = SchedulerStats()
 
 
-ToEngine = AddRequest | AbortRequests
+ToEngine = AddRequest | AbortRequests | ProfileRequest
 FromEngine = EngineInfo | EngineOutputs

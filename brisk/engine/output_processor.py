@@ -89,6 +89,7 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = eo.finish_reason, eo.stop_reason
             comp.text = detok.output_text
             state.output.num_cached_tokens = eo.num_cached_tokens
+            state.output.scheduled_time = state.output.scheduled_time or eo.scheduled_time
             result.deltas.append(
                 CompletionDelta(
                     eo.request_id,

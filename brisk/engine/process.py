@@ -28,9 +28,11 @@ from brisk.engine.messages import (
     AddRequest,
     EngineInfo,
     EngineOutputs,
+    ProfileRequest,
     RequestFailure,
     ToEngine,
 )
+from brisk.engine.profiler import EngineProfiler
 from brisk.host import resolve_device
 from brisk.model_runner.runner import cpu_threads_per_rank
 
@@ -75,6 +77,8 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         )
     )
     server_pid = os.getppid()
+    profiler = EngineProfiler()
+    iteration_tokens: list[int] = []  # tokens of each step since stats were last sent (a step may send nothing)
     while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         batch = EngineOutputs([])
@@ -93,9 +97,16 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             elif isinstance(msg, AbortRequests):
                 for rid, index in msg.targets:
                     batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
+            elif isinstance(msg, ProfileRequest) and msg.action == "start":
+                profiler.start()
+            elif isinstance(msg, ProfileRequest):
+                profiler.stop(msg.trace_path)
         if core.has_unfinished_requests():
             batch.outputs.extend(core.step())
+            if core.last_step_num_tokens:  # a step that could schedule nothing (waiting for KV) is no iteration
+                iteration_tokens.append(core.last_step_num_tokens)
         if batch.outputs or batch.failures:
-            batch.stats = core.stats()
+            batch.stats = core.stats(tuple(iteration_tokens))
+            iteration_tokens.clear()
             outbox.send(encoder.encode(batch))
     logger.error("the API server process is gone; the engine core exits")

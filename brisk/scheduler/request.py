@@ -32,6 +32,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission
     num_preemptions: int = 0
+    first_scheduled_time: float = 0.0  # time.time() of its first step (0: not yet), for queue-time metrics
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -27,9 +27,10 @@ from brisk.engine.client import AsyncEngineClient, EngineDeadError, RequestFaile
 from brisk.engine.output_processor import CompletionDelta
 from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError, error_body, error_response
-from brisk.server.metrics import ServerMetrics
+from brisk.server.metrics import RequestTiming, ServerMetrics
 from brisk.server.middleware import GuardMiddleware
 from brisk.server.protocol import DetokenizeRequest, TokenizeRequest
+from brisk.server.tracing import ObservabilityConfig, install_observability
 
 logger = logging.getLogger("brisk.server")
 T = TypeVar("T")
@@ -50,11 +51,13 @@ class ServerState:
     log_prompts: bool = False
     allowed_origins: list[str] = field(default_factory=list)
     draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # traces, logs, profiling
     metrics: ServerMetrics = field(init=False)
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
+        self.metrics.bind_engine(self.client, self.config)
 
     # ---- request helpers shared by the endpoints -----------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -122,15 +125,13 @@ class ServerState:
             logger.info(
                 "request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids, len(prompt_ids)
             )
-        start = time.perf_counter()
-        token_times: list[float] = []
+        timing = RequestTiming(rid, len(prompt_ids), params.max_tokens, params.n)
         last = None
         try:
             async for delta in self.client.generate(rid, prompt_ids, params, prompt, self.timeout_for(timeout)):
                 if delta.finish_reason == "error":
                     raise APIError(500, "The model produced non-finite logits for this request.", code="model_error")
-                if delta.token_ids:
-                    token_times.append(time.perf_counter())
+                timing.on_delta(delta)
                 last = delta
                 yield delta
         except EngineDeadError as exc:
@@ -138,16 +139,8 @@ class ServerState:
         except RequestFailedError as exc:
             raise APIError(400, str(exc)) from None
         finally:
-            if last is not None and last.output.finished:
-                outs = last.output.outputs
-                self.metrics.observe_request(
-                    len(prompt_ids),
-                    sum(len(o.token_ids) for o in outs),
-                    [o.finish_reason for o in outs],
-                    token_times[0] - start if token_times else None,
-                    token_times,
-                    time.perf_counter() - start,
-                )
+            timing.finish(last)
+            self.metrics.observe_request(timing)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -162,6 +155,7 @@ def build_app(state: ServerState) -> FastAPI:
             allow_headers=["Authorization", "Content-Type"],
             allow_credentials=False,
         )
+    install_observability(app, state)  # HTTP metrics and traces, outermost: they see every response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -244,7 +238,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    from brisk.server import chat, completions, responses
+    from brisk.server import chat, completions, profiling, responses
+
+    app.include_router(profiling.router)  # POST /start_profile, /stop_profile
 
     chat.register(app, state)
     completions.register(app, state)

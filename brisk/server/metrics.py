@@ -1,41 +1,192 @@
-"""Prometheus metrics with vLLM's names, in a registry owned by the app (no global state)."""
+"""Prometheus metrics with vLLM's names under the `brisk:` prefix, in a registry owned by the app (no global state).
+
+docs/observability.md maps each metric to its vLLM name. Per-request timings come from `RequestTiming`: the API
+server's clock for arrival, tokens and the end, the engine's for the step that first scheduled the request
+(both `time.time()` on one machine).
+"""
 
 from __future__ import annotations
 
+import contextvars
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+if TYPE_CHECKING:
+    from brisk.config import EngineConfig
+    from brisk.engine.client import AsyncEngineClient
+    from brisk.engine.messages import SchedulerStats
+    from brisk.engine.output_processor import CompletionDelta
+
+# Whole-request phases (TTFT, queue, prefill, decode, E2E): from a millisecond on a GPU or a tiny CPU model to
+# minutes for a long prompt on a CPU.
+REQUEST_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+    15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+# Per-token latencies (ITL, time per output token): ~1 ms a token on a GPU to seconds on a CPU under load.
+TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131072 tokens
+N_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+
+
+@dataclass
+class RequestTiming:
+    """One request's life as the API server saw it; `ServerState.generate` fills it, the metrics, the trace and
+    the request log read it. Times are `time.time()` seconds."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int | None
+    n: int = 1
+    arrival: float = field(default_factory=time.time)
+    scheduled: float = 0.0  # the engine's first step for it (0: never scheduled)
+    token_times: list[float] = field(default_factory=list)  # when each delta carrying tokens arrived
+    num_generated: int = 0
+    num_cached_tokens: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)
+    completed: bool = False  # every completion finished (else: the client left or an error cut it short)
+    end: float = 0.0
+    # The context the request started in (its HTTP span, when tracing): traces hang the request's spans there.
+    context: contextvars.Context | None = field(default_factory=contextvars.copy_context, repr=False)
+
+    def on_delta(self, delta: CompletionDelta) -> None:
+        if delta.token_ids:
+            self.token_times.append(time.time())
+            self.num_generated += len(delta.token_ids)
+        self.scheduled = delta.output.scheduled_time or self.scheduled
+        self.num_cached_tokens = delta.output.num_cached_tokens
+
+    def finish(self, last: CompletionDelta | None) -> None:
+        self.end = time.time()
+        if last is not None:
+            self.finish_reasons = [o.finish_reason for o in last.output.outputs]
+            self.completed = last.output.finished
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_time(self) -> float | None:
+        return self.scheduled - self.arrival if self.scheduled else None
+
+    @property
+    def prefill_time(self) -> float | None:
+        return self.first_token - self.scheduled if self.scheduled and self.first_token is not None else None
+
+    @property
+    def decode_time(self) -> float | None:
+        return None if self.first_token is None or self.last_token is None else self.last_token - self.first_token
+
+    @property
+    def inference_time(self) -> float | None:
+        return self.last_token - self.scheduled if self.scheduled and self.last_token is not None else None
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between a completion's tokens after its first (vLLM's request_time_per_output_token)."""
+        per_completion = self.num_generated / max(1, self.n)
+        decode = self.decode_time
+        return decode / (per_completion - 1) if decode is not None and per_completion > 1 else None
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.arrival
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        # ---- engine state, sampled at each scrape -----------------------------------------------
         self.running = Gauge("brisk:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.waiting = Gauge("brisk:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_usage = Gauge("brisk:kv_cache_usage_perc", "Fraction of KV blocks in use", labels, registry=r)
-        self.prefix_queries = Gauge(
+        self.kv_usage = Gauge(
+            "brisk:kv_cache_usage_perc", "Fraction of KV blocks in use (mean over DP ranks)", labels, registry=r
+        )
+        self.kv_usage_by_rank = Gauge(
+            "brisk:kv_cache_usage_perc_by_dp_rank",
+            "Fraction of KV blocks in use, per attention-DP rank (each has its own pool)",
+            labels + ["dp_rank"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
             "brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
         )
-        self.prefix_hits = Gauge(
+        self.prefix_hits = Counter(
             "brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
         )
-        self.preemptions = Gauge("brisk:num_preemptions", "Requests preempted (recomputed) so far", labels, registry=r)
+        self.preemptions = Counter("brisk:num_preemptions", "Requests preempted (recomputed)", labels, registry=r)
+        self.engine_up = Gauge(
+            "brisk:engine_up", "1 while the engine-core process runs, 0 once it died", labels, registry=r
+        )
+        self.cache_config = Gauge(
+            "brisk:cache_config_info",
+            "KV cache configuration (value 1; the labels carry it)",
+            labels + ["block_size", "num_gpu_blocks", "enable_prefix_caching", "num_kv_groups", "dtype"],
+            registry=r,
+        )
+        self.iteration_tokens = histogram(
+            "brisk:iteration_tokens_total", "Tokens scheduled in one engine step", TOKEN_COUNT_BUCKETS
+        )
+        # ---- per request -----------------------------------------------------------------------
         self.prompt_tokens = Counter("brisk:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("brisk:generation_tokens", "Tokens generated", labels, registry=r)
         self.request_success = Counter(
             "brisk:request_success", "Finished requests", labels + ["finished_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "brisk:time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=r
+        self.ttft = histogram("brisk:time_to_first_token_seconds", "Time to first token", REQUEST_LATENCY_BUCKETS)
+        self.itl = histogram("brisk:inter_token_latency_seconds", "Time between tokens", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram(
+            "brisk:request_time_per_output_token_seconds",
+            "A request's mean time per output token after the first",
+            TOKEN_LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
-            "brisk:inter_token_latency_seconds", "Time between tokens", labels, buckets=LATENCY_BUCKETS, registry=r
+        self.e2e = histogram("brisk:e2e_request_latency_seconds", "Request latency", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "brisk:request_queue_time_seconds", "Arrival to first scheduled step", REQUEST_LATENCY_BUCKETS
         )
-        self.e2e = Histogram(
-            "brisk:e2e_request_latency_seconds", "Request latency", labels, buckets=LATENCY_BUCKETS, registry=r
+        self.prefill_time = histogram(
+            "brisk:request_prefill_time_seconds", "First scheduled step to first token", REQUEST_LATENCY_BUCKETS
         )
+        self.decode_time = histogram(
+            "brisk:request_decode_time_seconds", "First token to last token", REQUEST_LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "brisk:request_inference_time_seconds", "First scheduled step to last token", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "brisk:request_prompt_tokens", "Prompt length of finished requests", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "brisk:request_generation_tokens", "Tokens generated by finished requests", TOKEN_COUNT_BUCKETS
+        )
+        self.request_max_tokens = histogram(
+            "brisk:request_params_max_tokens", "The max_tokens of finished requests", TOKEN_COUNT_BUCKETS
+        )
+        self.request_n = histogram("brisk:request_params_n", "The n of finished requests", N_BUCKETS)
+        # ---- the API server ----------------------------------------------------------------------
         self.in_flight = Gauge("brisk:num_requests_in_flight", "Requests the API server is serving", labels, registry=r)
         self.coalesced = Gauge(
             "brisk:stream_deltas_coalesced",
@@ -43,40 +194,135 @@ class ServerMetrics:
             labels,
             registry=r,
         )
-        self.model_name = model_name
+        self.http_requests = Counter(
+            "brisk:http_requests",
+            "HTTP responses by route and status code (errors included)",
+            ["method", "path", "status"],
+            registry=r,
+        )
+        self._last_totals = {"queries": 0, "hits": 0, "preemptions": 0}
+        # Called with each finished request's timing (traces, the JSON request log).
+        self.request_listeners: list[Callable[[RequestTiming], None]] = []
 
-    def observe_engine(self, stats) -> None:
+    def bind_engine(self, client: AsyncEngineClient, config: EngineConfig) -> None:
+        """Engine up/down, cache configuration, and per-step stats of a started engine client."""
+        m = self.model_name
+        self.engine_up.labels(m).set_function(lambda: 0.0 if client.dead else 1.0)
+        info = client.info
+        if info is not None:
+            self.cache_config.labels(
+                m,
+                str(info.block_size),
+                str(info.num_kv_blocks),
+                str(config.enable_prefix_caching).lower(),
+                str(info.num_kv_groups),
+                config.dtype,
+            ).set(1)
+        client.stats_listeners.append(self.observe_iterations)
+
+    def observe_iterations(self, stats: SchedulerStats) -> None:
+        for num_tokens in stats.iteration_tokens:
+            self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def observe_engine(self, stats: SchedulerStats) -> None:
         m = self.model_name
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
-        self.prefix_queries.labels(m).set(stats.prefix_queries)
-        self.prefix_hits.labels(m).set(stats.prefix_hits)
-        self.preemptions.labels(m).set(stats.num_preemptions)
+        for rank, usage in enumerate(stats.kv_usage_per_dp_rank):
+            self.kv_usage_by_rank.labels(m, str(rank)).set(usage)
+        # The engine reports running totals; the counters advance by what is new since the last scrape.
+        for key, total, counter in (
+            ("queries", stats.prefix_queries, self.prefix_queries),
+            ("hits", stats.prefix_hits, self.prefix_hits),
+            ("preemptions", stats.num_preemptions, self.preemptions),
+        ):
+            counter.labels(m).inc(max(0, total - self._last_totals[key]))
+            self._last_totals[key] = max(total, self._last_totals[key])
 
     def observe_client(self, num_in_flight: int, num_coalesced_deltas: int) -> None:
         self.in_flight.labels(self.model_name).set(num_in_flight)
         self.coalesced.labels(self.model_name).set(num_coalesced_deltas)
 
-    def observe_request(
-        self,
-        num_prompt: int,
-        num_generated: int,
-        finish_reasons: list[str | None],
-        ttft: float | None,
-        token_times: list[float],
-        e2e: float,
-    ) -> None:
+    def observe_request(self, timing: RequestTiming) -> None:
+        """Count a request that ended (completed, aborted, or failed) and hand it to the listeners."""
         m = self.model_name
-        self.prompt_tokens.labels(m).inc(num_prompt)
-        self.generation_tokens.labels(m).inc(num_generated)
-        for reason in finish_reasons:
-            self.request_success.labels(m, reason or "abort").inc()
-        if ttft is not None:
-            self.ttft.labels(m).observe(ttft)
-        for a, b in zip(token_times, token_times[1:]):
+        self.prompt_tokens.labels(m).inc(timing.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(timing.num_generated)
+        for a, b in zip(timing.token_times, timing.token_times[1:]):
             self.itl.labels(m).observe(b - a)
-        self.e2e.labels(m).observe(e2e)
+        for histogram, value in (
+            (self.ttft, timing.ttft),
+            (self.queue_time, timing.queue_time),
+            (self.prefill_time, timing.prefill_time),
+        ):
+            if value is not None:
+                histogram.labels(m).observe(value)
+        for reason in timing.finish_reasons if timing.completed else ["abort"]:  # the client left, or it failed
+            self.request_success.labels(m, reason or "abort").inc()
+        if timing.completed:
+            for histogram, value in (
+                (self.decode_time, timing.decode_time),
+                (self.inference_time, timing.inference_time),
+                (self.tpot, timing.time_per_output_token),
+                (self.e2e, timing.e2e),
+                (self.request_prompt_tokens, timing.num_prompt_tokens),
+                (self.request_generation_tokens, timing.num_generated),
+                (self.request_n, timing.n),
+                (self.request_max_tokens, timing.max_tokens),
+            ):
+                if value is not None:
+                    histogram.labels(m).observe(value)
+        for listener in self.request_listeners:
+            listener(timing)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def exported_names(self) -> set[str]:
+        """Every sample name /metrics can show (a histogram's _bucket/_sum/_count, a counter's _total, ...),
+        labelled or not yet observed included: what dashboards, rules and autoscalers may reference."""
+        suffixes = {
+            "counter": ("_total", "_created"),
+            "histogram": ("_bucket", "_sum", "_count", "_created"),
+            "gauge": ("",),
+            "info": ("_info",),
+        }
+        return {family.name + s for family in self.registry.collect() for s in suffixes[family.type]}
+
+
+ASGIApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP response by method, route and status code (`brisk:http_requests_total`).
+
+    Paths the app does not route are counted as "other", so a scan of random URLs cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._routes: set[str] | None = None
+
+    def _route(self, scope: MutableMapping[str, Any]) -> str:
+        if self._routes is None:
+            router = scope.get("app")
+            self._routes = {getattr(r, "path", "") for r in getattr(router, "routes", [])}
+        return scope["path"] if scope["path"] in self._routes else "other"
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_and_note(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.http_requests.labels(scope["method"], self._route(scope), str(status["code"])).inc()

@@ -18,6 +18,7 @@ from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.model_runner.loader import resolve_model_path
 from brisk.server.app import ServerState, build_app
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
+from brisk.server.tracing import ObservabilityConfig, configure_logging, make_tracer_provider
 
 logger = logging.getLogger("brisk.server")
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
@@ -62,9 +63,18 @@ async def serve(
     log_prompts: bool = False,
     request_timeout: float | None = None,
     shutdown_timeout: float = 30.0,
+    otlp_traces_endpoint: str | None = None,
+    log_format: str = "text",
+    profile_dir: str | None = None,
     **engine_options,
 ) -> int:
     api_key = resolve_api_key(api_key, api_key_file)
+    observability = ObservabilityConfig(
+        otlp_traces_endpoint,
+        "json" if log_format == "json" else "text",
+        profile_dir,
+        make_tracer_provider(otlp_traces_endpoint) if otlp_traces_endpoint else None,
+    )
     path = resolve_model_path(model) if model else str(DEMO_MODEL)
     config = EngineConfig.build(path, extra_llm_api_options, **engine_options)
     env = launcher_env()
@@ -75,7 +85,10 @@ async def serve(
     model_config = ModelConfig.from_pretrained(path)
     is_harmony = model_config.hf_config.model_type == "gpt_oss" and "<|channel|>" in tokenizer.get_vocab()
     name = served_model_name or (model or "brisk-demo")
-    print("brisk serve: configuration in effect:\n" + json.dumps(config.model_dump(), indent=2), flush=True)
+    if log_format == "json":  # every line of a JSON log is one JSON object
+        logger.info("configuration in effect", extra={"brisk": {"config": config.model_dump(mode="json")}})
+    else:
+        print("brisk serve: configuration in effect:\n" + json.dumps(config.model_dump(), indent=2), flush=True)
 
     exit_code = {"value": 0}
     server_box: dict[str, uvicorn.Server] = {}
@@ -104,6 +117,7 @@ async def serve(
         request_timeout,
         log_prompts,
         list(allowed_origins or []),
+        observability=observability,
     )
     app = build_app(state)
     # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
@@ -116,23 +130,29 @@ async def serve(
             access_log=False,
             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
             timeout_graceful_shutdown=ABORT_GRACE_S,
+            log_config=None,  # uvicorn's records go through the root handler (text or JSON, --log-format)
         ),
         state,
         shutdown_timeout,
     )
     server_box["server"] = server
-    print(
+    ready = (
         f"brisk serve: ready: '{name}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}",
-        flush=True,
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}"
     )
+    if log_format == "json":
+        logger.info(ready)
+    else:
+        print(ready, flush=True)
     try:
         await server.serve()
     finally:
         await client.shutdown()
+        if observability.tracer_provider is not None:
+            observability.tracer_provider.shutdown()  # flushes the spans still batched
     return exit_code["value"]
 
 
 def run(model: str | None, **kwargs) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(kwargs.get("log_format") or "text")
     return asyncio.run(serve(model, **kwargs))

@@ -1,0 +1,60 @@
+"""POST /start_profile and /stop_profile (as vLLM and trtllm-serve offer): a torch profiler trace of the engine
+process, where the model runs, written as Chrome trace JSON (chrome://tracing, Perfetto) to `--profile-dir`.
+
+Off unless `--profile-dir` is set (404). Like every route but /health, both need the API key when one is set,
+so only whoever holds the key can profile. A trace is for one server at a time: a second start is refused (409).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from fastapi import APIRouter, Request
+
+from brisk.engine.messages import ProfileRequest
+from brisk.server.errors import APIError
+
+logger = logging.getLogger("brisk.server")
+# Admin endpoints without input: left out of the OpenAPI schema (and so of /docs and the schema fuzzer).
+router = APIRouter(include_in_schema=False)
+TRACE_WRITE_TIMEOUT_S = 120.0  # writing a long trace of a busy engine takes a while
+
+
+def _profile_dir(request: Request) -> str:
+    state = request.app.state.brisk
+    if state.observability.profile_dir is None:
+        raise APIError(404, "Profiling is off; start the server with --profile-dir.", code="profiling_disabled")
+    if state.client.dead:
+        raise APIError(503, "The engine is not running.", code="engine_dead")
+    return state.observability.profile_dir
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request) -> dict:
+    _profile_dir(request)
+    if getattr(request.app.state, "profiling_since", None) is not None:
+        raise APIError(409, "A profile is already being recorded; POST /stop_profile first.", code="profile_running")
+    request.app.state.profiling_since = time.time()
+    await request.app.state.brisk.client.send_profile_request(ProfileRequest("start"))
+    return {"status": "profiling"}
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request) -> dict:
+    directory = _profile_dir(request)
+    since = getattr(request.app.state, "profiling_since", None)
+    if since is None:
+        raise APIError(409, "No profile is being recorded; POST /start_profile first.", code="profile_not_running")
+    request.app.state.profiling_since = None
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.abspath(os.path.join(directory, f"brisk-engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"))
+    await request.app.state.brisk.client.send_profile_request(ProfileRequest("stop", path))
+    deadline = time.monotonic() + TRACE_WRITE_TIMEOUT_S
+    while not os.path.exists(path):  # the engine renames the finished file into place
+        if time.monotonic() > deadline or request.app.state.brisk.client.dead:
+            raise APIError(503, "The engine did not write the profile in time.", code="profile_not_written")
+        await asyncio.sleep(0.05)  # polling for the file with a deadline
+    return {"status": "stopped", "trace_path": path, "seconds": round(time.time() - since, 3)}
