@@ -133,7 +133,8 @@ class EngineConfig(_Strict):
     def without_gpu_only_options(self) -> tuple[EngineConfig, list[str]]:
         """For a CPU: the options given that only a CUDA GPU acts on, as log lines (one YAML serves both, so they
         are accepted, not rejected), and the config with the Triton backends back to auto."""
-        given, notes, changes = self.model_fields_set, [], {}
+        given, notes = self.model_fields_set, []
+        changes: dict[str, Any] = {}
         if "cuda_graph_config" in given and self.cuda_graph_config is not None:
             notes.append("cuda_graph_config means nothing on a CPU: no CUDA graphs are captured")
         if self.moe_config.backend == "triton":
