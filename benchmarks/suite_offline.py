@@ -173,7 +173,8 @@ def profile_decode(llm, vocab: int, torch, steps: int = 16, top: int = 15) -> li
 
     def self_us(event) -> float:
         if cuda:
-            return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+            device_us = getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0)
+            return float(device_us or 0.0)
         return float(event.self_cpu_time_total)
 
     events = [e for e in prof.key_averages() if self_us(e) > 0]

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -197,20 +196,23 @@ def _nvidia_smi(field: str) -> str:
 # ---- b: GPU tests -----------------------------------------------------------------------------------------
 def phase_b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     files = sorted({f for pattern in GPU_TEST_PATTERNS for f in glob.glob(str(REPO / pattern))})
-    junit = rec.path.parent / "b_junit.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    command += [os.path.relpath(f, REPO) for f in files]
+    results = rec.path.parent / "b_results.jsonl"
+    results.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "suite_pytest_plugin"]
+    command += [f"--suite-results={results}", *(os.path.relpath(f, REPO) for f in files)]
     if smoke or not has_cuda():
         command += ["-k", SMOKE_TEST_FILTER]
     try:
-        run_logged(command, budget - 15)
+        run_logged(command, budget - 10)
     except subprocess.TimeoutExpired:
-        rec.data["notes"].append("pytest overran the phase budget; results of the tests that finished are below")
-    tests = parse_junit(junit)
+        rec.data["notes"].append(
+            "pytest overran the phase budget: the tests that finished are below, the rest did not run"
+        )
+    tests = read_results(results)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["result"]] = counts.get(t["result"], 0) + 1
-    shown = shlex.join(["python", *command[1:]]).replace(str(junit), "DIR/b_junit.xml")
+    shown = shlex.join(["python", *command[1:]]).replace(str(results), "DIR/b_results.jsonl")
     note = (
         "" if has_cuda() else f"GPU-only tests: {NO_GPU} (CUDA is not available; the Triton tests' CPU runs are in CI)"
     )
@@ -222,28 +224,22 @@ def phase_b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     return rec.finish("ok" if not failed else f"failed: {failed} test(s) failed", counts=counts)
 
 
-def parse_junit(path: Path) -> list[dict[str, Any]]:
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
-        return []
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """The plugin's JSON lines; GPU-only skips are marked as such."""
     tests = []
-    for case in root.iter("testcase"):
-        result, detail = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            child = case.find(tag)
-            if child is not None:
-                result = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                detail = (child.get("message") or "").splitlines()[0][:160] if child.get("message") else ""
-                break
-        if result == "skipped" and ("CUDA" in detail or "GPU" in detail):
-            detail = f"{NO_GPU} ({detail})"
-        module = (case.get("classname") or "").rsplit(".", 1)[-1]
-        tests.append(
-            dict(
-                test=f"{module}::{case.get('name')}", result=result, seconds=float(case.get("time") or 0), detail=detail
-            )
-        )
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            t = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if t["result"] == "skipped" and ("CUDA" in t["detail"] or "GPU" in t["detail"]):
+            t["detail"] = f"{NO_GPU} ({t['detail']})"
+        t["test"] = t["test"].removeprefix("tests/").replace(".py::", "::")
+        tests.append(t)
     return tests
 
 
@@ -427,41 +423,52 @@ def phase_e(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 
     model = "gpt-oss-20b" if cuda and not smoke else TINY_NAME
     model_dir = write_model_dir(model, out / "models")
+    # One `brisk bench serve` per entry. On a GPU, few requests at low concurrency (each is 256 decode steps long)
+    # and enough at high concurrency for two waves: about 5,000 decode steps per preset.
     if smoke or not cuda:
-        load = ["--concurrency", "1,4", "--input-len", "32", "--output-len", "16", "--num-prompts", "8"]
+        loads = [["--concurrency", "1,4", "--input-len", "32", "--output-len", "16", "--num-prompts", "8"]]
     else:
-        load = ["--concurrency", "1,4,16,64", "--input-len", "1024", "--output-len", "256"]
+        lengths = ["--input-len", "1024", "--output-len", "256"]
+        loads = [
+            ["--concurrency", "1,4", "--num-prompts", "8", *lengths],
+            ["--concurrency", "16,64", "--num-prompts", "128", *lengths],
+        ]
     started = time.monotonic()
     bad = []
     for i, preset in enumerate(PRESETS):
         left = budget - (time.monotonic() - started) - 10
         share = left / (len(PRESETS) - i)
-        status = serve_and_bench(rec, preset, model, model_dir, load, share)
+        status = serve_and_bench(rec, preset, model, model_dir, loads, share)
         if status != "ok":
             bad.append(f"{preset}: {status}")
     return rec.finish("ok" if not bad else "failed: " + "; ".join(bad))
 
 
-def serve_and_bench(rec: PhaseRecord, preset: str, model: str, model_dir: str, load: list[str], budget: float) -> str:
+def serve_and_bench(
+    rec: PhaseRecord, preset: str, model: str, model_dir: str, loads: list[list[str]], budget: float
+) -> str:
     out = rec.path.parent
     port = _free_port()
     serve = [sys.executable, "-m", "brisk.cli", "serve", model_dir, "--load_format", "dummy", "--port", str(port)]
     serve += ["--served-model-name", model, "--extra_llm_api_options", f"examples/{preset}.yaml"]
     bench_dir = out / f"e_{preset}"
-    bench = [sys.executable, "-m", "brisk.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
-    bench += ["--model", model, *load, "--num-gpus", "1", "--out-dir", str(bench_dir), "--label", preset]
-    shown = f"{shlex.join(['brisk', *serve[3:]])} & {shlex.join(['brisk', *bench[3:]])}".replace(str(out), "DIR")
+    base = [sys.executable, "-m", "brisk.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    base += ["--model", model, "--num-gpus", "1", "--out-dir", str(bench_dir), "--label", preset]
+    benches = [base + load for load in loads]
+    shown = " && ".join(shlex.join(["brisk", *b[3:]]) for b in benches)
+    shown = f"{shlex.join(['brisk', *serve[3:]])} & {shown}".replace(str(out), "DIR")
     started = time.monotonic()
     print("$ " + shlex.join(serve), flush=True)
     server = subprocess.Popen(serve, cwd=REPO)
+    status, note = "ok", ""
     try:
         if not _wait_healthy(server, port, budget * 0.75):
             rec.section(f"Served, {preset}", shown, [], "the server did not become ready (see the log)")
             return "server not ready"
-        run_logged(bench, budget - (time.monotonic() - started) - 5)
+        for bench in benches:
+            run_logged(bench, budget - (time.monotonic() - started) - 5)
     except subprocess.TimeoutExpired:
-        rec.section(f"Served, {preset}", shown, [], "brisk bench serve overran its share of the budget")
-        return "timeout"
+        status, note = "timeout", "brisk bench serve overran its share of the budget: the points it finished"
     finally:
         server.terminate()
         try:
@@ -469,13 +476,12 @@ def serve_and_bench(rec: PhaseRecord, preset: str, model: str, model_dir: str, l
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    runs = sorted(glob.glob(str(bench_dir / "*.json")), key=os.path.getmtime)
-    if not runs:
-        rec.section(f"Served, {preset}", shown, [], "brisk bench serve wrote no result")
-        return "no result"
-    run = json.loads(Path(runs[-1]).read_text())
+    points = [p for run in glob.glob(str(bench_dir / "*.json")) for p in json.loads(Path(run).read_text())["points"]]
+    if not points:
+        rec.section(f"Served, {preset}", shown, [], note or "brisk bench serve wrote no result")
+        return "no result" if status == "ok" else status
     rows = []
-    for point in run["points"]:
+    for point in sorted(points, key=lambda p: p["concurrency"] or 0):
         rows.append(
             dict(
                 concurrency=point["concurrency"],
@@ -488,9 +494,9 @@ def serve_and_bench(rec: PhaseRecord, preset: str, model: str, model_dir: str, l
                 tok_s_gpu=_r(point["output_throughput_per_gpu"]),
             )
         )
-    rec.section(f"Served, {preset} (examples/{preset}.yaml), {model}", shown, rows)
-    failed = sum(p["failed"] for p in run["points"])
-    return "ok" if failed == 0 else f"{failed} request(s) failed"
+    rec.section(f"Served, {preset} (examples/{preset}.yaml), {model}", shown, rows, note)
+    failed = sum(p["failed"] for p in points)
+    return status if failed == 0 else f"{failed} request(s) failed"
 
 
 def _r(value: float | None) -> float | None:
