@@ -112,3 +112,51 @@ def test_step_bytes_match_anchors():
     per_expert = parts["experts"] / 36 / 4
     assert step_bytes(model_config("gpt-oss-120b"), 8, 1024)["experts"] / 36 / per_expert == pytest.approx(29, abs=1)
     assert step_bytes(model_config("gpt-oss-120b"), 64, 1024)["experts"] / 36 / per_expert == pytest.approx(111, abs=1)
+
+
+def _suite_module(name: str):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_gpu_tables_read_the_benchmarks_json_and_hold_the_targets(tmp_path):
+    """The GPU-only parts of phases c and d, fed the JSON shapes bench_attention.py, bench_moe.py and
+    suite_offline.py write on a GPU (they cannot run here)."""
+    phases = _suite_module("suite_phases")
+    ceil = {"copy_gbps": 3000.0, "matmul_tflops": 800.0}
+    attention = {
+        "decode": [
+            dict(batch=8, context=8192, window=None, us=120.0, kv_gbps=2400.0, partition_size=512, partitions=16),
+            dict(batch=8, context=8192, window=128, us=30.0, kv_gbps=600.0, partition_size=64, partitions=3),
+        ],
+        "prefill": [dict(context=8192, window=None, us=5000.0, tflops=400.0)],
+    }
+    decode, prefill = phases.attention_rows(attention, ceil)
+    assert decode[0]["pct_of_copy"] == "80%" and decode[1]["window"] == 128
+    assert prefill[0]["pct_of_matmul"] == "50%"
+    moe = {"results": [dict(batch=1, experts_touched=4, us_per_layer=40.0, weight_gbps=1500.0, tflops=1.2, block_m=16)]}
+    assert phases.moe_rows(moe, {})[0]["pct_of_copy"] == "n/a (no phase a)"
+    assert phases.moe_rows(moe, ceil)[0]["pct_of_copy"] == "50%"
+
+    rec = phases.PhaseRecord(tmp_path, "d")
+    result = tmp_path / "d.json"
+    result.write_text(
+        json.dumps(
+            {
+                "meta": {"model": "gpt-oss-120b", "engine": "brisk", "device": "NVIDIA H100 80GB HBM3"},
+                "rows": {
+                    "latency": [dict(batch=1, tok_s_user=300.0, roofline_fraction=0.5)],
+                    "throughput": [dict(batch=93, output_tok_s_gpu=5000.0)],
+                },
+            }
+        )
+    )
+    phases._offline_sections(rec, result, "brisk", "gpt-oss-120b", "python benchmarks/suite_offline.py ...")
+    by_title = {s["title"]: s for s in rec.data["sections"]}
+    targets = by_title["Targets, gpt-oss-120b (ANCHORS.md)"]["rows"]
+    assert targets == [
+        dict(target="batch 1 tok/s/user", gpu="H100", target_value=420, measured=300, verdict="short (profile above)")
+    ]  # the H200-only throughput target is not held against an H100
