@@ -1,7 +1,7 @@
 """tools/wheelhouse.sh builds an offline wheelhouse from which brisk installs with `pip install --no-index`.
 
-Cost: about 10 s to download ~55 MB of wheels (pip's HTTP cache makes repeats cheaper) and 40-60 s to install them
-into a fresh venv and run brisk there, on 2 cores. Needs PyPI (or the configured index): skipped, with the reason,
+Cost: about 60-80 s on 2 cores: ~10 s to download ~55 MB of wheels (pip's HTTP cache makes repeats cheaper), 40-60 s
+to install them into a fresh venv and run brisk there, ~10 s for a second, smaller build (--skip-file). Needs PyPI (or the configured index): skipped, with the reason,
 where pip cannot reach it.
 
 The fresh venv stands for the air-gapped GPU box, which has torch preinstalled and nothing else of brisk's: it sees
@@ -97,3 +97,19 @@ def test_brisk_installs_offline_from_the_wheelhouse(tmp_path):
     ran = subprocess.run([python, "-c", check], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert str(target) in ran.stdout  # the installed copy, not this checkout
+
+    # --skip-file: projects the target already has stay out (pip's cache makes this second build quick).
+    have = tmp_path / "have.txt"
+    have.write_text("Transformers==5.0.0\nhuggingface_hub==1.0\n")
+    smaller = tmp_path / "smaller"
+    built = subprocess.run(
+        ["bash", SCRIPT, "--python", version, "--out", str(smaller), "--skip-file", str(have)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    kept = [os.path.basename(w) for w in glob.glob(str(smaller / "*.whl"))]
+    assert not [n for n in kept if n.startswith(("transformers-", "huggingface_hub-"))]
+    assert len(kept) == len(names) - 2
+    assert "the target has transformers" in (smaller / "SKIPPED.txt").read_text()

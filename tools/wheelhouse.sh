@@ -14,20 +14,23 @@
 # brisk itself from the checkout, offline). Skipped: torch, triton and NVIDIA's nvidia-* CUDA libraries, which the
 # target already has, and the rest of the [bench] extra (matplotlib and its dependencies, +23 MB: `brisk bench serve`
 # draws its plots with it; GPU images usually have it, else add `--extras bench --max-mb 90`). The skipped names are
-# listed in OUT/SKIPPED.txt and printed. Fails if the wheelhouse exceeds --max-mb (60).
+# listed in OUT/SKIPPED.txt and printed. Fails if the wheelhouse exceeds --max-mb (60). --skip-file FILE (the
+# target's `pip list --format=freeze`) also leaves out every project the target has, for a smaller wheelhouse.
 set -euo pipefail
 
 py_version=3.12
 out=wheels
 max_mb=60
 extras=
+skip_file=
 python=${PYTHON:-python3}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 usage() {
     sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     echo "options: --python X.Y (target CPython, default $py_version)  --out DIR (default $out)"
-    echo "         --max-mb N (size limit, default $max_mb)  --extras a,b (pyproject extras, default $extras; '' for none)"
+    echo "         --max-mb N (size limit, default $max_mb)  --extras a,b (pyproject extras, default none)"
+    echo "         --skip-file FILE (the target's \`pip list --format=freeze\`: leave out what it already has)"
     echo "environment: PYTHON, the interpreter that runs pip here (default python3)"
 }
 
@@ -37,6 +40,7 @@ while [[ $# -gt 0 ]]; do
         --out) out=$2; shift 2 ;;
         --max-mb) max_mb=$2; shift 2 ;;
         --extras) extras=$2; shift 2 ;;
+        --skip-file) skip_file=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "wheelhouse.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
@@ -116,6 +120,19 @@ for wheel in "$out"/torch-*.whl "$out"/triton-*.whl "$out"/nvidia_*.whl; do
     echo "$(basename "$wheel") (pulled in by a dependency)" >>"$skipped_file"
     rm -f "$wheel"
 done
+
+# Wheels of projects the target already has (--skip-file): pip there keeps its own copies.
+if [[ -n $skip_file ]]; then
+    have=$(sed -E 's/[ =<>@;].*//' "$skip_file" | tr 'A-Z_.' 'a-z--' | sort -u)
+    echo "# on the target already ($skip_file; its versions must satisfy brisk's ranges)" >>"$skipped_file"
+    for wheel in "$out"/*.whl; do
+        project=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z_.' 'a-z--')
+        if grep -qx "$project" <<<"$have"; then
+            echo "$(basename "$wheel") (the target has $project: $skip_file)" >>"$skipped_file"
+            rm -f "$wheel"
+        fi
+    done
+fi
 
 echo "skipped (the target already has them):"
 grep -v '^#' "$skipped_file" | sed 's/^/  /'
