@@ -124,6 +124,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
             output_tok_s=produced / total_s,
             step_gb=bytes_ / 1e9,
         )
+        _flag_short_outputs(row, produced, batch * args.output_len)
         if args.bandwidth_gbps:
             roofline = args.bandwidth_gbps * 1e9 / bytes_
             row.update(roofline_tok_s_user=roofline, roofline_fraction=per_user / roofline)
@@ -140,6 +141,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     row = dict(batch=batch, input_len=args.throughput_len, output_len=args.throughput_len, total_s=total_s)
     row.update(output_tok_s_gpu=produced / total_s, limited_by="kv blocks" if batch < args.max_batch else "max_batch")
+    _flag_short_outputs(row, produced, batch * args.throughput_len)
     if args.bandwidth_gbps:
         bytes_ = step_bytes(config, batch, args.throughput_len + args.throughput_len // 2)["total"]
         roofline = args.bandwidth_gbps * 1e9 / bytes_ * batch  # decode steps only: prefill is not counted
@@ -149,6 +151,12 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     if args.profile == "always" or (args.profile == "short" and _short_of_roofline(res.data["rows"]["latency"][0])):
         for row in profile_decode(llm, vocab, torch):
             res.add("profile", row)
+
+
+def _flag_short_outputs(row: dict[str, Any], produced: int, expected: int) -> None:
+    """A request that ends early (non-finite logits end it with an error) makes every rate of its row wrong."""
+    if produced != expected:
+        row["missing_tokens"] = expected - produced
 
 
 def _short_of_roofline(row: dict[str, Any], target: float = 0.7) -> bool:

@@ -359,18 +359,20 @@ def phase_d(rec: PhaseRecord, smoke: bool, budget: float) -> int:
         except subprocess.TimeoutExpired:
             statuses.append(f"{engine} {model}: stopped at its share of the budget")
         shown = shlex.join(command[1:]).replace(str(out), "DIR")
-        _offline_sections(rec, path, engine, model, "python " + shown)
+        if _offline_sections(rec, path, engine, model, "python " + shown):
+            statuses.append(f"{engine} {model}: requests ended early (missing_tokens): its rates are not valid")
     rec.data["notes"].extend(statuses)
     bad = [s for s in statuses if not s.endswith(": ok")]
     return rec.finish("ok" if not bad else "failed: " + "; ".join(bad))
 
 
-def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, command: str) -> None:
+def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, command: str) -> bool:
+    """The run's tables; True when a request produced fewer tokens than asked (its figures are then wrong)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         rec.section(f"{engine} {model}", command, [], "no results (see the log)")
-        return
+        return False
     rows = data.get("rows", {})
     meta = data.get("meta", {})
     note = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in meta.items())
@@ -397,9 +399,9 @@ def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, com
                 measured = next((r["tok_s_user"] for r in rows.get("latency", []) if r["batch"] == 1), None)
             else:
                 measured = next((r["output_tok_s_gpu"] for r in rows.get("throughput", [])), None)
-            verdict = (
-                "not measured" if measured is None else "met" if measured >= by_gpu[gpu] else "short (profile above)"
-            )
+            verdict = "not measured" if measured is None else "met" if measured >= by_gpu[gpu] else "short"
+            if verdict == "short" and "profile" in rows:
+                verdict += " (per-kernel profile above)"
             checks.append(
                 dict(
                     target=what,
@@ -411,6 +413,7 @@ def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, com
             )
         if checks:
             rec.section(f"Targets, {model} (ANCHORS.md)", command, checks)
+    return any(r.get("missing_tokens") for table in rows.values() for r in table)
 
 
 def _rounded(row: dict[str, Any]) -> dict[str, Any]:

@@ -149,14 +149,24 @@ def test_gpu_tables_read_the_benchmarks_json_and_hold_the_targets(tmp_path):
                 "meta": {"model": "gpt-oss-120b", "engine": "brisk", "device": "NVIDIA H100 80GB HBM3"},
                 "rows": {
                     "latency": [dict(batch=1, tok_s_user=300.0, roofline_fraction=0.5)],
-                    "throughput": [dict(batch=93, output_tok_s_gpu=5000.0)],
+                    "throughput": [dict(batch=93, output_tok_s_gpu=5000.0, missing_tokens=17)],
+                    "profile": [dict(kernel="fused_moe_down", calls=16, us_per_step=900.0, share=0.4)],
                 },
             }
         )
     )
-    phases._offline_sections(rec, result, "brisk", "gpt-oss-120b", "python benchmarks/suite_offline.py ...")
+    ended_early = phases._offline_sections(
+        rec, result, "brisk", "gpt-oss-120b", "python benchmarks/suite_offline.py ..."
+    )
+    assert ended_early  # a request that stopped short makes the run's rates invalid
     by_title = {s["title"]: s for s in rec.data["sections"]}
     targets = by_title["Targets, gpt-oss-120b (ANCHORS.md)"]["rows"]
     assert targets == [
-        dict(target="batch 1 tok/s/user", gpu="H100", target_value=420, measured=300, verdict="short (profile above)")
+        dict(
+            target="batch 1 tok/s/user",
+            gpu="H100",
+            target_value=420,
+            measured=300,
+            verdict="short (per-kernel profile above)",
+        )
     ]  # the H200-only throughput target is not held against an H100
