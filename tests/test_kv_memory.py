@@ -18,6 +18,7 @@ from brisk.model_runner.memory import (
     KVGroupLayout,
     MemoryMeasurement,
     blocks_for_one_request,
+    measure_profile_run,
     plan_kv_cache,
     profile_batch_shape,
 )
@@ -182,3 +183,25 @@ def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path
     fake.activations = GIB  # a step that leaves nothing: the error names the setting
     with pytest.raises(InsufficientKVMemoryError, match="kv_cache_free_gpu_memory_fraction"):
         runner._num_kv_blocks_by_profiling()
+
+
+def test_a_profiling_step_that_runs_out_of_memory_is_a_start_up_error():
+    class OutOfMemoryError(RuntimeError):  # what torch.cuda raises, by name
+        pass
+
+    def step():
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fake = FakeCudaMemory(total=80 * GIB, weights=75 * GIB, activations=0, other=0)
+    with pytest.MonkeyPatch.context() as patch:
+        fake.install(patch)
+        with pytest.raises(InsufficientKVMemoryError, match="max_num_tokens") as err:
+            measure_profile_run("cuda:0", 75 * GIB, step)
+    assert "75.00 of 80.00 GiB" in str(err.value)
+    with pytest.raises(ValueError):  # any other error is not turned into advice
+        measure_profile_run("cuda:0", 0, lambda: (_ for _ in ()).throw(ValueError("bug")), cuda=_NoopCuda())
+
+
+class _NoopCuda:
+    def __getattr__(self, name):
+        return lambda *a, **k: 0

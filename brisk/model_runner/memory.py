@@ -145,8 +145,18 @@ def measure_profile_run(
     cuda.synchronize(device)
     cuda.reset_peak_memory_stats(device)
     before = cuda.memory_allocated(device)
-    profile_step()
-    cuda.synchronize(device)
+    try:
+        profile_step()
+        cuda.synchronize(device)
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
+            raise
+        _, total = cuda.mem_get_info(device)
+        raise InsufficientKVMemoryError(
+            f"the profiling step (one forward pass of max_num_tokens tokens over up to max_batch_size sequences) ran "
+            f"out of GPU memory: the weights take {weights / GIB:.2f} of {total / GIB:.2f} GiB. Lower max_num_tokens "
+            f"or max_batch_size, or split the model over more GPUs (tp_size)"
+        ) from exc
     activations = cuda.max_memory_allocated(device) - before
     graphs = 0
     if capture_graphs is not None:
