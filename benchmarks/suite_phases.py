@@ -32,6 +32,31 @@ GPU_TEST_PATTERNS = ("tests/test_triton_*.py", "tests/test_gpu_*.py", "tests/tes
 # In --smoke, the GPU-only tests (skipped on a CPU, reported as such) and one quick interpreter test that passes.
 SMOKE_TEST_FILTER = "real or gpu or cuda or test_mxfp4_nibble_order_low_first"
 PRESETS = ("low_latency", "max_throughput")
+# brisk's runtime dependencies (pyproject.toml) and the suite's tools (pytest, hypothesis, httpx; matplotlib, without
+# which phase e is skipped).
+SUITE_PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "pydantic",
+    "pyyaml",
+    "jinja2",
+    "tqdm",
+    "numpy",
+    "msgspec",
+    "pyzmq",
+    "fastapi",
+    "uvicorn",
+    "prometheus_client",
+    "openai-harmony",
+    "pytest",
+    "hypothesis",
+    "httpx",
+    "matplotlib",
+)
 # ../shared/docs/ANCHORS.md: output tok/s targets, by GPU.
 TARGETS = {
     ("gpt-oss-120b", "batch 1 tok/s/user"): {"H100": 420, "H200": 600},
@@ -115,6 +140,12 @@ def phase_a(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     rec.section(
         "Environment", "python benchmarks/gpu_suite.py --phases a", [{"item": k, "value": v} for k, v in env.items()]
     )
+    packages = [dict(package=name, version=_version(name)) for name in SUITE_PACKAGES]
+    missing = [p["package"] for p in packages if p["version"] == "not installed" and p["package"] != "matplotlib"]
+    note = (
+        f"missing: {', '.join(missing)} (build tools/wheelhouse.sh and install it: README, On a GPU)" if missing else ""
+    )
+    rec.section("Python packages brisk and the suite import", "python -m pip list", packages, note)
     copy = copy_gbps(torch, cuda, smoke)
     matmul = matmul_tflops(torch, cuda, smoke)
     rows: list[dict[str, Any]] = [
@@ -130,7 +161,10 @@ def phase_a(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     if not cuda:
         how = "CPU stand-ins (no GPU): torch copy_ of 64 MB and a 512^3 fp32 matmul; the GPU ceilings: " + NO_GPU
     rec.section("Ceilings (measured)", "python benchmarks/gpu_suite.py --phases a", rows, how)
-    return rec.finish(ceilings={"copy_gbps": copy, "matmul_tflops": matmul, "device": env["gpu"]}, environment=env)
+    status = "ok" if not missing else f"failed: packages missing: {', '.join(missing)}"
+    return rec.finish(
+        status, ceilings={"copy_gbps": copy, "matmul_tflops": matmul, "device": env["gpu"]}, environment=env
+    )
 
 
 def copy_gbps(torch, cuda: bool, smoke: bool) -> float:
