@@ -8,6 +8,7 @@ one `BlockPool`; a block's bytes are `num_slots * 2 * block_size * kv_heads * he
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -183,7 +184,7 @@ class ModelRunner:
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
         self.num_blocks = start
         self._allocate_kv_cache()
-        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        ends = list(itertools.accumulate(lengths))
         step = StepInput(
             input_ids=[i % self.model_config.vocab_size for i in range(ends[-1])],
             positions=[p for n in lengths for p in range(n)],
@@ -194,7 +195,9 @@ class ModelRunner:
             logits_indices=[e - 1 for e in ends],
         )
         measured = measure_profile_run(self.device, weights, lambda: self.forward([step] * self.parallel.dp_size))
-        for layer in self.attn_layers:  # the temporary cache goes before the driver's free memory is read
+        for (
+            layer
+        ) in self.attn_layers:  # free the temporary cache (allocated before the profile's baseline: not counted)
             layer.k_cache = layer.v_cache = torch.empty(0)
         groups = [
             KVGroupLayout(
