@@ -8,6 +8,7 @@ filled in from its `config.json` / `generation_config.json` through `ModelConfig
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
+
+logger = logging.getLogger("brisk.config")
 
 
 class ConfigError(ValueError):
@@ -42,6 +45,11 @@ class CudaGraphConfig(_Strict):
 
 class MoeConfig(_Strict):
     backend: Literal["auto", "torch", "triton"] = "auto"
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _lower_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value  # TensorRT-LLM's YAMLs write TRITON
 
 
 class EngineConfig(_Strict):
@@ -133,7 +141,42 @@ class EngineConfig(_Strict):
             raise ConfigError(
                 f"max_seq_len ({cfg.max_seq_len}) > max_num_tokens ({cfg.max_num_tokens}) needs enable_chunked_prefill"
             )
+        if _device_type(cfg.device) == "cpu":
+            cfg, notes = cfg.without_gpu_only_options()
+            for note in notes:
+                logger.info("%s", note)
         return cfg
+
+    def without_gpu_only_options(self) -> tuple[EngineConfig, list[str]]:
+        """For a CPU: the options given that only a CUDA GPU acts on, as log lines (one YAML serves both, so they
+        are accepted, not rejected), and the config with the Triton backends back to auto."""
+        given, notes = self.model_fields_set, []
+        changes: dict[str, Any] = {}
+        if "cuda_graph_config" in given and self.cuda_graph_config is not None:
+            notes.append("cuda_graph_config means nothing on a CPU: no CUDA graphs are captured")
+        if self.moe_config.backend == "triton":
+            notes.append("moe_config.backend 'triton' means nothing on a CPU: the CPU MoE path runs")
+            changes["moe_config"] = MoeConfig(backend="auto")
+        if self.attn_backend == "triton":
+            notes.append("attn_backend 'triton' means nothing on a CPU: the CPU attention path runs")
+            changes["attn_backend"] = "auto"
+        if "kv_cache_free_gpu_memory_fraction" in given or self.kv_cache_config.free_gpu_memory_fraction is not None:
+            notes.append(
+                "kv_cache_free_gpu_memory_fraction is a share of GPU memory; on a CPU the KV cache takes that share "
+                "of the available RAM, at most 2 GiB (kv_cache_config.max_blocks sets it exactly)"
+            )
+        return (self.model_copy(update=changes) if changes else self), notes
+
+
+def _device_type(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        return device  # not a device name: the runner reports it when it builds the model
 
 
 def load_yaml_options(path: str | os.PathLike) -> dict[str, Any]:

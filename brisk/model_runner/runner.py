@@ -8,6 +8,7 @@ one `BlockPool`; a block's bytes are `num_slots * 2 * block_size * kv_heads * he
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
 from brisk.model_runner.loader import load_model
+from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
 from brisk.scheduler.request import Request
 from brisk.scheduler.scheduler import SchedulerOutput
@@ -122,7 +124,10 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = attention_backend
         self.kv_groups = kv_groups_for(model_config)
-        self.num_blocks = self._num_kv_blocks()
+        if device.type == "cuda" and config.kv_cache_config.max_blocks is None:
+            self.num_blocks = self._num_kv_blocks_by_profiling()  # brisk/model_runner/memory.py
+        else:
+            self.num_blocks = self._num_kv_blocks()
         if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
             self.num_blocks = agree_min(self.num_blocks, cpu_group)
         self._allocate_kv_cache()
@@ -156,6 +161,56 @@ class ModelRunner:
         # More blocks than a full batch of max-length requests could ever hold is wasted memory.
         most_useful = len(self.kv_groups) * cdiv(self.max_seq_len, self.block_size) * self.config.max_batch_size + 1
         return max(2, min(int(budget // self.bytes_per_block), most_useful))
+
+    def _num_kv_blocks_by_profiling(self) -> int:
+        """One forward pass at max_num_tokens on a temporary cache just big enough for it, measured; the pool gets
+        kv_cache_free_gpu_memory_fraction of what is left (memory.py). Graph capture joins the profile once the
+        runner captures graphs."""
+        weights = torch.cuda.memory_allocated(self.device)
+        lengths = profile_batch_shape(self.config.max_num_tokens, self.config.max_batch_size)
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        start = 1  # block 0 is the null block
+        for n in lengths:
+            table = list(range(start, start + cdiv(n, self.block_size)))
+            start += len(table)
+            tables.append(table)
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
+        self.num_blocks = start
+        self._allocate_kv_cache()
+        ends = list(itertools.accumulate(lengths))
+        step = StepInput(
+            input_ids=[i % self.model_config.vocab_size for i in range(ends[-1])],
+            positions=[p for n in lengths for p in range(n)],
+            query_start_loc=[0, *ends],
+            seq_lens=lengths,
+            block_tables=[tables for _ in self.kv_groups],  # every group's layers write the same blocks' slots
+            slot_mappings=[slots for _ in self.kv_groups],
+            logits_indices=[e - 1 for e in ends],
+        )
+        measured = measure_profile_run(self.device, weights, lambda: self.forward([step] * self.parallel.dp_size))
+        for (
+            layer
+        ) in self.attn_layers:  # free the temporary cache (allocated before the profile's baseline: not counted)
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        groups = [
+            KVGroupLayout(
+                "sliding_attention" if g.sliding_window else "full_attention", len(g.layer_ids), g.sliding_window
+            )
+            for g in self.kv_groups
+        ]
+        plan = plan_kv_cache(
+            measured,
+            fraction=self.config.memory_fraction,
+            bytes_per_block=self.bytes_per_block,
+            block_size=self.block_size,
+            groups=groups,
+            max_seq_len=self.max_seq_len,
+            max_num_tokens=self.config.max_num_tokens,
+        )
+        log_plan(plan)
+        most_useful = len(self.kv_groups) * cdiv(self.max_seq_len, self.block_size) * self.config.max_batch_size + 1
+        return min(plan.num_blocks, most_useful)
 
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config

@@ -1,0 +1,276 @@
+"""Phase d of benchmarks/gpu_suite.py: offline latency and throughput of brisk on a dummy gpt-oss, the bandwidth
+roofline, the transformers `generate` baseline, and where a decode step's time goes.
+
+    python benchmarks/suite_offline.py brisk --model gpt-oss-20b --out d_20b.json --bandwidth-gbps 3000
+    python benchmarks/suite_offline.py hf --model gpt-oss-20b --out d_hf.json
+
+Each run writes its JSON after every measurement, so a run stopped by its time budget keeps what it measured.
+
+Latency, batch B: B random prompts of --input-len tokens, each generating --output-len tokens (greedy, EOS
+ignored); the same with one output token times the prefill. tokens/s/user = (output_len - 1) / (total - prefill).
+Throughput: the largest batch the KV pool holds at --throughput-len in and out, all at once; output tokens / time.
+Roofline: the bytes one decode step must read at batch B (`step_bytes`: the dense weights, the experts the batch
+touches in MXFP4, the LM head, the KV of every sequence) over the measured copy bandwidth (phase a) gives the
+fastest possible step; the fraction is that over the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+MXFP4_BYTES_PER_WEIGHT = 4.25 / 8  # 4-bit values plus one 8-bit scale per 32
+KV_BYTES = 2  # bf16 cache
+
+
+def step_bytes(config: dict[str, Any], batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences, each `context` tokens long, must read from GPU memory."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    experts, k, inter = config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]
+    vocab, window = config["vocab_size"], config.get("sliding_window")
+    mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    attention = (
+        layers * 2 * (h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h + heads * hd + 2 * kv_heads * hd + h)
+    )
+    router = layers * 2 * (h * experts + experts)
+    expert_weights = 3 * inter * h  # gate_up (2I x H) and down (H x I)
+    per_expert = expert_weights * (MXFP4_BYTES_PER_WEIGHT if mxfp4 else 2) + 2 * (2 * inter + h)
+    touched = experts * (1 - (1 - k / experts) ** batch)  # expected distinct experts per layer, uniform routing
+    kv_per_token_layer = 2 * kv_heads * hd * KV_BYTES
+    types = config.get("layer_types") or ["full_attention"] * layers
+    kv = sum(batch * (context if t == "full_attention" else min(context, window or context)) for t in types)
+    parts = {
+        "attention": attention,
+        "router": router,
+        "experts": layers * touched * per_expert,
+        "lm_head": 2 * vocab * h,
+        "kv": kv * kv_per_token_layer,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+class Results:
+    def __init__(self, path: str, **meta: Any) -> None:
+        self.path, self.data = path, {"meta": meta, "rows": {}}
+        self.save()
+
+    def add(self, table: str, row: dict[str, Any]) -> None:
+        self.data["rows"].setdefault(table, []).append(row)
+        self.save()
+        print(table, json.dumps(row), flush=True)
+
+    def save(self) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def random_prompts(count: int, length: int, vocab: int, rng: random.Random) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(length)]} for _ in range(count)]
+
+
+def timed(fn) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) -> None:
+    import torch
+
+    from brisk import LLM, SamplingParams
+    from brisk.model_runner.memory import KVGroupLayout, blocks_for_one_request
+
+    res = Results(
+        args.out, model=args.model, engine="brisk", device=_device_name(torch), bandwidth_gbps=args.bandwidth_gbps
+    )
+    options = dict(load_format="dummy", max_batch_size=args.max_batch, kv_cache_config={"enable_block_reuse": False})
+    if args.max_num_tokens:
+        options["max_num_tokens"] = args.max_num_tokens
+    load_s, llm = timed(lambda: LLM(model_dir, **options))
+    runner = llm.engine.runner
+    res.data["meta"].update(load_s=load_s, num_kv_blocks=runner.num_blocks, block_size=runner.block_size)
+    res.save()
+    rng = random.Random(0)
+    vocab = config["vocab_size"]
+
+    def generate(prompts, n: int):
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    generate(random_prompts(2, 16, vocab, rng), 4)  # warm-up: kernel compilation, allocator
+    for batch in args.batches:
+        generate(random_prompts(batch, args.input_len, vocab, rng), 2)  # this batch size's first compile
+        prefill_s, _ = timed(lambda b=batch: generate(random_prompts(b, args.input_len, vocab, rng), 1))
+        total_s, outs = timed(lambda b=batch: generate(random_prompts(b, args.input_len, vocab, rng), args.output_len))
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        decode_s = max(total_s - prefill_s, 1e-9)
+        per_user = (args.output_len - 1) / decode_s
+        bytes_ = step_bytes(config, batch, args.input_len + args.output_len // 2)["total"]
+        row = dict(
+            batch=batch,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            total_s=total_s,
+            prefill_s=prefill_s,
+            tok_s_user=per_user,
+            output_tok_s=produced / total_s,
+            step_gb=bytes_ / 1e9,
+        )
+        _flag_short_outputs(row, produced, batch * args.output_len)
+        if args.bandwidth_gbps:
+            roofline = args.bandwidth_gbps * 1e9 / bytes_
+            row.update(roofline_tok_s_user=roofline, roofline_fraction=per_user / roofline)
+        res.add("latency", row)
+
+    groups = [
+        KVGroupLayout("sliding" if g.sliding_window else "full", len(g.layer_ids), g.sliding_window)
+        for g in runner.kv_groups
+    ]
+    seq = 2 * args.throughput_len
+    need = blocks_for_one_request(groups, runner.block_size, seq, runner.config.max_num_tokens) - 1
+    batch = max(1, min(args.max_batch, (runner.num_blocks - 1) // need))
+    total_s, outs = timed(lambda: generate(random_prompts(batch, args.throughput_len, vocab, rng), args.throughput_len))
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    row = dict(batch=batch, input_len=args.throughput_len, output_len=args.throughput_len, total_s=total_s)
+    row.update(output_tok_s_gpu=produced / total_s, limited_by="kv blocks" if batch < args.max_batch else "max_batch")
+    _flag_short_outputs(row, produced, batch * args.throughput_len)
+    if args.bandwidth_gbps:
+        bytes_ = step_bytes(config, batch, args.throughput_len + args.throughput_len // 2)["total"]
+        roofline = args.bandwidth_gbps * 1e9 / bytes_ * batch  # decode steps only: prefill is not counted
+        row.update(step_gb=bytes_ / 1e9, roofline_tok_s=roofline, roofline_fraction=row["output_tok_s_gpu"] / roofline)
+    res.add("throughput", row)
+
+    if args.profile == "always" or (args.profile == "short" and _short_of_roofline(res.data["rows"]["latency"][0])):
+        for row in profile_decode(llm, vocab, torch):
+            res.add("profile", row)
+
+
+def _flag_short_outputs(row: dict[str, Any], produced: int, expected: int) -> None:
+    """A request that ends early (non-finite logits end it with an error) makes every rate of its row wrong."""
+    if produced != expected:
+        row["missing_tokens"] = expected - produced
+
+
+def _short_of_roofline(row: dict[str, Any], target: float = 0.7) -> bool:
+    return row.get("roofline_fraction", 0.0) < target
+
+
+def profile_decode(llm, vocab: int, torch, steps: int = 16, top: int = 15) -> list[dict[str, Any]]:
+    """Per-kernel share of decode steps at batch 1 (torch profiler; an 8-token prompt so decode dominates)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from brisk import SamplingParams
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prompt = [{"prompt_token_ids": list(range(10, 18))}]
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)
+    with profile(activities=activities) as prof:
+        llm.generate(prompt, params, use_tqdm=False)
+    if cuda:
+        torch.cuda.synchronize()
+
+    def self_us(event) -> float:
+        if cuda:
+            device_us = getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0)
+            return float(device_us or 0.0)
+        return float(event.self_cpu_time_total)
+
+    events = [e for e in prof.key_averages() if self_us(e) > 0]
+    if cuda:  # kernels only: events with device time and no CPU op wrapped around them are the kernels themselves
+        events = [e for e in events if getattr(e, "device_type", None) is None or "CUDA" in str(e.device_type)]
+    total = sum(self_us(e) for e in events) or 1.0
+    rows = sorted(events, key=self_us, reverse=True)[:top]
+    return [
+        dict(
+            kernel=e.key[:80],
+            calls=e.count,
+            us_per_step=self_us(e) / steps,
+            share=self_us(e) / total,
+            time="device" if cuda else "cpu",
+        )
+        for e in rows
+    ]
+
+
+def run_hf(args: argparse.Namespace, config: dict[str, Any], model_dir: str) -> None:
+    """transformers' generate on the same dummy model at batch 1: the naive baseline (bf16 experts on a GPU:
+    transformers' MXFP4 path needs the `kernels` package and a hub download)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    res = Results(args.out, model=args.model, engine="transformers", device=_device_name(torch))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        load_s, model = timed(lambda: AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval())
+    res.data["meta"].update(load_s=load_s, weights="bf16" if dtype == torch.bfloat16 else "fp32")
+    rng = random.Random(0)
+    ids = torch.tensor([[rng.randrange(10, config["vocab_size"] - 10) for _ in range(args.input_len)]], device=device)
+
+    def generate(n: int):
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    generate(2)
+    prefill_s, _ = timed(lambda: generate(1))
+    total_s, out = timed(lambda: generate(args.output_len))
+    produced = out.shape[1] - ids.shape[1]
+    res.add(
+        "latency",
+        dict(
+            batch=1,
+            input_len=args.input_len,
+            output_len=produced,
+            total_s=total_s,
+            prefill_s=prefill_s,
+            tok_s_user=(produced - 1) / max(total_s - prefill_s, 1e-9),
+            output_tok_s=produced / total_s,
+        ),
+    )
+
+
+def _device_name(torch) -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engine", choices=["brisk", "hf"])
+    p.add_argument("--model", required=True, help="gpt-oss-20b, gpt-oss-120b or tiny-gpt-oss")
+    p.add_argument("--models-dir", default="/tmp/brisk-suite-models", help="where the dummy model folders are written")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--throughput-len", type=int, default=1024, help="tokens in and out of the throughput run")
+    p.add_argument("--max-batch", type=int, default=512, help="max_batch_size of the engine")
+    p.add_argument("--max-num-tokens", type=int, help="engine max_num_tokens (default: brisk's)")
+    p.add_argument("--bandwidth-gbps", type=float, help="measured copy bandwidth (phase a) for the roofline")
+    p.add_argument("--profile", choices=["never", "short", "always"], default="short")
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from suite_models import model_config, write_model_dir
+
+    model_dir = write_model_dir(args.model, args.models_dir)
+    (run_brisk if args.engine == "brisk" else run_hf)(args, model_config(args.model), model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

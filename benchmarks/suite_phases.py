@@ -1,0 +1,587 @@
+"""The bodies of benchmarks/gpu_suite.py's phases a-e; each runs in its own process and writes DIR/phase_X.json
+after every section, so a phase stopped by its budget keeps what it measured."""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PHASES = {
+    "a": "environment and ceilings",
+    "b": "GPU tests",
+    "c": "kernel microbenchmarks",
+    "d": "offline latency and throughput",
+    "e": "served: brisk serve + brisk bench serve",
+}
+NO_GPU = "skipped: no GPU"
+GPU_TEST_PATTERNS = ("tests/test_triton_*.py", "tests/test_gpu_*.py", "tests/test_cuda_*.py")
+# In --smoke, the GPU-only tests (skipped on a CPU, reported as such) and one quick interpreter test that passes.
+SMOKE_TEST_FILTER = "real or gpu or cuda or test_mxfp4_nibble_order_low_first"
+PRESETS = ("low_latency", "max_throughput")
+# brisk's runtime dependencies (pyproject.toml) and the suite's tools (pytest, hypothesis, httpx; matplotlib, without
+# which phase e is skipped).
+SUITE_PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "pydantic",
+    "pyyaml",
+    "jinja2",
+    "tqdm",
+    "numpy",
+    "msgspec",
+    "pyzmq",
+    "fastapi",
+    "uvicorn",
+    "prometheus_client",
+    "openai-harmony",
+    "pytest",
+    "hypothesis",
+    "httpx",
+    "matplotlib",
+)
+# ../shared/docs/ANCHORS.md: output tok/s targets, by GPU.
+TARGETS = {
+    ("gpt-oss-120b", "batch 1 tok/s/user"): {"H100": 420, "H200": 600},
+    ("gpt-oss-120b", "1k/1k tok/s/GPU"): {"H200": 7000},
+    ("gpt-oss-20b", "1k/1k tok/s/GPU"): {"H100": 12000},
+}
+
+
+class PhaseRecord:
+    """A phase's result file: sections of tables, each with the command that produced its figures."""
+
+    def __init__(self, out: Path, letter: str) -> None:
+        self.path = out / f"phase_{letter}.json"
+        self.data: dict[str, Any] = {"status": "running", "sections": [], "notes": []}
+        self.save()
+
+    def section(self, title: str, command: str, rows: list[dict[str, Any]], note: str = "") -> None:
+        self.data["sections"].append(dict(title=title, command=command, rows=rows, note=note))
+        self.save()
+
+    def finish(self, status: str = "ok", **extra: Any) -> int:
+        self.data.update(status=status, **extra)
+        self.save()
+        return 0
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_phase(out: Path, letter: str) -> dict[str, Any]:
+    try:
+        return json.loads((out / f"phase_{letter}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def ceilings(out: Path) -> dict[str, float]:
+    return load_phase(out, "a").get("ceilings", {})
+
+
+def run_logged(command: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run a step of a phase, its output into the phase's log (our stdout)."""
+    print("$ " + shlex.join(command), flush=True)
+    return subprocess.run(command, timeout=max(1.0, timeout), cwd=REPO, **kwargs)
+
+
+# ---- a: environment and ceilings --------------------------------------------------------------------------
+def phase_a(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    import torch
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "brisk commit": _git_commit(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu cores": os.cpu_count(),
+    }
+    cuda = torch.cuda.is_available()
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=torch.cuda.get_device_name(),
+            gpus=torch.cuda.device_count(),
+            multiprocessors=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 2),
+            cuda_runtime=torch.version.cuda,
+            driver=_nvidia_smi("driver_version"),
+        )
+    else:
+        env.update(gpu=NO_GPU, driver=NO_GPU)
+    rec.section(
+        "Environment", "python benchmarks/gpu_suite.py --phases a", [{"item": k, "value": v} for k, v in env.items()]
+    )
+    packages = [dict(package=name, version=_version(name)) for name in SUITE_PACKAGES]
+    missing = [p["package"] for p in packages if p["version"] == "not installed" and p["package"] != "matplotlib"]
+    note = (
+        f"missing: {', '.join(missing)} (build tools/wheelhouse.sh and install it: README, On a GPU)" if missing else ""
+    )
+    rec.section("Python packages brisk and the suite import", "python -m pip list", packages, note)
+    copy = copy_gbps(torch, cuda, smoke)
+    matmul = matmul_tflops(torch, cuda, smoke)
+    rows: list[dict[str, Any]] = [
+        dict(ceiling="device copy (read + write)", value=round(copy, 1), unit="GB/s", on="gpu" if cuda else "cpu"),
+        dict(
+            ceiling="bf16 matmul" if cuda else "fp32 matmul",
+            value=round(matmul, 2),
+            unit="TFLOP/s",
+            on="gpu" if cuda else "cpu",
+        ),
+    ]
+    how = "torch copy_ of 2 GiB, CUDA events; 8192^3 bf16 torch.matmul on random data, mean of 10 after 3 warm-ups"
+    if not cuda:
+        how = "CPU stand-ins (no GPU): torch copy_ of 64 MB and a 512^3 fp32 matmul; the GPU ceilings: " + NO_GPU
+    rec.section("Ceilings (measured)", "python benchmarks/gpu_suite.py --phases a", rows, how)
+    status = "ok" if not missing else f"failed: packages missing: {', '.join(missing)}"
+    return rec.finish(
+        status, ceilings={"copy_gbps": copy, "matmul_tflops": matmul, "device": env["gpu"]}, environment=env
+    )
+
+
+def copy_gbps(torch, cuda: bool, smoke: bool) -> float:
+    if cuda:
+        from gpu_timing import copy_gbps as gpu_copy
+
+        return gpu_copy()
+    src = torch.empty(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 2 * src.numel() * 5 / (time.perf_counter() - start) / 1e9
+
+
+def matmul_tflops(torch, cuda: bool, smoke: bool) -> float:
+    n = 8192 if cuda else 512
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device="cuda" if cuda else "cpu")
+    b = torch.randn(n, n, dtype=dtype, device=a.device)
+    if cuda:
+        from gpu_timing import time_ms
+
+        ms = time_ms(lambda: a @ b, iters=10, graph=False)
+        return 2 * n**3 / ms / 1e9
+    a @ b
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 2 * n**3 * 5 / (time.perf_counter() - start) / 1e12
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no git)"
+    return out.stdout.strip() or "unknown (not a git checkout)"
+
+
+def _nvidia_smi(field: str) -> str:
+    if shutil.which("nvidia-smi") is None:
+        return "unknown (no nvidia-smi)"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+
+
+# ---- b: GPU tests -----------------------------------------------------------------------------------------
+def phase_b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    files = sorted({f for pattern in GPU_TEST_PATTERNS for f in glob.glob(str(REPO / pattern))})
+    results = rec.path.parent / "b_results.jsonl"
+    results.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "suite_pytest_plugin"]
+    command += [f"--suite-results={results}", *(os.path.relpath(f, REPO) for f in files)]
+    if smoke or not has_cuda():
+        command += ["-k", SMOKE_TEST_FILTER]
+    try:
+        run_logged(command, budget - 10)
+    except subprocess.TimeoutExpired:
+        rec.data["notes"].append(
+            "pytest overran the phase budget: the tests that finished are below, the rest did not run"
+        )
+    tests = read_results(results)
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["result"]] = counts.get(t["result"], 0) + 1
+    shown = shlex.join(["python", *command[1:]]).replace(str(results), "DIR/b_results.jsonl")
+    note = (
+        "" if has_cuda() else f"GPU-only tests: {NO_GPU} (CUDA is not available; the Triton tests' CPU runs are in CI)"
+    )
+    rec.section("Summary", shown, [dict(counts, files=", ".join(Path(f).name for f in files))], note)
+    rec.section("Per test", shown, tests)
+    failed = counts.get("failed", 0) + counts.get("error", 0)
+    if not tests:
+        return rec.finish("failed: no test results (see the log)")
+    return rec.finish("ok" if not failed else f"failed: {failed} test(s) failed", counts=counts)
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """The plugin's JSON lines; GPU-only skips are marked as such."""
+    tests = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            t = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if t["result"] == "skipped" and ("CUDA" in t["detail"] or "GPU" in t["detail"]):
+            t["detail"] = f"{NO_GPU} ({t['detail']})"
+        t["test"] = t["test"].removeprefix("tests/").replace(".py::", "::")
+        tests.append(t)
+    return tests
+
+
+# ---- c: kernel microbenchmarks ----------------------------------------------------------------------------
+def phase_c(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    if not has_cuda():
+        rec.section(
+            "Kernel microbenchmarks", "python benchmarks/bench_attention.py; python benchmarks/bench_moe.py", [], NO_GPU
+        )
+        return rec.finish(NO_GPU)
+    ceil = ceilings(rec.path.parent)
+    out = rec.path.parent
+    started = time.monotonic()
+    run_logged([sys.executable, "benchmarks/bench_attention.py", "--out", str(out / "c_attention.json")], budget * 0.5)
+    shown = "python benchmarks/bench_attention.py --out DIR/c_attention.json"
+    decode, prefill = attention_rows(json.loads((out / "c_attention.json").read_text()), ceil)
+    rec.section("Paged decode attention (KV GB/s vs phase a's copy)", shown, decode)
+    rec.section("Paged prefill attention (TFLOP/s vs phase a's matmul)", shown, prefill)
+    moe_cmd = [sys.executable, "benchmarks/bench_moe.py", "--out", str(out / "c_moe.json")]
+    run_logged(moe_cmd, budget - (time.monotonic() - started) - 5)
+    rows = moe_rows(json.loads((out / "c_moe.json").read_text()), ceil)
+    rec.section(
+        "Fused MXFP4 MoE, gpt-oss-120b layer shapes", "python benchmarks/bench_moe.py --out DIR/c_moe.json", rows
+    )
+    return rec.finish()
+
+
+def attention_rows(data: dict[str, Any], ceil: dict[str, float]) -> tuple[list[dict], list[dict]]:
+    """bench_attention.py's JSON as report rows, held against phase a's ceilings."""
+    copy, matmul = ceil.get("copy_gbps"), ceil.get("matmul_tflops")
+    decode = [
+        dict(
+            batch=r["batch"],
+            context=r["context"],
+            window=r["window"] or "-",
+            us=round(r["us"], 1),
+            kv_gbps=round(r["kv_gbps"]),
+            pct_of_copy=_pct(r["kv_gbps"], copy),
+        )
+        for r in data["decode"]
+    ]
+    prefill = [
+        dict(
+            context=r["context"],
+            window=r["window"] or "-",
+            us=round(r["us"], 1),
+            tflops=round(r["tflops"], 1),
+            pct_of_matmul=_pct(r["tflops"], matmul),
+        )
+        for r in data["prefill"]
+    ]
+    return decode, prefill
+
+
+def moe_rows(data: dict[str, Any], ceil: dict[str, float]) -> list[dict]:
+    """bench_moe.py's JSON as report rows, held against phase a's ceilings."""
+    copy, matmul = ceil.get("copy_gbps"), ceil.get("matmul_tflops")
+    return [
+        dict(
+            batch=r["batch"],
+            experts=r["experts_touched"],
+            us_per_layer=round(r["us_per_layer"], 1),
+            weight_gbps=round(r["weight_gbps"]),
+            pct_of_copy=_pct(r["weight_gbps"], copy),
+            tflops=round(r["tflops"], 1),
+            pct_of_matmul=_pct(r["tflops"], matmul),
+        )
+        for r in data["results"]
+    ]
+
+
+def _pct(value: float, ceiling: float | None) -> str:
+    return f"{100 * value / ceiling:.0f}%" if ceiling else "n/a (no phase a)"
+
+
+# ---- d: offline latency and throughput ---------------------------------------------------------------------
+def phase_d(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    cuda = has_cuda()
+    out = rec.path.parent
+    bandwidth = ceilings(out).get("copy_gbps")
+    common = ["--models-dir", str(out / "models")]
+    if bandwidth:
+        common += ["--bandwidth-gbps", f"{bandwidth:.1f}"]
+    if smoke or not cuda:
+        sizes = [
+            "--batches",
+            "1,4",
+            "--input-len",
+            "32",
+            "--output-len",
+            "16",
+            "--throughput-len",
+            "32",
+            "--max-batch",
+            "16",
+        ]
+        items = [("brisk", "tiny-gpt-oss", sizes + ["--profile", "always"], 0.6), ("hf", "tiny-gpt-oss", sizes, 0.4)]
+        if not cuda:
+            rec.data["notes"].append(f"dummy gpt-oss-20b and gpt-oss-120b: {NO_GPU} (the toy model stands in)")
+    else:
+        items = [
+            ("brisk", "gpt-oss-20b", [], 0.4),
+            ("hf", "gpt-oss-20b", [], 0.15),
+            ("brisk", "gpt-oss-120b", [], 0.45),
+        ]
+    started = time.monotonic()
+    statuses = []
+    for index, (engine, model, extra, share) in enumerate(items):
+        path = out / f"d_{engine}_{model}.json"
+        path.unlink(missing_ok=True)
+        command = [sys.executable, "benchmarks/suite_offline.py", engine, "--model", model, "--out", str(path)]
+        command += common + extra
+        left = budget - (time.monotonic() - started) - 5
+        try:
+            done = run_logged(command, left if index == len(items) - 1 else min(left, budget * share))
+            statuses.append(f"{engine} {model}: " + ("ok" if done.returncode == 0 else f"exit code {done.returncode}"))
+        except subprocess.TimeoutExpired:
+            statuses.append(f"{engine} {model}: stopped at its share of the budget")
+        shown = shlex.join(command[1:]).replace(str(out), "DIR")
+        if _offline_sections(rec, path, engine, model, "python " + shown):
+            statuses.append(f"{engine} {model}: requests ended early (missing_tokens): its rates are not valid")
+    rec.data["notes"].extend(statuses)
+    bad = [s for s in statuses if not s.endswith(": ok")]
+    return rec.finish("ok" if not bad else "failed: " + "; ".join(bad))
+
+
+def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, command: str) -> bool:
+    """The run's tables; True when a request produced fewer tokens than asked (its figures are then wrong)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        rec.section(f"{engine} {model}", command, [], "no results (see the log)")
+        return False
+    rows = data.get("rows", {})
+    meta = data.get("meta", {})
+    note = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in meta.items())
+    name = "transformers generate" if engine == "hf" else "brisk"
+    for table in ("latency", "throughput", "profile"):
+        if table in rows:
+            title = (
+                f"{name}, {model}: "
+                + {
+                    "latency": "latency",
+                    "throughput": "throughput (largest batch that fits)",
+                    "profile": "per-kernel share of decode steps at batch 1 (torch profiler)",
+                }[table]
+            )
+            rec.section(title, command, [_rounded(r) for r in rows[table]], note)
+    if engine == "brisk":
+        device = meta.get("device", "")
+        gpu = "H200" if "H200" in device else "H100" if "H100" in device else None
+        checks = []
+        for (target_model, what), by_gpu in TARGETS.items():
+            if target_model != model or gpu not in by_gpu:
+                continue
+            if what.startswith("batch 1"):
+                measured = next((r["tok_s_user"] for r in rows.get("latency", []) if r["batch"] == 1), None)
+            else:
+                measured = next((r["output_tok_s_gpu"] for r in rows.get("throughput", [])), None)
+            verdict = "not measured" if measured is None else "met" if measured >= by_gpu[gpu] else "short"
+            if verdict == "short" and "profile" in rows:
+                verdict += " (per-kernel profile above)"
+            checks.append(
+                dict(
+                    target=what,
+                    gpu=gpu,
+                    target_value=by_gpu[gpu],
+                    measured=measured and round(measured),
+                    verdict=verdict,
+                )
+            )
+        if checks:
+            rec.section(f"Targets, {model} (ANCHORS.md)", command, checks)
+    return any(r.get("missing_tokens") for table in rows.values() for r in table)
+
+
+def _rounded(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (round(v, 4) if isinstance(v, float) and abs(v) < 1 else round(v, 1) if isinstance(v, float) else v)
+        for k, v in row.items()
+    }
+
+
+# ---- e: served -----------------------------------------------------------------------------------------------
+def phase_e(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    cuda = has_cuda()
+    if importlib.util.find_spec("matplotlib") is None:
+        rec.section("Served", "brisk bench serve", [], "skipped: matplotlib missing (wheelhouse.sh --extras bench)")
+        return rec.finish("skipped: matplotlib missing")
+    out = rec.path.parent
+    sys.path.insert(0, str(HERE))
+    from suite_models import TINY_NAME, write_model_dir
+
+    model = "gpt-oss-20b" if cuda and not smoke else TINY_NAME
+    model_dir = write_model_dir(model, out / "models")
+    # One `brisk bench serve` per entry. On a GPU, few requests at low concurrency (each is 256 decode steps long)
+    # and enough at high concurrency for two waves: about 5,000 decode steps per preset.
+    if smoke or not cuda:
+        loads = [["--concurrency", "1,4", "--input-len", "32", "--output-len", "16", "--num-prompts", "8"]]
+    else:
+        lengths = ["--input-len", "1024", "--output-len", "256"]
+        loads = [
+            ["--concurrency", "1,4", "--num-prompts", "8", *lengths],
+            ["--concurrency", "16,64", "--num-prompts", "128", *lengths],
+        ]
+    started = time.monotonic()
+    bad = []
+    for i, preset in enumerate(PRESETS):
+        left = budget - (time.monotonic() - started) - 10
+        share = left / (len(PRESETS) - i)
+        status = serve_and_bench(rec, preset, model, model_dir, loads, share)
+        if status != "ok":
+            bad.append(f"{preset}: {status}")
+    return rec.finish("ok" if not bad else "failed: " + "; ".join(bad))
+
+
+def serve_and_bench(
+    rec: PhaseRecord, preset: str, model: str, model_dir: str, loads: list[list[str]], budget: float
+) -> str:
+    out = rec.path.parent
+    port = _free_port()
+    serve = [sys.executable, "-m", "brisk.cli", "serve", model_dir, "--load_format", "dummy", "--port", str(port)]
+    serve += ["--served-model-name", model, "--extra_llm_api_options", f"examples/{preset}.yaml"]
+    bench_dir = out / f"e_{preset}"
+    base = [sys.executable, "-m", "brisk.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    base += ["--model", model, "--num-gpus", "1", "--out-dir", str(bench_dir), "--label", preset]
+    benches = [base + load for load in loads]
+    shown = " && ".join(shlex.join(["brisk", *b[3:]]) for b in benches)
+    shown = f"{shlex.join(['brisk', *serve[3:]])} & {shown}".replace(str(out), "DIR")
+    started = time.monotonic()
+    print("$ " + shlex.join(serve), flush=True)
+    server = subprocess.Popen(serve, cwd=REPO)
+    status, note = "ok", ""
+    try:
+        if not _wait_healthy(server, port, budget * 0.75):
+            rec.section(f"Served, {preset}", shown, [], "the server did not become ready (see the log)")
+            return "server not ready"
+        for bench in benches:
+            run_logged(bench, budget - (time.monotonic() - started) - 5)
+    except subprocess.TimeoutExpired:
+        status, note = "timeout", "brisk bench serve overran its share of the budget: the points it finished"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    points = [p for run in glob.glob(str(bench_dir / "*.json")) for p in json.loads(Path(run).read_text())["points"]]
+    if not points:
+        rec.section(f"Served, {preset}", shown, [], note or "brisk bench serve wrote no result")
+        return "no result" if status == "ok" else status
+    rows = []
+    for point in sorted(points, key=lambda p: p["concurrency"] or 0):
+        rows.append(
+            dict(
+                concurrency=point["concurrency"],
+                completed=point["completed"],
+                failed=point["failed"],
+                ttft_ms_mean=_r(point["ttft_ms"]["mean"]),
+                ttft_ms_p99=_r(point["ttft_ms"]["p99"]),
+                tpot_ms_mean=_r(point["tpot_ms"]["mean"]),
+                tok_s_user=_r(point["output_throughput_per_user"]),
+                tok_s_gpu=_r(point["output_throughput_per_gpu"]),
+            )
+        )
+    rec.section(f"Served, {preset} (examples/{preset}.yaml), {model}", shown, rows, note)
+    failed = sum(p["failed"] for p in points)
+    return status if failed == 0 else f"{failed} request(s) failed"
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)  # polling the server's readiness, not synchronisation
+    return False
+
+
+BODIES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e}
+
+
+def run_phase_body(letter: str, out: Path, smoke: bool, budget: float) -> int:
+    rec = PhaseRecord(out, letter)
+    try:
+        return BODIES[letter](rec, smoke, budget)
+    except Exception as exc:  # the report says what broke; the traceback is in the phase's log
+        import traceback
+
+        traceback.print_exc()
+        rec.finish(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+        return 1

@@ -1,0 +1,185 @@
+"""Size the KV pool on a GPU from measured memory: weights, a profiling step's activations, graphs, the rest.
+
+At start-up, after the weights are loaded, the runner runs one forward pass of a dummy batch at `max_num_tokens`
+(spread over up to `max_batch_size` sequences, so that the logits of a full batch are part of the peak) on a
+temporary KV cache just large enough for it, then (once CUDA graphs exist) captures its graphs. What that costs is
+measured by torch's allocator (peak allocated bytes) and the driver (free bytes), not estimated. The KV pool then
+gets `kv_cache_free_gpu_memory_fraction` of what is left:
+
+    left = total - weights - activations - graphs - other      (other: CUDA context, cuBLAS/NCCL workspaces)
+    KV   = left * fraction
+
+Too little memory for one request of `max_seq_len` is a start-up error naming the settings to change, never an
+out-of-memory error in the middle of a request. The arithmetic (`plan_kv_cache`) is separate from the measuring
+(`measure_profile_run`), so tests check it on any machine with injected numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from brisk.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+FRACTION_SETTING = "kv_cache_free_gpu_memory_fraction"
+
+
+class InsufficientKVMemoryError(ConfigError):
+    """The GPU has too little memory left for the KV cache of one request; the message names what to change."""
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """Device memory in bytes, measured at start-up (or given by a test)."""
+
+    total: int  # the device's memory
+    weights: int  # allocated by the loaded model
+    activations: int  # peak allocated during the profiling step, above what was allocated before it
+    graphs: int = 0  # taken by CUDA graph capture
+    other: int = 0  # used outside torch's allocator: CUDA context, cuBLAS / NCCL workspaces
+
+    @property
+    def left(self) -> int:
+        return self.total - self.weights - self.activations - self.graphs - self.other
+
+
+@dataclass(frozen=True)
+class KVGroupLayout:
+    """What the plan needs to know of a KV group: its name for the log, its layers, its sliding window."""
+
+    name: str
+    num_layers: int
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    measured: MemoryMeasurement
+    fraction: float
+    kv_bytes: int  # the pool's budget
+    bytes_per_block: int
+    block_size: int
+    num_blocks: int  # including the null block
+    groups: tuple[KVGroupLayout, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of KV the pool holds for any one group (all groups draw on the same blocks)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def describe(self) -> str:
+        m = self.measured
+        groups = ", ".join(
+            f"{g.name} ({g.num_layers} layers{f', window {g.window}' if g.window else ''}): {self.tokens:,} tokens"
+            for g in self.groups
+        )
+        return (
+            f"GPU memory (GiB): total {m.total / GIB:.2f}, weights {m.weights / GIB:.2f}, activations "
+            f"{m.activations / GIB:.2f}, graphs {m.graphs / GIB:.2f}, other {m.other / GIB:.2f}, left "
+            f"{m.left / GIB:.2f}; KV cache {self.kv_bytes / GIB:.2f} ({FRACTION_SETTING} {self.fraction:g}): "
+            f"{self.num_blocks:,} blocks of {self.block_size} tokens; KV tokens per group, one pool: {groups}"
+        )
+
+
+def blocks_for_one_request(
+    groups: Sequence[KVGroupLayout], block_size: int, max_seq_len: int, max_num_tokens: int
+) -> int:
+    """Blocks one request of max_seq_len holds at its peak (plus the null block): every token in full-attention
+    groups; a window plus one step's chunk in sliding groups."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    need = 1
+    for g in groups:
+        tokens = max_seq_len if g.window is None else min(max_seq_len, g.window + max_num_tokens)
+        need += cdiv(tokens, block_size) + (0 if g.window is None else 1)
+    return need
+
+
+def plan_kv_cache(
+    measured: MemoryMeasurement,
+    *,
+    fraction: float,
+    bytes_per_block: int,
+    block_size: int,
+    groups: Sequence[KVGroupLayout],
+    max_seq_len: int,
+    max_num_tokens: int,
+) -> KVCachePlan:
+    """The pool: `fraction` of the memory left after weights, activations, graphs and the rest; an error naming
+    the settings to change when that cannot hold one request of max_seq_len."""
+    need = blocks_for_one_request(groups, block_size, max_seq_len, max_num_tokens)
+    kv_bytes = max(0, int(measured.left * fraction))
+    num_blocks = kv_bytes // bytes_per_block
+    if num_blocks < need:
+        m = measured
+        raise InsufficientKVMemoryError(
+            f"not enough GPU memory for the KV cache: of {m.total / GIB:.2f} GiB, the weights take "
+            f"{m.weights / GIB:.2f}, a step of max_num_tokens={max_num_tokens} takes {m.activations / GIB:.2f} for "
+            f"activations, graphs {m.graphs / GIB:.2f} and the CUDA context and libraries {m.other / GIB:.2f}, "
+            f"leaving {max(m.left, 0) / GIB:.2f} GiB; {FRACTION_SETTING}={fraction:g} of it gives {num_blocks} KV "
+            f"blocks, but one request of max_seq_len={max_seq_len} needs {need} ({need * bytes_per_block / GIB:.2f} "
+            f"GiB). Raise {FRACTION_SETTING}, lower max_seq_len or max_num_tokens (or cuda_graph_config's "
+            f"max_batch_size), or split the model over more GPUs (tp_size)"
+        )
+    return KVCachePlan(measured, fraction, kv_bytes, bytes_per_block, block_size, num_blocks, tuple(groups))
+
+
+def measure_profile_run(
+    device: Any,
+    weights: int,
+    profile_step: Callable[[], object],
+    capture_graphs: Callable[[], object] | None = None,
+    *,
+    cuda: Any = None,
+) -> MemoryMeasurement:
+    """Run the profiling step (and graph capture), measuring what they take. `cuda` is torch.cuda unless a test
+    passes a stand-in with the same functions. Call it after the weights are loaded and before the KV cache is."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    cuda.synchronize(device)
+    cuda.reset_peak_memory_stats(device)
+    before = cuda.memory_allocated(device)
+    try:
+        profile_step()
+        cuda.synchronize(device)
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
+            raise
+        _, total = cuda.mem_get_info(device)
+        raise InsufficientKVMemoryError(
+            f"the profiling step (one forward pass of max_num_tokens tokens over up to max_batch_size sequences) ran "
+            f"out of GPU memory: the weights take {weights / GIB:.2f} of {total / GIB:.2f} GiB. Lower max_num_tokens "
+            f"or max_batch_size, or split the model over more GPUs (tp_size)"
+        ) from exc
+    activations = cuda.max_memory_allocated(device) - before
+    graphs = 0
+    if capture_graphs is not None:
+        cuda.empty_cache()
+        free_before, _ = cuda.mem_get_info(device)
+        capture_graphs()
+        cuda.synchronize(device)
+        graphs = max(0, free_before - cuda.mem_get_info(device)[0])
+    cuda.empty_cache()
+    free, total = cuda.mem_get_info(device)
+    # Reserved bytes held by torch after empty_cache are the weights, graph pools and live tensors; the rest of
+    # what the device has in use belongs to the CUDA context and libraries outside torch's allocator.
+    other = max(0, (total - free) - cuda.memory_reserved(device))
+    return MemoryMeasurement(total=total, weights=weights, activations=activations, graphs=graphs, other=other)
+
+
+def profile_batch_shape(max_num_tokens: int, max_batch_size: int) -> list[int]:
+    """Tokens per sequence of the profiling step: max_num_tokens spread over up to max_batch_size sequences (each
+    sampling a row, so a full batch of logits is part of the peak)."""
+    num_seqs = max(1, min(max_batch_size, max_num_tokens))
+    base, extra = divmod(max_num_tokens, num_seqs)
+    return [base + (1 if i < extra else 0) for i in range(num_seqs)]
+
+
+def log_plan(plan: KVCachePlan) -> None:
+    logger.info("%s", plan.describe())

@@ -1,0 +1,207 @@
+"""KV pool sizing by profiling (brisk/model_runner/memory.py): the arithmetic and the start-up error with injected
+measurements, the runner's profiling step on the CPU with a stand-in for torch.cuda's memory counters, and, by
+calculation, that default settings fit dummy gpt-oss-120b on one 80 GB H100 with >= 100k tokens of KV."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from brisk import LLM
+from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.model_runner.memory import (
+    GIB,
+    InsufficientKVMemoryError,
+    KVGroupLayout,
+    MemoryMeasurement,
+    blocks_for_one_request,
+    measure_profile_run,
+    plan_kv_cache,
+    profile_batch_shape,
+)
+from brisk.model_runner.runner import kv_groups_for
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = os.path.join(REPO, "..", "shared", "models")
+GPT_OSS_GROUPS = (KVGroupLayout("sliding_attention", 18, 128), KVGroupLayout("full_attention", 18))
+H100_80GB_BYTES = 81559 << 20  # what nvidia-smi and torch report for an H100 80GB HBM3
+
+
+def test_plan_is_the_fraction_of_what_is_left():
+    m = MemoryMeasurement(total=80 * GIB, weights=60 * GIB, activations=3 * GIB, graphs=GIB // 2, other=GIB // 2)
+    plan = plan_kv_cache(
+        m,
+        fraction=0.9,
+        bytes_per_block=1 << 20,
+        block_size=32,
+        groups=GPT_OSS_GROUPS,
+        max_seq_len=4096,
+        max_num_tokens=8192,
+    )
+    assert m.left == 16 * GIB
+    assert plan.kv_bytes == int(16 * GIB * 0.9)
+    assert plan.num_blocks == int(16 * GIB * 0.9) // (1 << 20)
+    assert plan.tokens == (plan.num_blocks - 1) * 32
+    text = plan.describe()
+    for figure in ("total 80.00", "weights 60.00", "activations 3.00", "graphs 0.50", "KV cache 14.40"):
+        assert figure in text
+    assert f"full_attention (18 layers): {plan.tokens:,} tokens" in text
+
+
+def test_one_request_needs_every_full_block_and_a_window_of_sliding_blocks():
+    # full: 4096 / 32 = 128 blocks; sliding: (128 + 512) / 32 + 1 = 21; plus the null block
+    assert blocks_for_one_request(GPT_OSS_GROUPS, 32, max_seq_len=4096, max_num_tokens=512) == 128 + 21 + 1
+    # a short max_seq_len bounds the sliding group too
+    assert blocks_for_one_request(GPT_OSS_GROUPS, 32, max_seq_len=64, max_num_tokens=512) == 2 + 3 + 1
+
+
+@pytest.mark.parametrize(
+    "measured",
+    [
+        MemoryMeasurement(total=80 * GIB, weights=79 * GIB, activations=2 * GIB),  # nothing left at all
+        MemoryMeasurement(total=80 * GIB, weights=60 * GIB, activations=19 * GIB),  # 1 GiB left: < one request
+    ],
+    ids=["weights-exceed", "kv-too-small"],
+)
+def test_too_little_memory_is_a_start_up_error_naming_the_settings(measured):
+    with pytest.raises(InsufficientKVMemoryError) as err:
+        plan_kv_cache(
+            measured,
+            fraction=0.9,
+            bytes_per_block=1 << 20,
+            block_size=32,
+            groups=GPT_OSS_GROUPS,
+            max_seq_len=131072,
+            max_num_tokens=8192,
+        )
+    message = str(err.value)
+    assert isinstance(err.value, ConfigError)  # reported like any bad setting, not as a crash
+    for setting in ("kv_cache_free_gpu_memory_fraction", "max_seq_len=131072", "max_num_tokens=8192", "tp_size"):
+        assert setting in message
+
+
+def test_profile_batch_spreads_max_num_tokens_over_the_batch():
+    assert profile_batch_shape(8192, 256) == [32] * 256
+    shape = profile_batch_shape(100, 8)
+    assert sum(shape) == 100 and len(shape) == 8 and max(shape) - min(shape) <= 1
+    assert profile_batch_shape(3, 256) == [1, 1, 1]
+
+
+def _bytes_of_gpt_oss(name: str) -> tuple[int, int, ModelConfig]:
+    """(exact weight bytes of brisk's model on one GPU, KV bytes per block, config), built on the meta device."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        from memory_per_rank import rank_bytes
+    finally:
+        sys.path.pop(0)
+    from brisk.config import ParallelConfig
+
+    mc = ModelConfig.from_pretrained(os.path.join(MODELS, name), "auto", "cuda")
+    weights, kv_per_token = rank_bytes(mc, ParallelConfig())
+    return weights, kv_per_token, mc
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(MODELS, "gpt-oss-120b")), reason="needs ../shared/models")
+def test_default_settings_fit_gpt_oss_120b_on_one_h100_with_100k_tokens():
+    defaults = EngineConfig(model="gpt-oss-120b")
+    weights, kv_per_token, mc = _bytes_of_gpt_oss("gpt-oss-120b")
+    assert 60 * GIB < weights < 62 * GIB  # MXFP4 experts, bf16 rest: ~61 GiB (ANCHORS.md)
+    # An upper bound of the profiling step's activations at the default max_num_tokens, every intermediate counted
+    # as live at once in fp32: per token the residual stream and norms (4 x hidden), q/k/v and the attention output
+    # (2 x (64 + 2 x 8) x 64), the router logits (128) and, for each of the 4 experts it picks, gate_up (2 x 2880),
+    # the activation and down's output (2 x 2880); plus the logits of a full batch (max_batch_size x vocab) and two
+    # sampler copies of them. Twice that for the allocator's rounding and fragmentation.
+    h, per_expert = mc.hidden_size, 4 * 2880
+    per_token = 4 * (4 * h + 2 * (64 + 16) * 64 + 128 + 4 * per_expert)
+    logits = defaults.max_batch_size * mc.vocab_size * 4 * 3
+    activations = 2 * (defaults.max_num_tokens * per_token + logits)
+    assert activations < 8 * GIB
+    measured = MemoryMeasurement(
+        total=H100_80GB_BYTES,
+        weights=weights,
+        activations=activations,
+        graphs=GIB,  # CUDA graphs of decode batches up to cuda_graph_config.max_batch_size (256): a bound
+        other=GIB,  # CUDA context, cuBLAS workspaces
+    )
+    groups = [
+        KVGroupLayout("sliding_attention" if g.sliding_window else "full_attention", len(g.layer_ids), g.sliding_window)
+        for g in kv_groups_for(mc)
+    ]
+    block_size = defaults.block_size
+    plan = plan_kv_cache(
+        measured,
+        fraction=defaults.memory_fraction,
+        bytes_per_block=kv_per_token * block_size,
+        block_size=block_size,
+        groups=groups,
+        max_seq_len=mc.max_position_embeddings,  # the default max_seq_len: one 131k request must fit
+        max_num_tokens=defaults.max_num_tokens,
+    )
+    assert plan.tokens >= 100_000, plan.describe()
+
+
+class FakeCudaMemory:
+    """torch.cuda's memory counters as a GPU with `total` bytes would report them around the profiling step."""
+
+    def __init__(self, total: int, weights: int, activations: int, other: int) -> None:
+        self.total, self.weights, self.activations, self.other = total, weights, activations, other
+
+    def install(self, monkeypatch) -> None:
+        for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+            monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.weights)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.weights + self.activations)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: self.weights)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (self.total - self.weights - self.other, self.total))
+
+
+def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path, monkeypatch):
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    llm = LLM(path, max_num_tokens=96, max_batch_size=8, max_seq_len=256, tokens_per_block=16, dtype="float32")
+    runner = llm.engine.runner
+    seen: list[int] = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, *a: (seen.append(len(ids)), forward(ids, *a))[1])
+    fake = FakeCudaMemory(total=GIB, weights=100 << 20, activations=50 << 20, other=30 << 20)
+    fake.install(monkeypatch)
+
+    num_blocks = runner._num_kv_blocks_by_profiling()
+
+    assert seen == [96]  # one forward pass of max_num_tokens tokens
+    left = GIB - (100 << 20) - (50 << 20) - (30 << 20)
+    expected = int(left * runner.config.memory_fraction) // runner.bytes_per_block
+    most_useful = len(runner.kv_groups) * (256 // 16) * 8 + 1
+    assert num_blocks == min(expected, most_useful)
+    assert all(layer.k_cache.numel() == 0 for layer in runner.attn_layers)  # the temporary cache is gone
+
+    fake.activations = GIB  # a step that leaves nothing: the error names the setting
+    with pytest.raises(InsufficientKVMemoryError, match="kv_cache_free_gpu_memory_fraction"):
+        runner._num_kv_blocks_by_profiling()
+
+
+def test_a_profiling_step_that_runs_out_of_memory_is_a_start_up_error():
+    class OutOfMemoryError(RuntimeError):  # what torch.cuda raises, by name
+        pass
+
+    def step():
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fake = FakeCudaMemory(total=80 * GIB, weights=75 * GIB, activations=0, other=0)
+    with pytest.MonkeyPatch.context() as patch:
+        fake.install(patch)
+        with pytest.raises(InsufficientKVMemoryError, match="max_num_tokens") as err:
+            measure_profile_run("cuda:0", 75 * GIB, step)
+    assert "75.00 of 80.00 GiB" in str(err.value)
+    with pytest.raises(ValueError):  # any other error is not turned into advice
+        measure_profile_run("cuda:0", 0, lambda: (_ for _ in ()).throw(ValueError("bug")), cuda=_NoopCuda())
+
+
+class _NoopCuda:
+    def __getattr__(self, name):
+        return lambda *a, **k: 0
