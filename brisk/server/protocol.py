@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from brisk.sampling_params import SamplingParams
+from brisk.sampling_params import InvalidRequest, SamplingParams
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -66,63 +66,85 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Body):
-    """Parameters shared by every generation endpoint: OpenAI's plus the vLLM/TensorRT-LLM extensions."""
+class _GenerationFields(_Body):
+    """The sampling fields every generation endpoint takes (the Responses API's set), with one builder."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
     user: str | None = None
-    # extensions
+    # extensions (vLLM / TensorRT-LLM names)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
     timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]) -> SamplingParams:
+    def field_names(self) -> dict[str, str]:
+        """This endpoint's names of SamplingParams fields where they differ, so errors name the client's field."""
+        return {}
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
+    ) -> SamplingParams:
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        try:
-            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids") from None
         return SamplingParams(
-            n=self.n,
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=bias or None,
             seed=self.seed,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
+            **extra,
+        )
+
+
+class _SamplingFields(_GenerationFields):
+    """Chat completions' and completions' further sampling fields: OpenAI's plus vLLM's extensions."""
+
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream_options: StreamOptions | None = None
+    # extensions
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
+    ) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise InvalidRequest("logit_bias", "logit_bias keys must be token ids.") from None
+        return super().sampling_params(
+            max_tokens,
+            logprobs,
+            defaults,
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias or None,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            **extra,
         )
 
 
@@ -169,6 +191,10 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, defaults)
 
+    def field_names(self) -> dict[str, str]:
+        max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -208,45 +234,19 @@ class ResponsesReasoning(_Request):
     summary: str | None = None
 
 
-class ResponsesRequest(_Body):
-    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+class ResponsesRequest(_GenerationFields):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
     reasoning: ResponsesReasoning | None = None
-    stream: bool = False
     store: bool = False
     metadata: dict[str, str] | None = None
-    user: str | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    # extensions shared with the other endpoints
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
-    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
-    timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
+
+    def field_names(self) -> dict[str, str]:
+        return {"prompt": "input", "max_tokens": "max_output_tokens"}
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        def pick(name: str, fallback: Any) -> Any:
-            value = getattr(self, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        return SamplingParams(
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0),
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            seed=self.seed,
-            max_tokens=self.max_output_tokens,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            priority=self.priority,
-        )
+        return self.sampling_params(self.max_output_tokens, None, defaults)

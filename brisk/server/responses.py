@@ -1,7 +1,7 @@
 """POST /v1/responses (gpt-oss's native API): input items -> chat messages -> the chat machinery -> output items.
 
 Non-streaming returns the finished response; streaming emits the Responses API events (created,
-output_item.added, *.delta, *.done, completed). Both are built from the same per-choice parser fields,
+output_item.added, *.delta, *.done, and completed, or incomplete for a response cut short). Both are built from the same per-choice parser fields,
 so they agree.
 """
 
@@ -9,16 +9,28 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected
-from brisk.server.chat import render_chat_prompt
 from brisk.server.errors import APIError
 from brisk.server.output_parsers import make_choice_parser, prepare_tools
 from brisk.server.protocol import NamedToolChoice, ResponsesRequest
+from brisk.server.schemas import (
+    ERROR_RESPONSES,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseObject,
+    ResponseUsage,
+    event_stream_response,
+)
+from brisk.server.state import ServerState, server_state
+from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 def _text_of(content: Any) -> str:
@@ -243,106 +255,114 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
     return choice
 
 
-def register(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest, raw: Request):
-        state.check_model(req.model)
-        state.admit()
-        params = state.sampling_params(req)
-        tools, forced = prepare_tools(
-            state,
-            [
-                {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                for t in req.tools or []
-            ],
-            _chat_tool_choice(req.tool_choice),
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    response_model_exclude_unset=True,
+    responses=event_stream_response("ResponseStreamEvent"),
+)
+async def responses(req: ResponsesRequest, raw: Request, state: ServerState = Depends(server_state)):
+    state.check_model(req.model)
+    state.admit()
+    params = state.sampling_params(req)
+    tools, forced = prepare_tools(
+        state,
+        [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in req.tools or []],
+        _chat_tool_choice(req.tool_choice),
+    )
+    effort = req.reasoning.effort if req.reasoning else None
+    prompt_ids = state.render_chat(input_to_messages(req), tools, effort, {}, param="input") + forced
+    state.check_prompt(prompt_ids, params, req.field_names())
+    parser = make_choice_parser(state, forced)
+    items = _OutputItems()
+    rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+
+    def response_body(final=None) -> ResponseObject:
+        body = ResponseObject(
+            id=rid,
+            created_at=created,
+            status="in_progress" if final is None else "completed",
+            model=state.model_name,
+            output=items.items,  # type: ignore[arg-type]  # validated into the item models
+            tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+            tool_choice=req.tool_choice or "auto",
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_output_tokens=req.max_output_tokens,
+            instructions=req.instructions,
+            metadata=req.metadata or {},
+            error=None,
+            incomplete_details=None,
+            usage=None,
+            text={"format": {"type": "text"}},
+            reasoning={"effort": effort, "summary": None},
         )
-        effort = req.reasoning.effort if req.reasoning else None
-        prompt_ids = render_chat_prompt(state, input_to_messages(req), tools, effort, {}) + forced
-        state.check_prompt(prompt_ids, params)
-        parser = make_choice_parser(state, forced)
-        items = _OutputItems()
-        rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        if final is not None:
+            out = final.outputs[0]
+            if out.finish_reason == "length":
+                body.status = "incomplete"
+                body.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            elif out.finish_reason == "abort":  # timeout or server shutdown
+                body.status = "incomplete"
+                body.incomplete_details = IncompleteDetails(reason="aborted")
+            reasoning_text = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
+            # re-encoding the reasoning text counts its tokens without the channel headers
+            reasoning_tokens = (
+                len(state.tokenizer.encode(reasoning_text, add_special_tokens=False)) if reasoning_text else 0
+            )
+            body.usage = ResponseUsage(
+                input_tokens=len(prompt_ids),
+                output_tokens=len(out.token_ids),
+                total_tokens=len(prompt_ids) + len(out.token_ids),
+                input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+            )
+        return body
 
-        def response_body(status: str, final=None) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": "response",
-                "created_at": created,
-                "status": status,
-                "model": state.model_name,
-                "output": items.items,
-                "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-                "tool_choice": req.tool_choice or "auto",
-                "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "max_output_tokens": req.max_output_tokens,
-                "instructions": req.instructions,
-                "metadata": req.metadata or {},
-                "error": None,
-                "incomplete_details": None,
-                "usage": None,
-                "text": {"format": {"type": "text"}},
-                "reasoning": {"effort": effort, "summary": None},
-            }
-            if final is not None:
-                out = final.outputs[0]
-                if out.finish_reason == "length":
-                    body["status"] = "incomplete"
-                    body["incomplete_details"] = {"reason": "max_output_tokens"}
-                elif out.finish_reason == "abort":  # timeout or server shutdown
-                    body["status"] = "incomplete"
-                    body["incomplete_details"] = {"reason": "aborted"}
-                reasoning_text = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
-                body["usage"] = {
-                    "input_tokens": len(prompt_ids),
-                    "output_tokens": len(out.token_ids),
-                    "total_tokens": len(prompt_ids) + len(out.token_ids),
-                    "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                    # re-encoding the reasoning text counts its tokens without the channel headers
-                    "output_tokens_details": {
-                        "reasoning_tokens": len(state.tokenizer.encode(reasoning_text, add_special_tokens=False))
-                        if reasoning_text
-                        else 0
-                    },
-                }
-            return body
+    deltas = state.generate(prompt_ids, params, timeout=req.timeout)
 
-        deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+    async def whole_response() -> ResponseObject:
+        final = None
+        async for delta in deltas:
+            items.add(parser.feed(delta.token_ids, delta.text))
+            final = delta.output
+        items.add(parser.finish_stream())
+        items.close()
+        return response_body(final)
 
-        async def whole_response() -> dict[str, Any]:
-            final = None
-            async for delta in deltas:
-                items.add(parser.feed(delta.token_ids, delta.text))
-                final = delta.output
-            items.add(parser.finish_stream())
-            items.close()
-            return response_body("completed", final)
+    if not req.stream:
+        return await until_disconnected(raw, whole_response())
 
-        if not req.stream:
-            return await until_disconnected(raw, whole_response())
+    accumulator = StreamAccumulator(state.config.stream_interval)
 
-        async def events():
-            seq = 0
+    async def events() -> AsyncIterator[str]:
+        seq = 0
 
-            def event(body: dict[str, Any]) -> str:
-                nonlocal seq
-                seq += 1
-                return f"event: {body['type']}\n" + sse({**body, "sequence_number": seq - 1})
+        def event(body: dict[str, Any]) -> str:
+            nonlocal seq
+            seq += 1
+            return sse({**body, "sequence_number": seq - 1}, event=body["type"])
 
-            yield event({"type": "response.created", "response": response_body("in_progress")})
-            yield event({"type": "response.in_progress", "response": response_body("in_progress")})
-            final = None
-            async for delta in deltas:
-                items.add(parser.feed(delta.token_ids, delta.text))
-                final = delta.output
-                for e in items.take_events():
-                    yield event(e)
-            items.add(parser.finish_stream())
-            items.close()
+        started = response_body().model_dump(mode="json")
+        yield event({"type": "response.created", "response": started})
+        yield event({"type": "response.in_progress", "response": started})
+        final = None
+        async for delta in deltas:
+            final = delta.output
+            pending = accumulator.add(0, delta)
+            if pending is None:
+                continue  # stream_interval
+            items.add(parser.feed(pending.token_ids, pending.text))
             for e in items.take_events():
                 yield event(e)
-            yield event({"type": "response.completed", "response": response_body("completed", final)})
+        items.add(parser.finish_stream())
+        items.close()
+        for e in items.take_events():
+            yield event(e)
+        done = response_body(final)
+        # OpenAI ends a cut-off response with response.incomplete, a finished one with response.completed
+        kind = "response.incomplete" if done.status == "incomplete" else "response.completed"
+        yield event({"type": kind, "response": done.model_dump(mode="json")})
 
-        return StreamingResponse(stream_with_errors(events()), media_type="text/event-stream")
+    return StreamingResponse(stream_with_errors(events()), media_type="text/event-stream")

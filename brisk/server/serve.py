@@ -15,9 +15,11 @@ from brisk.config import ConfigError, EngineConfig, ModelConfig
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
+from brisk.harmony.chat import is_harmony_model
 from brisk.model_runner.loader import resolve_model_path
-from brisk.server.app import ServerState, build_app
+from brisk.server.app import build_app
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
+from brisk.server.state import ServerState
 
 logger = logging.getLogger("brisk.server")
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
@@ -73,7 +75,7 @@ async def serve(
         return 0
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
     model_config = ModelConfig.from_pretrained(path)
-    is_harmony = model_config.hf_config.model_type == "gpt_oss" and "<|channel|>" in tokenizer.get_vocab()
+    is_harmony = is_harmony_model(model_config.hf_config.model_type, tokenizer)
     name = served_model_name or (model or "brisk-demo")
     print("brisk serve: configuration in effect:\n" + json.dumps(config.model_dump(), indent=2), flush=True)
 
