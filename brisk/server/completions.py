@@ -65,6 +65,12 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     state.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of other than n is not supported.", param="best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens 0 generates nothing; it needs echo: true.", param="max_tokens")
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            400, "echo with logprobs needs the prompt's logprobs, which brisk does not compute.", param="echo"
+        )
     single = isinstance(req.prompt, str) or all(isinstance(p, int) for p in req.prompt)
     state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
     params = state.sampling_params(req)
@@ -73,6 +79,24 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         state.check_prompt(ids, params, req.field_names())
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     n = params.n
+    # echo: each choice's text starts with its prompt
+    echoed = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts]
+
+    if req.max_tokens == 0:  # echo of the prompts alone: nothing to generate
+        choices = [
+            CompletionChoice(index=p * n + i, text=echoed[p], logprobs=None, finish_reason="length", stop_reason=None)
+            for p in range(len(prompts))
+            for i in range(n)
+        ]
+        usage = Usage.of(sum(len(ids) for _, ids in prompts), 0)
+        if not req.stream:
+            return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+        async def echo_chunks() -> AsyncIterator[str]:
+            for choice in choices:
+                yield sse(CompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+
+        return StreamingResponse(stream_with_errors(echo_chunks()), media_type="text/event-stream")
 
     if not req.stream:
 
@@ -89,7 +113,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
                 choices.append(
                     CompletionChoice(
                         index=p * n + out.index,
-                        text=out.text,
+                        text=echoed[p] + out.text,
                         finish_reason=out.finish_reason,
                         logprobs=_logprobs(state, out.token_ids, out.logprobs, 0) if req.logprobs is not None else None,
                         stop_reason=out.stop_reason,
@@ -147,10 +171,13 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = _logprobs(state, pending.token_ids, pending.logprobs, text_offset.get(index, 0))
+                text = pending.text
+                if index not in text_offset:  # the choice's first chunk
+                    text = echoed[p] + text
                 text_offset[index] = text_offset.get(index, 0) + len(pending.text)
                 choice = CompletionChoice(
                     index=index,
-                    text=pending.text,
+                    text=text,
                     logprobs=logprobs,
                     finish_reason=pending.finish_reason,
                     stop_reason=pending.stop_reason,

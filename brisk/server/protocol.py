@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from brisk.sampling_params import InvalidRequest, SamplingParams
 
@@ -47,6 +48,24 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
                 stack.append((child, depth + 1))
 
 
+def refused(reason: str) -> Any:
+    """A field of the OpenAI API that brisk cannot honour: null is accepted, any other value is a 400 naming the
+    field (ignoring it would change the result)."""
+
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise PydanticCustomError("unsupported_field", reason)
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+# An OpenAI field with no effect on a self-hosted server (docs/api.md says why for each); accepted, bounded
+# only by the body's own limits (size, depth).
+NoEffect = Any
+Metadata = Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -63,7 +82,8 @@ class _Body(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_obfuscation: NoEffect = None
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class _GenerationFields(_Body):
@@ -74,7 +94,14 @@ class _GenerationFields(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
-    user: str | None = None
+    # OpenAI fields with no effect here (docs/api.md)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    service_tier: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_options: NoEffect = None
+    prompt_cache_retention: Literal["in_memory", "24h", "in-memory"] | None = None
+    moderation: NoEffect = None
     # extensions (vLLM / TensorRT-LLM names)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -175,6 +202,15 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    metadata: Metadata | None = None
+    store: bool | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: NoEffect = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    audio: refused("brisk generates text only; audio output is not available.") = None
+    web_search_options: refused("brisk has no web search.") = None
+    functions: refused("functions is deprecated and not supported; use tools.") = None
+    function_call: refused("function_call is deprecated and not supported; use tool_choice.") = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
@@ -188,6 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, defaults)
 
@@ -198,14 +236,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT32)  # 0: with echo, the prompt alone
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
-    best_of: int | None = None
-    suffix: None = None
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: refused("suffix (fill-in-the-middle) is not supported by brisk's models.") = None
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs, defaults)
+        # max_tokens 0 generates nothing (the route answers from the prompt); the rest is still checked
+        max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
+        return self.sampling_params(max_tokens, self.logprobs, defaults)
 
 
 class TokenizeRequest(_Body):
@@ -231,7 +271,38 @@ class ResponsesFunctionTool(_Request):
 
 class ResponsesReasoning(_Request):
     effort: Literal["low", "medium", "high"] | None = None
-    summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesTextFormat(_Request):
+    type: Literal["text"] = "text"
+
+
+class ResponsesText(_Request):
+    format: ResponsesTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesStreamOptions(_Request):
+    include_obfuscation: NoEffect = None
+
+
+ResponseIncludable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+# include values brisk cannot produce: a 400 naming them (the others concern tools brisk does not have)
+REFUSED_INCLUDES = {
+    "reasoning.encrypted_content": "brisk does not encrypt reasoning; pass reasoning items back as they came.",
+    "message.output_text.logprobs": "the Responses API returns no logprobs here; use /v1/chat/completions.",
+}
 
 
 class ResponsesRequest(_GenerationFields):
@@ -240,10 +311,36 @@ class ResponsesRequest(_GenerationFields):
     tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=0, le=MAX_INT32)
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     reasoning: ResponsesReasoning | None = None
-    store: bool = False
-    metadata: dict[str, str] | None = None
+    text: ResponsesText | None = None
+    include: list[ResponseIncludable] | None = Field(None, max_length=16)
+    store: bool = True
+    metadata: Metadata | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    background: bool | None = None
+    background_options: NoEffect = None
+    access_programs: NoEffect = None
+    image: NoEffect = None
+    context_management: refused("brisk does not compact conversations; use truncation.") = None
+    conversation: refused("the Conversations API is not available; use previous_response_id.") = None
+    prompt: refused("stored prompt templates are not available; send the input itself.") = None
+
+    @field_validator("include")
+    @classmethod
+    def _refused_includes(cls, include: list[str] | None) -> list[str] | None:
+        for value in include or []:
+            if value in REFUSED_INCLUDES:
+                raise PydanticCustomError(
+                    "unsupported_value",
+                    "include {value}: {reason}",
+                    {"value": value, "reason": REFUSED_INCLUDES[value]},
+                )
+        return include
 
     def field_names(self) -> dict[str, str]:
         return {"prompt": "input", "max_tokens": "max_output_tokens"}

@@ -255,6 +255,22 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
     return choice
 
 
+def _truncated(state: ServerState, messages, prompt_ids, tools, effort, forced, max_tokens) -> list[int]:
+    """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt and
+    max_output_tokens fit the context."""
+    room = state.info.max_seq_len - (max_tokens or 1)
+    messages = list(messages)
+    while len(prompt_ids) > room:
+        first = next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
+        if first is None:
+            break  # nothing left to drop: the length check reports it
+        del messages[first]
+        while first < len(messages) - 1 and messages[first]["role"] == "tool":  # results of a dropped call go too
+            del messages[first]
+        prompt_ids = state.render_chat(messages, tools, effort, {}, param="input") + forced
+    return prompt_ids
+
+
 @router.post(
     "/v1/responses",
     response_model=ResponseObject,
@@ -263,15 +279,23 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
 )
 async def responses(req: ResponsesRequest, raw: Request, state: ServerState = Depends(server_state)):
     state.check_model(req.model)
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id: stored responses are not available.", param="previous_response_id")
+    if req.background:
+        raise APIError(400, "background responses are not available.", param="background")
     state.admit()
     params = state.sampling_params(req)
+    offered = [] if req.max_tool_calls == 0 else req.tools or []  # no call allowed: no tool offered
     tools, forced = prepare_tools(
         state,
-        [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in req.tools or []],
-        _chat_tool_choice(req.tool_choice),
+        [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in offered],
+        _chat_tool_choice(req.tool_choice) if offered else None,
     )
     effort = req.reasoning.effort if req.reasoning else None
-    prompt_ids = state.render_chat(input_to_messages(req), tools, effort, {}, param="input") + forced
+    messages = input_to_messages(req)
+    prompt_ids = state.render_chat(messages, tools, effort, {}, param="input") + forced
+    if req.truncation == "auto":
+        prompt_ids = _truncated(state, messages, prompt_ids, tools, effort, forced, params.max_tokens)
     state.check_prompt(prompt_ids, params, req.field_names())
     parser = make_choice_parser(state, forced)
     items = _OutputItems()
@@ -295,8 +319,12 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
             error=None,
             incomplete_details=None,
             usage=None,
-            text={"format": {"type": "text"}},
+            text={"format": {"type": "text"}, "verbosity": req.text.verbosity if req.text else None},
             reasoning={"effort": effort, "summary": None},
+            truncation=req.truncation or "disabled",
+            store=req.store,
+            max_tool_calls=req.max_tool_calls,
+            user=req.user,
         )
         if final is not None:
             out = final.outputs[0]

@@ -261,6 +261,12 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    store: bool = True
+    max_tool_calls: int | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    user: str | None = None
 
 
 class ResponseStreamEvent(BaseModel):
