@@ -63,79 +63,112 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         + forced
     )
     state.check_prompt(prompt_ids, params, req.field_names())
-    parsers = [make_choice_parser(state, forced) for _ in range(params.n)]
+    # gpt-oss: stop strings apply to `content` only, so the harmony parsers apply them, not the engine (it would
+    # match them in the reasoning too); a completion whose content hit one is cut there.
+    stop = params.stop if state.is_harmony else []
+    if stop:
+        params.stop = []
+    parsers = [make_choice_parser(state, forced, stop, params.include_stop_str_in_output) for _ in range(params.n)]
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     top_n = req.top_logprobs or 0
     deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+    generated = [0] * params.n  # tokens per choice, for usage (also when a stop string ends the stream early)
+
+    def content_logprobs(parser, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[TokenLogprob]:
+        """Logprobs of the tokens of `content` only (not harmony's headers, reasoning or tool calls)."""
+        kept = [(t, lp) for t, lp, is_content in zip(token_ids, logprobs, parser.content_tokens) if is_content]
+        return logprob_entries(state.tokenizer, [t for t, _ in kept], [lp for _, lp in kept], top_n)
+
+    def finish_reason(parser, reason: str | None) -> str | None:
+        if parser.stopped:
+            return "stop"
+        return "tool_calls" if reason == "stop" and parser.has_tool_calls else reason
+
+    def usage(num_cached: int) -> Usage:
+        return Usage.of(len(prompt_ids), sum(generated), num_cached)
 
     async def whole_response() -> ChatCompletion:
-        final = None
+        reasons: list[str | None] = [None] * params.n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
+        num_cached = 0
         async for delta in deltas:
-            final = delta.output
-        assert final is not None  # the engine client always ends a request with its final output
-        choices = []
-        for out, parser in zip(final.outputs, parsers):
-            parser.feed(out.token_ids, out.text)
-            message = ChatMessage(**parser.finish())
-            logprobs = None
+            parser = parsers[delta.index]
+            if parser.stopped:
+                continue  # the stop string ended this choice; the rest is not reported
+            generated[delta.index] += len(delta.token_ids)
+            num_cached = delta.output.num_cached_tokens
+            parser.feed(delta.token_ids, delta.text)
             if req.logprobs:
-                logprobs = ChoiceLogprobs(
-                    content=logprob_entries(state.tokenizer, out.token_ids, out.logprobs or [], top_n)
+                logprobs[delta.index] += content_logprobs(parser, delta.token_ids, delta.logprobs or [])
+            reasons[delta.index] = delta.finish_reason
+            if all(p.stopped for p in parsers):
+                break  # closing the generator aborts the request in the engine
+        await deltas.aclose()
+        choices = []
+        for i, parser in enumerate(parsers):
+            message = ChatMessage(**parser.finish())
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=ChoiceLogprobs(content=logprobs[i]) if req.logprobs else None,
+                    finish_reason=finish_reason(parser, reasons[i]),
                 )
-            reason = "tool_calls" if message.tool_calls and out.finish_reason == "stop" else out.finish_reason
-            choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs, finish_reason=reason))
-        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-        return ChatCompletion(
-            id=rid,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=Usage.of(len(prompt_ids), completion_tokens, final.num_cached_tokens),
-        )
+            )
+        return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(num_cached))
 
     if not req.stream:
         return await until_disconnected(raw, whole_response())
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.continuous_usage_stats)
     accumulator = StreamAccumulator(state.config.stream_interval)
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list[ChatChunkChoice], usage_: Usage | None = None) -> str:
         body = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices)
-        if include_usage:
-            body.usage = usage
+        if include_usage or continuous_usage:
+            body.usage = usage_
         return sse(body)
 
     async def chunks() -> AsyncIterator[str]:
+        num_cached = 0
         for i in range(params.n):
             opening = ChatDelta(role="assistant", content="")
-            yield chunk([ChatChunkChoice(index=i, delta=opening, logprobs=None, finish_reason=None)])
-        final = None
-        async for delta in deltas:
-            final = delta.output
-            pending = accumulator.add(delta.index, delta)
-            if pending is None:
-                continue  # stream_interval: send every `interval` tokens
-            parser = parsers[pending.index]
-            fields = parser.feed(pending.token_ids, pending.text)
-            reason = pending.finish_reason
-            if reason is not None:
-                for key, value in parser.finish_stream().items():
-                    merge_delta_fields(fields, key, value)
-                if parser.has_tool_calls and reason == "stop":
-                    reason = "tool_calls"
-            if not (fields or (req.logprobs and pending.logprobs) or reason is not None):
-                continue
-            logprobs = None
-            if req.logprobs:
-                logprobs = ChoiceLogprobs(
-                    content=logprob_entries(state.tokenizer, pending.token_ids, pending.logprobs, top_n)
-                )
-            choice = ChatChunkChoice(
-                index=pending.index, delta=ChatDelta(**fields), logprobs=logprobs, finish_reason=reason
+            yield chunk(
+                [ChatChunkChoice(index=i, delta=opening, logprobs=None, finish_reason=None)],
+                usage(num_cached) if continuous_usage else None,
             )
-            yield chunk([choice])
-        if include_usage and final is not None:
-            completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-            yield chunk([], Usage.of(len(prompt_ids), completion_tokens, final.num_cached_tokens))
+        try:
+            async for delta in deltas:
+                num_cached = delta.output.num_cached_tokens
+                pending = accumulator.add(delta.index, delta)
+                if pending is None:
+                    continue  # stream_interval: send every `interval` tokens
+                parser = parsers[pending.index]
+                if parser.stopped:
+                    continue
+                generated[pending.index] += len(pending.token_ids)
+                fields = parser.feed(pending.token_ids, pending.text)
+                reason = pending.finish_reason
+                if reason is not None or parser.stopped:
+                    for key, value in parser.finish_stream().items():
+                        merge_delta_fields(fields, key, value)
+                    reason = finish_reason(parser, reason)
+                entries = content_logprobs(parser, pending.token_ids, pending.logprobs) if req.logprobs else []
+                if fields or entries or reason is not None:
+                    choice = ChatChunkChoice(
+                        index=pending.index,
+                        delta=ChatDelta(**fields),
+                        logprobs=ChoiceLogprobs(content=entries) if req.logprobs else None,
+                        finish_reason=reason,
+                    )
+                    yield chunk([choice], usage(num_cached) if continuous_usage else None)
+                if all(p.stopped for p in parsers):
+                    break
+        finally:
+            await deltas.aclose()  # aborts the request in the engine if it is still running
+        if include_usage:
+            yield chunk([], usage(num_cached))
 
     return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")

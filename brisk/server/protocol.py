@@ -151,6 +151,7 @@ class _SamplingFields(_GenerationFields):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any

@@ -82,9 +82,28 @@ class ServerState:
     def sampling_params(self, req) -> SamplingParams:
         """The request's SamplingParams; an invalid value is a 400 naming the request's own field."""
         try:
-            return req.to_sampling_params(self.generation_defaults)
+            params = req.to_sampling_params(self.generation_defaults)
         except InvalidRequest as exc:
             raise invalid_request_error(exc, req.field_names()) from None
+        if getattr(req, "bad_words", None):
+            params.logit_bias = {**(params.logit_bias or {}), **self.banned_tokens(req.bad_words)}
+        return params
+
+    def banned_tokens(self, words: list[str]) -> dict[int, float]:
+        """vLLM's bad_words as a logit bias of -100 (OpenAI's "ban") on each word's token, with and without a
+        leading space. A word of several tokens would need a ban that depends on the tokens before it: 400."""
+        banned: dict[int, float] = {}
+        for word in words:
+            variants = [self.tokenizer.encode(w, add_special_tokens=False) for w in {word, " " + word.lstrip()}]
+            single = [ids[0] for ids in variants if len(ids) == 1]
+            if not single:
+                raise APIError(
+                    400,
+                    f"bad_words: {word!r} is several tokens; only single-token words can be banned.",
+                    param="bad_words",
+                )
+            banned.update(dict.fromkeys(single, -100.0))
+        return banned
 
     def check_prompt(
         self, prompt_ids: list[int], params: SamplingParams, field_names: dict[str, str] | None = None
