@@ -93,3 +93,48 @@ def test_bad_words_are_never_generated(server, answer):
     assert word not in banned.split() and banned != answer
     r = httpx.post(f"{server.url}/v1/chat/completions", json={**GREEDY, "bad_words": ["Rosencrantzguildensternish"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    for name, description in (("get_weather", "Weather for a city"), ("get_time", "Local time in a city"))
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_choice_required_always_calls_a_tool_streamed_or_not(server, seed):
+    body = {"tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": seed, "max_tokens": 24}
+    whole = _chat(server, **body)["choices"][0]
+    calls = whole["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["function"]["name"] in {"get_weather", "get_time"}, whole
+    assert whole["message"]["content"] is None and whole["finish_reason"] in ("tool_calls", "length")
+    streamed: dict = {}
+    for chunk in _stream(server, **body):
+        for call in (chunk["choices"][0]["delta"].get("tool_calls") or []) if chunk["choices"] else []:
+            entry = streamed.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] += call["function"].get("name") or ""
+            entry["arguments"] += call["function"].get("arguments") or ""
+    assert list(streamed.values()) == [calls[0]["function"]]  # the same call, streamed or not
+
+    r = httpx.post(
+        f"{server.url}/v1/responses",
+        json={
+            "input": MESSAGES[0]["content"],
+            "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "temperature": 1.0,
+            "seed": seed,
+            "max_output_tokens": 24,
+        },
+        timeout=120,
+    )
+    items = [i for i in r.json()["output"] if i["type"] == "function_call"]
+    assert len(items) == 1 and items[0]["name"] == calls[0]["function"]["name"], r.text

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.output_parsers import make_choice_parser, merge_delta_fields, prepare_tools
+from brisk.server.output_parsers import make_choice_parser, merge_delta_fields
 from brisk.server.protocol import ChatCompletionRequest
 from brisk.server.schemas import (
     ERROR_RESPONSES,
@@ -27,6 +27,7 @@ from brisk.server.schemas import (
 )
 from brisk.server.state import ServerState, server_state
 from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -55,13 +56,13 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     state.check_model(req.model)
     state.admit()
     params = state.sampling_params(req)
-    tools, forced = prepare_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
-    prompt_ids = (
-        state.render_chat(
-            req.messages, tools, req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt
-        )
-        + forced
+    plan = plan_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
+    prompt_ids = state.render_chat(
+        req.messages, plan.tools, req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt
     )
+    state.check_prompt(prompt_ids, params, req.field_names())
+    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
+    prompt_ids += forced
     state.check_prompt(prompt_ids, params, req.field_names())
     # gpt-oss: stop strings apply to `content` only, so the harmony parsers apply them, not the engine (it would
     # match them in the reasoning too); a completion whose content hit one is cut there.

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from brisk.server.errors import APIError
-
 
 class PlainChoiceParser:
     """The text is the content (stop strings were applied by the engine's detokenizer)."""
@@ -186,29 +184,3 @@ def make_choice_parser(state, prefix_ids: list[int], stop: list[str] | None = No
     if state.is_harmony:
         return HarmonyChoiceParser(state.tokenizer, prefix_ids, stop, include_stop)
     return PlainChoiceParser()
-
-
-def prepare_tools(state, tools: list[dict] | None, tool_choice) -> tuple[list[dict] | None, list[int]]:
-    """Validate tool_choice against the tools; return the tools to render and the forced-call prefix ids.
-
-    tool_choice 'required' or a named function starts the assistant turn as a harmony tool call, so
-    the model can only answer with a call (prompting alone leaves tool_calls empty too often).
-    """
-    choice = tool_choice or ("auto" if tools else "none")
-    if choice != "none" and not tools:
-        raise APIError(400, "tool_choice needs 'tools'.", param="tool_choice")
-    if not tools:
-        return None, []
-    if not state.is_harmony:
-        raise APIError(400, "Function tools are supported for gpt-oss (harmony) models only.", param="tools")
-    if choice == "none":
-        return None, []
-    if choice == "auto":
-        return tools, []
-    name = ""
-    if choice != "required":
-        if choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise APIError(400, f"tool_choice names an unknown function '{choice.function.name}'.", param="tool_choice")
-        name = choice.function.name + " <|constrain|>json<|message|>"
-    prefix = state.tokenizer.encode("<|channel|>commentary to=functions." + name, add_special_tokens=False)
-    return tools, prefix

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from brisk.server.errors import APIError
-from brisk.server.output_parsers import make_choice_parser, prepare_tools
+from brisk.server.output_parsers import make_choice_parser
 from brisk.server.protocol import NamedToolChoice, ResponsesRequest
 from brisk.server.schemas import (
     ERROR_RESPONSES,
@@ -29,6 +29,7 @@ from brisk.server.schemas import (
 )
 from brisk.server.state import ServerState, server_state
 from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -255,10 +256,13 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
     return choice
 
 
-def _truncated(state: ServerState, messages, prompt_ids, tools, effort, forced, max_tokens) -> list[int]:
-    """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt and
-    max_output_tokens fit the context."""
-    room = state.info.max_seq_len - (max_tokens or 1)
+FORCED_CALL_ROOM = 32  # tokens truncation leaves for a forced call's header
+
+
+def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
+    """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt,
+    `reserve` tokens and max_output_tokens fit the context."""
+    room = state.info.max_seq_len - (max_tokens or 1) - reserve
     messages = list(messages)
     while len(prompt_ids) > room:
         first = next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
@@ -267,7 +271,7 @@ def _truncated(state: ServerState, messages, prompt_ids, tools, effort, forced, 
         del messages[first]
         while first < len(messages) - 1 and messages[first]["role"] == "tool":  # results of a dropped call go too
             del messages[first]
-        prompt_ids = state.render_chat(messages, tools, effort, {}, param="input") + forced
+        prompt_ids = state.render_chat(messages, tools, effort, {}, param="input")
     return prompt_ids
 
 
@@ -286,16 +290,20 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     state.admit()
     params = state.sampling_params(req)
     offered = [] if req.max_tool_calls == 0 else req.tools or []  # no call allowed: no tool offered
-    tools, forced = prepare_tools(
+    plan = plan_tools(
         state,
         [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in offered],
         _chat_tool_choice(req.tool_choice) if offered else None,
     )
     effort = req.reasoning.effort if req.reasoning else None
     messages = input_to_messages(req)
-    prompt_ids = state.render_chat(messages, tools, effort, {}, param="input") + forced
+    prompt_ids = state.render_chat(messages, plan.tools, effort, {}, param="input")
     if req.truncation == "auto":
-        prompt_ids = _truncated(state, messages, prompt_ids, tools, effort, forced, params.max_tokens)
+        reserve = FORCED_CALL_ROOM if plan.forces_call else 0
+        prompt_ids = _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
+    state.check_prompt(prompt_ids, params, req.field_names())
+    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
+    prompt_ids += forced
     state.check_prompt(prompt_ids, params, req.field_names())
     parser = make_choice_parser(state, forced)
     items = _OutputItems()
