@@ -141,6 +141,28 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM before being aborted",
     )
+    serve.add_argument(
+        "--state-dir",
+        "--state_dir",
+        dest="state_dir",
+        help="folder of the server's state: stored Responses (responses.sqlite3); default ~/.local/state/brisk",
+    )
+    serve.add_argument(
+        "--response-ttl",
+        "--response_ttl",
+        dest="response_ttl",
+        type=_positive_float,
+        default=30 * 24 * 3600.0,
+        help="seconds a stored Response is kept (default 30 days)",
+    )
+    serve.add_argument(
+        "--max-stored-responses",
+        "--max_stored_responses",
+        dest="max_stored_responses",
+        type=int,
+        default=100_000,
+        help="stored Responses kept at most; the oldest go first",
+    )
     _add_engine_args(serve)
     from brisk.bench import add_subcommands as add_bench_subcommands
 
@@ -171,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             "log_prompts",
             "request_timeout",
             "shutdown_timeout",
+            "state_dir",
+            "response_ttl",
+            "max_stored_responses",
         )
         try:
             return run(

@@ -89,7 +89,11 @@ def server():
     "row", ROWS, ids=[f"{r['endpoint'].rsplit('/', 1)[-1]}:{r['field']}:{r['status']}" for r in ROWS]
 )
 def test_every_documented_field_behaves_as_its_row_says(server, row):
-    body = {**BASE[row["endpoint"]], **row["example"]}
+    example = dict(row["example"])
+    if example.get("previous_response_id") == "$stored_response":  # a response stored just before
+        stored = httpx.post(f"{server.url}/v1/responses", json=BASE["/v1/responses"], timeout=120).json()
+        example["previous_response_id"] = stored["id"]
+    body = {**BASE[row["endpoint"]], **example}
     r = httpx.post(f"{server.url}{row['endpoint']}", json=body, timeout=120)
     if row["status"] == "rejected":
         assert r.status_code == 400, r.text

@@ -269,6 +269,22 @@ class ResponseObject(BaseModel):
     user: str | None = None
 
 
+class InputItemList(BaseModel):
+    """GET /v1/responses/{id}/input_items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
 class ResponseStreamEvent(BaseModel):
     """One SSE event of a streamed Response: `type` says which (response.created, response.output_text.delta,
     ... response.completed); the other fields are those OpenAI's event of that type carries."""

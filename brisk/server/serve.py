@@ -18,6 +18,7 @@ from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.harmony.chat import is_harmony_model
 from brisk.model_runner.loader import resolve_model_path
 from brisk.server.app import build_app
+from brisk.server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
 from brisk.server.state import ServerState
 
@@ -64,6 +65,9 @@ async def serve(
     log_prompts: bool = False,
     request_timeout: float | None = None,
     shutdown_timeout: float = 30.0,
+    state_dir: str | None = None,
+    response_ttl: float = DEFAULT_TTL_S,
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES,
     **engine_options,
 ) -> int:
     api_key = resolve_api_key(api_key, api_key_file)
@@ -106,6 +110,7 @@ async def serve(
         request_timeout,
         log_prompts,
         list(allowed_origins or []),
+        ResponseStore(state_dir or default_state_dir(), response_ttl, max_stored_responses),
     )
     app = build_app(state)
     # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
@@ -132,7 +137,14 @@ async def serve(
         await server.serve()
     finally:
         await client.shutdown()
+        if state.response_store is not None:
+            state.response_store.close()
     return exit_code["value"]
+
+
+def default_state_dir() -> Path:
+    """Where stored Responses live unless --state-dir says otherwise (XDG's state folder)."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "brisk"
 
 
 def run(model: str | None, **kwargs) -> int:

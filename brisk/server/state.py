@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,8 @@ from brisk.harmony.chat import render_chat
 from brisk.sampling_params import InvalidRequest, SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.metrics import ServerMetrics
+from brisk.server.response_run import BackgroundRuns
+from brisk.server.response_store import ResponseStore
 
 logger = logging.getLogger("brisk.server")
 
@@ -42,12 +44,15 @@ class ServerState:
     request_timeout: float | None = None  # server-wide cap on a request's run time, seconds
     log_prompts: bool = False
     allowed_origins: list[str] = field(default_factory=list)
+    response_store: ResponseStore | None = None  # stored Responses (store: true); None keeps none
     draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
     metrics: ServerMetrics = field(init=False)
+    background_runs: BackgroundRuns = field(init=False)
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
+        self.background_runs = BackgroundRuns()
 
     @property
     def info(self) -> EngineInfo:
@@ -146,7 +151,7 @@ class ServerState:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None, timeout: float | None = None
-    ) -> AsyncIterator[CompletionDelta]:
+    ) -> AsyncGenerator[CompletionDelta, None]:
         """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures.
 
         A completion that ends with finish_reason "error" (the model produced non-finite logits) fails

@@ -31,9 +31,9 @@ class ToolPlan:
         return self.forced_name is not None or self.required
 
 
-def plan_tools(state, tools: list[dict] | None, tool_choice) -> ToolPlan:
+def plan_tools(state, tools: list[dict] | None, tool_choice: Any) -> ToolPlan:
     """Validate tool_choice against the tools (400s name the field)."""
-    choice = tool_choice or ("auto" if tools else "none")
+    choice: Any = tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise APIError(400, "tool_choice needs 'tools'.", param="tool_choice")
     if not tools:
@@ -46,9 +46,10 @@ def plan_tools(state, tools: list[dict] | None, tool_choice) -> ToolPlan:
         return ToolPlan(tools)
     if choice == "required":
         return ToolPlan(tools, required=True)
-    if choice.function.name not in {t["function"]["name"] for t in tools}:
-        raise APIError(400, f"tool_choice names an unknown function '{choice.function.name}'.", param="tool_choice")
-    return ToolPlan(tools, forced_name=choice.function.name)
+    name = choice.function.name  # a NamedToolChoice: the schema allows nothing else
+    if name not in {t["function"]["name"] for t in tools}:
+        raise APIError(400, f"tool_choice names an unknown function '{name}'.", param="tool_choice")
+    return ToolPlan(tools, forced_name=name)
 
 
 def call_prefix(tokenizer, name: str) -> list[int]:
@@ -90,11 +91,11 @@ async def _pick_tool(state, names: list[str], prompt_ids: list[int], params: Sam
         if len(allowed) > 1:
             bias = {**(params.logit_bias or {}), **dict.fromkeys(allowed, FORCE_BIAS)}
             one = replace(params, n=1, max_tokens=1, min_tokens=0, stop=[], logit_bias=bias, logprobs=None)
-            token = None
+            sampled: int | None = None
             async for delta in state.generate(prompt_ids + header + chosen, one, timeout=timeout):
-                token = next(iter(delta.token_ids), token)
-            if token not in allowed:  # cannot happen with a +100 bias; never fail the request over it
-                token = spelled[candidates[0]][step]
+                sampled = next(iter(delta.token_ids), sampled)
+            # never anything else with a +100 bias; never fail the request over it either
+            token = sampled if sampled in allowed and sampled is not None else spelled[candidates[0]][step]
         else:
             token = next(iter(allowed))
         chosen.append(token)
