@@ -61,15 +61,25 @@ async def forced_call_prefix(
     state, plan: ToolPlan, prompt_ids: list[int], params: SamplingParams, timeout
 ) -> list[int]:
     """The forced start of the assistant's turn: none, the named function's call, or for `required` the call to
-    the function the model picks among the tools."""
-    if plan.forced_name is not None:
-        return call_prefix(state.tokenizer, plan.forced_name)
-    if not plan.required:
+    the function the model picks among the tools.
+
+    A function without parameters has one valid argument object, `{}`: its call is forced whole, the prefix
+    ending in `{}` and `params` changed in place to generate just the closing `<|call|>`."""
+    if not plan.forces_call:
         return []
-    assert plan.tools is not None  # a required plan always has tools
+    assert plan.tools is not None  # a forced call always has tools
     names = [t["function"]["name"] for t in plan.tools]
-    name = names[0] if len(names) == 1 else await _pick_tool(state, names, prompt_ids, params, timeout)
-    return call_prefix(state.tokenizer, name)
+    name = plan.forced_name
+    if name is None:
+        name = names[0] if len(names) == 1 else await _pick_tool(state, names, prompt_ids, params, timeout)
+    prefix = call_prefix(state.tokenizer, name)
+    spec = next(t["function"] for t in plan.tools if t["function"]["name"] == name)
+    if not (spec.get("parameters") or {}).get("properties"):
+        prefix += state.tokenizer.encode("{}", add_special_tokens=False)
+        call = state.tokenizer.convert_tokens_to_ids("<|call|>")
+        params.logit_bias = {**(params.logit_bias or {}), call: FORCE_BIAS}
+        params.max_tokens, params.min_tokens = 1, 0
+    return prefix
 
 
 async def _pick_tool(state, names: list[str], prompt_ids: list[int], params: SamplingParams, timeout) -> str:

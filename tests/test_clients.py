@@ -1,0 +1,86 @@
+"""Real client libraries against `brisk serve` of the bundled demo model (issue 17): an openai-agents Agent with a
+function tool through the Responses model (two turns, the second via previous_response_id, streamed and not) and
+the Chat Completions model. Skipped with the reason where the `clients` extra is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import brisk
+from tests.server_utils import RunningServer
+
+agents = pytest.importorskip("agents", reason="openai-agents is in the `clients` extra (pip install -e '.[clients]')")
+from openai import AsyncOpenAI  # noqa: E402
+
+DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = RunningServer(
+        str(DEMO_MODEL), "--served-model-name", "brisk-demo", "--state-dir", str(tmp_path_factory.mktemp("state"))
+    )
+    yield srv
+    srv.stop()
+
+
+def _agent(model, calls: list[str]):
+    # A function without parameters: its call can be forced whole (arguments `{}`); the demo model cannot write
+    # JSON arguments (constrained decoding of arguments is structured outputs' work).
+    @agents.function_tool
+    def get_weather() -> str:
+        """The weather in Verona."""
+        calls.append("called")
+        return "It is sunny in Verona."
+
+    return agents.Agent(
+        name="bard",
+        instructions="Answer in one line.",
+        tools=[get_weather],
+        model=model,
+        # the demo model knows no tools: require a call on the first turn (the SDK resets it after a call)
+        # (and a repetition penalty keeps the tiny model's answers from looping until max_tokens)
+        model_settings=agents.ModelSettings(
+            tool_choice="required", max_tokens=96, temperature=0, extra_body={"repetition_penalty": 1.3}
+        ),
+    )
+
+
+@pytest.fixture
+def client(server):  # one per test: an async client belongs to the event loop of its asyncio.run
+    agents.set_tracing_disabled(True)
+    return AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_agent_with_a_function_tool_on_the_responses_model_two_turns(client):
+    calls: list[str] = []
+    agent = _agent(agents.OpenAIResponsesModel(model="brisk-demo", openai_client=client), calls)
+
+    async def run():
+        first = await agents.Runner.run(agent, "What is the weather in Verona?", max_turns=4)
+        second = await agents.Runner.run(
+            agent, "And in Padua?", previous_response_id=first.last_response_id, max_turns=4
+        )
+        streamed = agents.Runner.run_streamed(agent, "And in Mantua?", max_turns=4)
+        kinds = [event.type async for event in streamed.stream_events()]
+        return first, second, streamed, kinds
+
+    first, second, streamed, kinds = asyncio.run(run())
+    assert len(calls) == 3  # the tool ran on every run
+    assert isinstance(first.final_output, str) and isinstance(second.final_output, str)
+    assert first.last_response_id and second.last_response_id != first.last_response_id
+    assert first.context_wrapper.usage.requests >= 2 and first.context_wrapper.usage.input_tokens > 0
+    # the second run continued the first: its first model call saw the stored conversation
+    assert second.raw_responses[0].usage.input_tokens > first.raw_responses[0].usage.input_tokens
+    assert "raw_response_event" in kinds and isinstance(streamed.final_output, str)
+
+
+def test_agent_with_a_function_tool_on_the_chat_completions_model(client):
+    calls: list[str] = []
+    agent = _agent(agents.OpenAIChatCompletionsModel(model="brisk-demo", openai_client=client), calls)
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Verona?", max_turns=4))
+    assert len(calls) == 1 and isinstance(result.final_output, str)
+    assert result.context_wrapper.usage.requests >= 2 and result.context_wrapper.usage.output_tokens > 0
