@@ -5,6 +5,7 @@ the Chat Completions model. Skipped with the reason where the `clients` extra is
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,49 @@ def test_agent_with_a_function_tool_on_the_chat_completions_model(client):
     result = asyncio.run(agents.Runner.run(agent, "What is the weather in Verona?", max_turns=4))
     assert len(calls) == 1 and isinstance(result.final_output, str)
     assert result.context_wrapper.usage.requests >= 2 and result.context_wrapper.usage.output_tokens > 0
+
+
+def test_lm_eval_local_completions_generate_until(server, tmp_path):
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the `clients` extra")
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "data.jsonl"
+    lines = [
+        {"question": f"ROMEO: {q}\nJULIET:", "answer": " O Romeo"}
+        for q in ("Hark!", "Speak!", "Lady!", "Fair!", "Stay!", "Now!")
+    ]
+    data.write_text("\n".join(json.dumps(line) for line in lines))
+    (tmp_path / "brisk_tiny_gen.yaml").write_text(
+        "\n".join(
+            [
+                "task: brisk_tiny_gen",
+                "dataset_path: json",
+                "dataset_kwargs:",
+                "  data_files:",
+                f"    test: {data}",
+                "test_split: test",
+                "output_type: generate_until",
+                'doc_to_text: "{{question}}"',
+                'doc_to_target: "{{answer}}"',
+                "generation_kwargs:",
+                '  until: ["\\n"]',
+                "  max_gen_toks: 8",
+                "  do_sample: false",
+                "metric_list:",
+                "  - metric: exact_match",
+            ]
+        )
+    )
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(
+            f"model=brisk-demo,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={DEMO_MODEL},tokenized_requests=False,num_concurrent=1,max_retries=1"
+        ),
+        tasks=["brisk_tiny_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        limit=5,
+    )
+    scores = results["results"]["brisk_tiny_gen"]
+    assert 0.0 <= scores["exact_match,none"] <= 1.0  # a score was computed over the 5 documents
+    assert results["n-samples"]["brisk_tiny_gen"]["effective"] == 5
