@@ -138,3 +138,16 @@ def test_tool_choice_required_always_calls_a_tool_streamed_or_not(server, seed):
     )
     items = [i for i in r.json()["output"] if i["type"] == "function_call"]
     assert len(items) == 1 and items[0]["name"] == calls[0]["function"]["name"], r.text
+
+
+def test_offline_chat_renders_gpt_oss_prompts_as_the_server_does(server):
+    from brisk import LLM, SamplingParams
+
+    messages = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    served = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    with LLM(str(DEMO_MODEL), max_seq_len=512) as llm:
+        assert llm.render_chat(messages) == served  # the harmony render, not the template's raw output
+        out = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0))[0]
+        assert out.prompt_token_ids == served
+        with pytest.raises(ValueError, match="wizard"):
+            llm.chat([{"role": "wizard", "content": "Hi"}])

@@ -48,16 +48,16 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
                 stack.append((child, depth + 1))
 
 
-def refused(reason: str) -> Any:
-    """A field of the OpenAI API that brisk cannot honour: null is accepted, any other value is a 400 naming the
-    field (ignoring it would change the result)."""
+def refused(reason: str) -> AfterValidator:
+    """For a field of the OpenAI API that brisk cannot honour (`Annotated[Any, refused(why)]`): null is accepted,
+    any other value is a 400 naming the field (ignoring it would change the result)."""
 
     def check(value: Any) -> Any:
         if value is not None:
             raise PydanticCustomError("unsupported_field", reason)
         return value
 
-    return Annotated[Any, AfterValidator(check)]
+    return AfterValidator(check)
 
 
 # An OpenAI field with no effect on a self-hosted server (docs/api.md says why for each); accepted, bounded
@@ -208,10 +208,10 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[Literal["text"]] | None = None
     prediction: NoEffect = None
     verbosity: Literal["low", "medium", "high"] | None = None
-    audio: refused("brisk generates text only; audio output is not available.") = None
-    web_search_options: refused("brisk has no web search.") = None
-    functions: refused("functions is deprecated and not supported; use tools.") = None
-    function_call: refused("function_call is deprecated and not supported; use tool_choice.") = None
+    audio: Annotated[Any, refused("brisk generates text only; audio output is not available.")] = None
+    web_search_options: Annotated[Any, refused("brisk has no web search.")] = None
+    functions: Annotated[Any, refused("functions is deprecated and not supported; use tools.")] = None
+    function_call: Annotated[Any, refused("function_call is deprecated and not supported; use tool_choice.")] = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
@@ -241,7 +241,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
-    suffix: refused("suffix (fill-in-the-middle) is not supported by brisk's models.") = None
+    suffix: Annotated[Any, refused("suffix (fill-in-the-middle) is not supported by brisk's models.")] = None
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # max_tokens 0 generates nothing (the route answers from the prompt); the rest is still checked
@@ -327,9 +327,9 @@ class ResponsesRequest(_GenerationFields):
     background_options: NoEffect = None
     access_programs: NoEffect = None
     image: NoEffect = None
-    context_management: refused("brisk does not compact conversations; use truncation.") = None
-    conversation: refused("the Conversations API is not available; use previous_response_id.") = None
-    prompt: refused("stored prompt templates are not available; send the input itself.") = None
+    context_management: Annotated[Any, refused("brisk does not compact conversations; use truncation.")] = None
+    conversation: Annotated[Any, refused("the Conversations API is not available; use previous_response_id.")] = None
+    prompt: Annotated[Any, refused("stored prompt templates are not available; send the input itself.")] = None
 
     @field_validator("include")
     @classmethod

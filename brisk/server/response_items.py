@@ -32,10 +32,10 @@ def items_to_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = "system" if item.get("role") == "developer" else item.get("role")
             if role not in ("user", "assistant", "system"):
                 raise APIError(400, f"unsupported message role {item.get('role')!r}", param="input")
-            msg = {"role": role, "content": _text_of(item.get("content", ""))}
+            msg: dict[str, Any] = {"role": role, "content": _text_of(item.get("content", ""))}
             if role == "assistant" and pending_reasoning:
                 msg["reasoning_content"], pending_reasoning = pending_reasoning, None
             messages.append(msg)
@@ -73,7 +73,7 @@ class OutputItems:
         self._open: dict[str, Any] | None = None
         self._call_index: int | None = None
 
-    def _start(self, item: dict[str, Any]) -> None:
+    def _start(self, item: dict[str, Any]) -> dict[str, Any]:
         self.close()
         self.items.append(item)
         self._open = item
@@ -94,12 +94,14 @@ class OutputItems:
                     "part": {"type": "output_text", "text": "", "annotations": []},
                 }
             )
+        return item
 
     def add(self, fields: dict[str, Any]) -> None:
         idx = self._index
         if fields.get("reasoning_content"):
-            if self._open is None or self._open["type"] != "reasoning":
-                self._start(
+            item = self._open
+            if item is None or item["type"] != "reasoning":
+                item = self._start(
                     {
                         "type": "reasoning",
                         "id": f"rs_{uuid.uuid4().hex}",
@@ -107,19 +109,20 @@ class OutputItems:
                         "content": [{"type": "reasoning_text", "text": ""}],
                     }
                 )
-            self._open["content"][0]["text"] += fields["reasoning_content"]
+            item["content"][0]["text"] += fields["reasoning_content"]
             self.events.append(
                 {
                     "type": "response.reasoning_text.delta",
-                    "item_id": self._open["id"],
+                    "item_id": item["id"],
                     "output_index": idx(),
                     "content_index": 0,
                     "delta": fields["reasoning_content"],
                 }
             )
         if fields.get("content"):
-            if self._open is None or self._open["type"] != "message":
-                self._start(
+            item = self._open
+            if item is None or item["type"] != "message":
+                item = self._start(
                     {
                         "type": "message",
                         "id": f"msg_{uuid.uuid4().hex}",
@@ -128,24 +131,20 @@ class OutputItems:
                         "content": [{"type": "output_text", "text": "", "annotations": []}],
                     }
                 )
-            self._open["content"][0]["text"] += fields["content"]
+            item["content"][0]["text"] += fields["content"]
             self.events.append(
                 {
                     "type": "response.output_text.delta",
-                    "item_id": self._open["id"],
+                    "item_id": item["id"],
                     "output_index": idx(),
                     "content_index": 0,
                     "delta": fields["content"],
                 }
             )
         for call in fields.get("tool_calls", []):
-            if (
-                call.get("id")
-                or self._open is None
-                or self._open["type"] != "function_call"
-                or self._call_index != call["index"]
-            ):
-                self._start(
+            item = self._open
+            if call.get("id") or item is None or item["type"] != "function_call" or self._call_index != call["index"]:
+                item = self._start(
                     {
                         "type": "function_call",
                         "id": f"fc_{uuid.uuid4().hex}",
@@ -158,11 +157,11 @@ class OutputItems:
                 self._call_index = call["index"]
             delta = call["function"].get("arguments", "")
             if delta:
-                self._open["arguments"] += delta
+                item["arguments"] += delta
                 self.events.append(
                     {
                         "type": "response.function_call_arguments.delta",
-                        "item_id": self._open["id"],
+                        "item_id": item["id"],
                         "output_index": idx(),
                         "delta": delta,
                     }
