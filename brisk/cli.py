@@ -161,6 +161,28 @@ def main(argv: list[str] | None = None) -> int:
         dest="profile_dir",
         help="enable POST /start_profile and /stop_profile, writing torch profiler traces (Chrome JSON) here",
     )
+    serve.add_argument(
+        "--state-dir",
+        "--state_dir",
+        dest="state_dir",
+        help="folder of the server's state: stored Responses (responses.sqlite3); default ~/.local/state/brisk",
+    )
+    serve.add_argument(
+        "--response-ttl",
+        "--response_ttl",
+        dest="response_ttl",
+        type=_positive_float,
+        default=30 * 24 * 3600.0,
+        help="seconds a stored Response is kept (default 30 days)",
+    )
+    serve.add_argument(
+        "--max-stored-responses",
+        "--max_stored_responses",
+        dest="max_stored_responses",
+        type=int,
+        default=100_000,
+        help="stored Responses kept at most; the oldest go first",
+    )
     _add_engine_args(serve)
     from brisk.bench import add_subcommands as add_bench_subcommands
 
@@ -194,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             "otlp_traces_endpoint",
             "log_format",
             "profile_dir",
+            "state_dir",
+            "response_ttl",
+            "max_stored_responses",
         )
         try:
             return run(

@@ -14,6 +14,7 @@ from brisk.config import EngineConfig
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
 from brisk.engine.output_processor import OutputProcessor
+from brisk.harmony.chat import is_harmony_model, render_chat
 from brisk.model_runner.loader import resolve_model_path
 from brisk.outputs import RequestOutput
 from brisk.sampling_params import SamplingParams
@@ -82,10 +83,15 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params")
+        # Every request is checked (the same checks as the server's) before any is queued.
+        tokenized = [self._tokenize(prompt) for prompt in prompt_list]
+        vocab_size, max_seq_len = self.engine.model_config.vocab_size, self.engine.max_seq_len
+        for (_, token_ids), params in zip(tokenized, params_list):
+            params.validate()
+            params.check_for_model(token_ids, vocab_size, max_seq_len)
         order: list[str] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
-                text, token_ids = self._tokenize(prompt)
+            for (text, token_ids), params in zip(tokenized, params_list):
                 rid = str(next(self._ids))
                 self.engine.add_request(EngineCoreRequest(rid, token_ids, params))
                 self.output_processor.add_request(rid, text, token_ids, params)
@@ -115,15 +121,17 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
+        """The prompt ids of a conversation, rendered as the server renders it (harmony for gpt-oss).
+        Raises ValueError for what cannot be rendered (an unknown role, non-text content)."""
+        is_harmony = is_harmony_model(self.engine.model_config.hf_config.model_type, self.tokenizer)
+        return render_chat(
+            self.tokenizer,
             messages,
+            harmony=is_harmony,
             tools=tools,
+            template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            **(chat_template_kwargs or {}),
         )
-        # transformers 5 returns a BatchEncoding-like mapping; 4.x returns the ids.
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Integers cross the process boundary as msgpack int64/uint64; these bounds keep every field encodable.
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**64 - 1  # torch generators take uint64 seeds; the API caps seeds lower so seed + i fits
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot run. `param` names the offending field, as OpenAI's error object does; the
+    server answers 400 with it, the offline API raises it (a ValueError)."""
+
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.message, self.code = param, message, code
 
 
 @dataclass
@@ -40,8 +50,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        """Check each field on its own (ranges, finiteness); raises InvalidRequest naming the field."""
+
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(name, f"{name} {why}; got {getattr(self, name)!r}.")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
@@ -71,19 +83,51 @@ class SamplingParams:
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", "must be in [0, max_tokens]")
+            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop", "stop strings must be non-empty strings.")
         if any(not -MAX_INT32 <= t <= MAX_INT32 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be token ids")
-        if self.logit_bias:
-            for tok, bias in self.logit_bias.items():
-                if not -MAX_INT32 <= tok <= MAX_INT32:
-                    raise ValueError(f"logit_bias key {tok} is not a token id")
-                if not math.isfinite(bias):
-                    raise ValueError(f"logit_bias for token {tok} must be finite, got {bias!r}")
+            raise InvalidRequest("stop_token_ids", "stop_token_ids must hold token ids.")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not -MAX_INT32 <= tok <= MAX_INT32:
+                raise InvalidRequest("logit_bias", f"logit_bias key {tok} is not a token id.")
+            if not math.isfinite(bias):
+                raise InvalidRequest("logit_bias", f"logit_bias for token {tok} must be finite; got {bias!r}.")
+
+    def check_for_model(self, prompt_token_ids: Sequence[int], vocab_size: int, max_seq_len: int) -> None:
+        """Check the request against the model: every token id in the vocabulary, prompt + output within
+        max_seq_len. The one validation path: offline `LLM.generate` and every HTTP endpoint call it before
+        the engine sees the request. Raises InvalidRequest naming the field (`prompt` or a field of these
+        params)."""
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt", "The prompt is empty.")
+        for name, ids in (
+            ("prompt", prompt_token_ids),
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or ())),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    name, f"{name} holds token id {bad}, which is outside the vocabulary [0, {vocab_size})."
+                )
+        prompt_len = len(prompt_token_ids)
+        if prompt_len >= max_seq_len:
+            raise InvalidRequest(
+                "prompt",
+                f"This model's maximum context length is {max_seq_len} tokens, and the prompt has {prompt_len} "
+                "tokens, which leaves no room for output.",
+                code="context_length_exceeded",
+            )
+        if self.max_tokens is not None and prompt_len + self.max_tokens > max_seq_len:
+            raise InvalidRequest(
+                "max_tokens",
+                f"This model's maximum context length is {max_seq_len} tokens; the prompt has {prompt_len} tokens "
+                f"and max_tokens asks for {self.max_tokens} more (at most {max_seq_len - prompt_len} fit).",
+                code="context_length_exceeded",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -45,7 +46,10 @@ class RunningServer:
         cmd = [sys.executable, *launcher, model, "--port", str(self.port), *args]
         self.log_path = f"/tmp/brisk-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        # brisk serve keeps stored Responses under XDG_STATE_HOME unless --state-dir says otherwise: a test's own
+        self._state_home = tempfile.TemporaryDirectory(prefix="brisk-test-state-")
+        env = {**os.environ, "XDG_STATE_HOME": self._state_home.name, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -82,4 +86,5 @@ class RunningServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self._state_home.cleanup()
         return self.proc.returncode

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from brisk import LLM, SamplingParams
-from brisk.engine.core import InvalidRequestError
+from brisk.sampling_params import InvalidRequest
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "A", "def main():\n    return"]
@@ -119,12 +119,16 @@ def test_chat_uses_the_chat_template(llm):
 
 def test_too_long_prompt_is_rejected_without_leaking(llm):
     used = llm.engine.kv.pool.num_used
-    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+    # checked before anything is queued: a ValueError naming the field, as the server's 400 does
+    with pytest.raises(InvalidRequest, match="maximum context length") as err:
         llm.generate([1] * (llm.engine.max_seq_len + 1), SamplingParams(max_tokens=1))
-    with pytest.raises(InvalidRequestError, match="exceeds max_seq_len"):
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="max_tokens asks for") as err:
         llm.generate([[1, 2], [1] * 10], SamplingParams(max_tokens=llm.engine.max_seq_len - 5))
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest, match="outside the vocabulary") as err:
         llm.generate([1, 2, 10**6], SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"
     assert llm.engine.kv.pool.num_used == used and not llm.engine.has_unfinished_requests()
 
 

@@ -28,8 +28,10 @@ from brisk.engine.output_processor import CompletionDelta
 from brisk.outputs import CompletionOutput, RequestOutput
 from brisk.sampling_params import SamplingParams
 from brisk.server import middleware
-from brisk.server.app import ServerState, build_app, stream_with_errors
+from brisk.server.app import build_app
 from brisk.server.serve import API_KEY_ENV, resolve_api_key
+from brisk.server.state import ServerState
+from brisk.server.streaming import stream_with_errors
 from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 

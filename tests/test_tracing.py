@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from brisk.config import EngineConfig
 from brisk.engine.client import AsyncEngineClient
-from brisk.server.app import ServerState, build_app
+from brisk.server.app import build_app
+from brisk.server.state import ServerState
 from brisk.server.tracing import JSONFormatter, ObservabilityConfig, make_tracer_provider
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 

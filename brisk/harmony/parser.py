@@ -147,6 +147,10 @@ class HarmonyParser:
     ) -> None:
         """`decode` turns text token ids into text (byte-level BPE: it may end in U+FFFD mid-character)."""
         self._tokens = special_tokens
+        self._structural = frozenset(
+            (special_tokens.start, special_tokens.end, special_tokens.message, special_tokens.channel)
+            + (special_tokens.constrain, special_tokens.return_, special_tokens.call)
+        )
         self._decode = decode
         self._new_tool_call_id = tool_call_ids or make_tool_call_id_factory()
         # Exactly one of _header and _body is set while parsing; neither after <|end|> or once stopped.
@@ -170,11 +174,21 @@ class HarmonyParser:
 
         return cls(HarmonySpecialTokens.from_tokenizer(tokenizer), decode, tool_call_ids=tool_call_ids)
 
-    def feed(self, token_ids: Sequence[int]) -> HarmonyDelta:
-        """Parse newly generated tokens; return the reasoning, content and tool call text they completed."""
+    def feed(self, token_ids: Sequence[int], destinations: list[str | None] | None = None) -> HarmonyDelta:
+        """Parse newly generated tokens; return the reasoning, content and tool call text they completed.
+
+        `destinations`, if given, gets one entry per token: where its text goes (REASONING, CONTENT, TOOL_CALL),
+        or None for a structural token (headers, special tokens): what chat logprobs report per field."""
         if self._result is not None:
+            if destinations is not None:
+                destinations.extend([None] * len(token_ids))
             return HarmonyDelta()
+        structural = self._structural
         for token in token_ids:
+            if destinations is not None:
+                body = self._body
+                text_token = body is not None and not self._stopped and token not in structural
+                destinations.append(body.destination if text_token and body is not None else None)
             self._feed_token(token)
         return self._take_delta()
 

@@ -4,170 +4,172 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected, usage
-from brisk.server.errors import APIError
-from brisk.server.output_parsers import make_choice_parser, merge_delta_fields, prepare_tools
+from brisk.server.output_parsers import make_choice_parser, merge_delta_fields
 from brisk.server.protocol import ChatCompletionRequest
+from brisk.server.schemas import (
+    ERROR_RESPONSES,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessage,
+    ChoiceLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    event_stream_response,
+)
+from brisk.server.state import ServerState, server_state
+from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+from brisk.server.tool_choice import forced_call_prefix, plan_tools
+
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
-def render_chat_prompt(
-    state: ServerState,
-    messages: list[dict],
-    tools: list[dict] | None,
-    reasoning_effort: str | None,
-    template_kwargs: dict,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    try:
-        if state.is_harmony:
-            from brisk.harmony import render_with_template
-
-            return render_with_template(
-                state.tokenizer, messages, tools, reasoning_effort or "medium", **template_kwargs
-            )
-        out = state.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
-        )
-    except APIError:
-        raise
-    except Exception as exc:
-        raise APIError(400, f"Cannot render the messages with the chat template: {exc}", param="messages") from None
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _logprobs_entry(tokenizer, token_id: int, logprobs: dict[int, float], top_n: int) -> dict:
-    def item(tok: int, lp: float) -> dict:
+def logprob_entries(
+    tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int
+) -> list[TokenLogprob]:
+    def item(tok: int, lp: float) -> TopLogprob:
         text = tokenizer.decode([tok])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
 
-    top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:top_n]
-    return {**item(token_id, logprobs[token_id]), "top_logprobs": [item(t, lp) for t, lp in top]}
+    entries = []
+    for token_id, lps in zip(token_ids, logprobs):
+        top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
+        entries.append(TokenLogprob(**dict(item(token_id, lps[token_id])), top_logprobs=[item(t, lp) for t, lp in top]))
+    return entries
 
 
-def register(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        state.check_model(req.model)
-        state.admit()
-        params = state.sampling_params(req)
-        tools, forced = prepare_tools(
-            state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice
-        )
-        prompt_ids = (
-            render_chat_prompt(
-                state,
-                req.messages,
-                tools,
-                req.reasoning_effort,
-                req.chat_template_kwargs or {},
-                req.add_generation_prompt,
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    response_model_exclude_unset=True,
+    responses=event_stream_response("ChatCompletionChunk"),
+)
+async def chat_completions(req: ChatCompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
+    state.check_model(req.model)
+    state.admit()
+    params = state.sampling_params(req)
+    plan = plan_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
+    prompt_ids = state.render_chat(
+        req.messages, plan.tools, req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt
+    )
+    state.check_prompt(prompt_ids, params, req.field_names())
+    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
+    prompt_ids += forced
+    state.check_prompt(prompt_ids, params, req.field_names())
+    # gpt-oss: stop strings apply to `content` only, so the harmony parsers apply them, not the engine (it would
+    # match them in the reasoning too); a completion whose content hit one is cut there.
+    stop = params.stop if state.is_harmony else []
+    if stop:
+        params.stop = []
+    parsers = [make_choice_parser(state, forced, stop, params.include_stop_str_in_output) for _ in range(params.n)]
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    top_n = req.top_logprobs or 0
+    deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+    generated = [0] * params.n  # tokens per choice, for usage (also when a stop string ends the stream early)
+
+    def content_logprobs(parser, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[TokenLogprob]:
+        """Logprobs of the tokens of `content` only (not harmony's headers, reasoning or tool calls)."""
+        kept = [(t, lp) for t, lp, is_content in zip(token_ids, logprobs, parser.content_tokens) if is_content]
+        return logprob_entries(state.tokenizer, [t for t, _ in kept], [lp for _, lp in kept], top_n)
+
+    def finish_reason(parser, reason: str | None) -> str | None:
+        if parser.stopped:
+            return "stop"
+        return "tool_calls" if reason == "stop" and parser.has_tool_calls else reason
+
+    def usage(num_cached: int) -> Usage:
+        return Usage.of(len(prompt_ids), sum(generated), num_cached)
+
+    async def whole_response() -> ChatCompletion:
+        reasons: list[str | None] = [None] * params.n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
+        num_cached = 0
+        async for delta in deltas:
+            parser = parsers[delta.index]
+            if parser.stopped:
+                continue  # the stop string ended this choice; the rest is not reported
+            generated[delta.index] += len(delta.token_ids)
+            num_cached = delta.output.num_cached_tokens
+            parser.feed(delta.token_ids, delta.text)
+            if req.logprobs:
+                logprobs[delta.index] += content_logprobs(parser, delta.token_ids, delta.logprobs or [])
+            reasons[delta.index] = delta.finish_reason
+            if all(p.stopped for p in parsers):
+                break  # closing the generator aborts the request in the engine
+        await deltas.aclose()
+        choices = []
+        for i, parser in enumerate(parsers):
+            message = ChatMessage(**parser.finish())
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=ChoiceLogprobs(content=logprobs[i]) if req.logprobs else None,
+                    finish_reason=finish_reason(parser, reasons[i]),
+                )
             )
-            + forced
-        )
-        state.check_prompt(prompt_ids, params)
-        parsers = [make_choice_parser(state, forced) for _ in range(params.n)]
-        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-        top_n = req.top_logprobs or 0
-        deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+        return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(num_cached))
 
-        async def whole_response() -> dict[str, Any]:
-            final = None
+    if not req.stream:
+        return await until_disconnected(raw, whole_response())
+
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.continuous_usage_stats)
+    accumulator = StreamAccumulator(state.config.stream_interval)
+
+    def chunk(choices: list[ChatChunkChoice], usage_: Usage | None = None) -> str:
+        body = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices)
+        if include_usage or continuous_usage:
+            body.usage = usage_
+        return sse(body)
+
+    async def chunks() -> AsyncIterator[str]:
+        num_cached = 0
+        for i in range(params.n):
+            opening = ChatDelta(role="assistant", content="")
+            yield chunk(
+                [ChatChunkChoice(index=i, delta=opening, logprobs=None, finish_reason=None)],
+                usage(num_cached) if continuous_usage else None,
+            )
+        try:
             async for delta in deltas:
-                final = delta.output
-            choices = []
-            for out, parser in zip(final.outputs, parsers):
-                parser.feed(out.token_ids, out.text)
-                message = {"role": "assistant", **parser.finish()}
-                logprobs = None
-                if req.logprobs:
-                    logprobs = {
-                        "content": [
-                            _logprobs_entry(state.tokenizer, t, lp, top_n) for t, lp in zip(out.token_ids, out.logprobs)
-                        ]
-                    }
-                reason = (
-                    "tool_calls" if message.get("tool_calls") and out.finish_reason == "stop" else out.finish_reason
-                )
-                choices.append({"index": out.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
-            completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": usage(len(prompt_ids), completion_tokens, final.num_cached_tokens),
-            }
-
-        if not req.stream:
-            return await until_disconnected(raw, whole_response())
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        interval = state.config.stream_interval
-
-        async def chunks():
-            def chunk(choices: list[dict], usage_: dict | None = None) -> str:
-                body: dict[str, Any] = {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                }
-                if include_usage:
-                    body["usage"] = usage_
-                return sse(body)
-
-            for i in range(params.n):
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            pending: dict[int, dict] = {}  # per choice: message fields and logprobs not yet sent
-            final = None
-            async for delta in deltas:
-                final = delta.output
-                p = pending.setdefault(delta.index, {"fields": {}, "logprobs": [], "tokens": 0})
-                for key, value in parsers[delta.index].feed(delta.token_ids, delta.text).items():
-                    merge_delta_fields(p["fields"], key, value)
-                if req.logprobs and delta.logprobs:
-                    p["logprobs"] += [
-                        _logprobs_entry(state.tokenizer, t, lp, top_n) for t, lp in zip(delta.token_ids, delta.logprobs)
-                    ]
-                p["tokens"] += len(delta.token_ids)
-                if p["tokens"] < interval and delta.finish_reason is None:
+                num_cached = delta.output.num_cached_tokens
+                pending = accumulator.add(delta.index, delta)
+                if pending is None:
                     continue  # stream_interval: send every `interval` tokens
-                reason = delta.finish_reason
-                if reason is not None:
-                    for key, value in parsers[delta.index].finish_stream().items():
-                        merge_delta_fields(p["fields"], key, value)
-                    if parsers[delta.index].has_tool_calls and reason == "stop":
-                        reason = "tool_calls"
-                pending.pop(delta.index)
-                if p["fields"] or p["logprobs"] or reason is not None:
-                    yield chunk(
-                        [
-                            {
-                                "index": delta.index,
-                                "delta": p["fields"],
-                                "logprobs": {"content": p["logprobs"]} if req.logprobs else None,
-                                "finish_reason": reason,
-                            }
-                        ]
+                parser = parsers[pending.index]
+                if parser.stopped:
+                    continue
+                generated[pending.index] += len(pending.token_ids)
+                fields = parser.feed(pending.token_ids, pending.text)
+                reason = pending.finish_reason
+                if reason is not None or parser.stopped:
+                    for key, value in parser.finish_stream().items():
+                        merge_delta_fields(fields, key, value)
+                    reason = finish_reason(parser, reason)
+                entries = content_logprobs(parser, pending.token_ids, pending.logprobs) if req.logprobs else []
+                if fields or entries or reason is not None:
+                    choice = ChatChunkChoice(
+                        index=pending.index,
+                        delta=ChatDelta(**fields),
+                        logprobs=ChoiceLogprobs(content=entries) if req.logprobs else None,
+                        finish_reason=reason,
                     )
-            if include_usage and final is not None:
-                completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-                yield chunk([], usage(len(prompt_ids), completion_tokens, final.num_cached_tokens))
+                    yield chunk([choice], usage(num_cached) if continuous_usage else None)
+                if all(p.stopped for p in parsers):
+                    break
+        finally:
+            await deltas.aclose()  # aborts the request in the engine if it is still running
+        if include_usage:
+            yield chunk([], usage(num_cached))
 
-        return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+    return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")

@@ -5,13 +5,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected, usage
 from brisk.server.errors import APIError
 from brisk.server.protocol import CompletionRequest
+from brisk.server.schemas import (
+    ERROR_RESPONSES,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    Usage,
+    event_stream_response,
+)
+from brisk.server.state import ServerState, server_state
+from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
@@ -28,147 +41,158 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     raise APIError(400, "prompt must be a string, a list of strings, or token ids.", param="prompt")
 
 
-def _logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
+def _logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int, float]], offset: int):
     tokens = [state.tokenizer.decode([t]) for t in token_ids]
     offsets, pos = [], offset
     for text in tokens:
         offsets.append(pos)
         pos += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
-        "top_logprobs": [{state.tokenizer.decode([k]): v for k, v in lp.items()} for lp in logprobs],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[lp[t] for t, lp in zip(token_ids, logprobs)],
+        top_logprobs=[{state.tokenizer.decode([k]): v for k, v in lp.items()} for lp in logprobs],
+        text_offset=offsets,
+    )
 
 
-def register(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        state.check_model(req.model)
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of other than n is not supported.", param="best_of")
-        single = isinstance(req.prompt, str) or all(isinstance(p, int) for p in req.prompt)
-        state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
-        params = state.sampling_params(req)
-        prompts = _prompts(state, req.prompt)
-        for _, ids in prompts:
-            state.check_prompt(ids, params)
-        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-        n = params.n
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    response_model_exclude_unset=True,
+    responses=event_stream_response("CompletionChunk"),
+)
+async def completions(req: CompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
+    state.check_model(req.model)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported.", param="best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens 0 generates nothing; it needs echo: true.", param="max_tokens")
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            400, "echo with logprobs needs the prompt's logprobs, which brisk does not compute.", param="echo"
+        )
+    single = isinstance(req.prompt, str) or all(isinstance(p, int) for p in req.prompt)
+    state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
+    params = state.sampling_params(req)
+    prompts = _prompts(state, req.prompt)
+    for _, ids in prompts:
+        state.check_prompt(ids, params, req.field_names())
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    n = params.n
+    # echo: each choice's text starts with its prompt
+    echoed = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts]
 
+    if req.max_tokens == 0:  # echo of the prompts alone: nothing to generate
+        choices = [
+            CompletionChoice(index=p * n + i, text=echoed[p], logprobs=None, finish_reason="length", stop_reason=None)
+            for p in range(len(prompts))
+            for i in range(n)
+        ]
+        usage = Usage.of(sum(len(ids) for _, ids in prompts), 0)
         if not req.stream:
+            return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
-            async def run(text, ids):
-                final = None
-                async for delta in state.generate(ids, params, text, req.timeout):
-                    final = delta.output
-                return final
+        async def echo_chunks() -> AsyncIterator[str]:
+            for choice in choices:
+                yield sse(CompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-            finals = await until_disconnected(raw, asyncio.gather(*(run(text, ids) for text, ids in prompts)))
-            choices = []
-            for p, final in enumerate(finals):
-                for out in final.outputs:
-                    choices.append(
-                        {
-                            "index": p * n + out.index,
-                            "text": out.text,
-                            "finish_reason": out.finish_reason,
-                            "logprobs": _logprobs(state, out.token_ids, out.logprobs, 0)
-                            if req.logprobs is not None
-                            else None,
-                            "stop_reason": out.stop_reason,
-                        }
+        return StreamingResponse(stream_with_errors(echo_chunks()), media_type="text/event-stream")
+
+    if not req.stream:
+
+        async def run(text, ids):
+            final = None
+            async for delta in state.generate(ids, params, text, req.timeout):
+                final = delta.output
+            return final
+
+        finals = await until_disconnected(raw, asyncio.gather(*(run(text, ids) for text, ids in prompts)))
+        choices = []
+        for p, final in enumerate(finals):
+            for out in final.outputs:
+                choices.append(
+                    CompletionChoice(
+                        index=p * n + out.index,
+                        text=echoed[p] + out.text,
+                        finish_reason=out.finish_reason,
+                        logprobs=_logprobs(state, out.token_ids, out.logprobs, 0) if req.logprobs is not None else None,
+                        stop_reason=out.stop_reason,
                     )
-            completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
-            prompt_tokens = sum(len(ids) for _, ids in prompts)
-            cached = sum(f.num_cached_tokens for f in finals)
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens, cached),
-            }
+                )
+        completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        cached = sum(f.num_cached_tokens for f in finals)
+        return Completion(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=Usage.of(prompt_tokens, completion_tokens, cached),
+        )
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        interval = state.config.stream_interval
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    accumulator = StreamAccumulator(state.config.stream_interval)
 
-        async def chunks():
-            # Bounded: with a slow reader the pumps wait, so the backlog stays in the engine client's
-            # coalescing buffers instead of growing here.
-            queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        body = CompletionChunk(id=rid, created=created, model=model, choices=choices)
+        if include_usage:
+            body.usage = usage
+        return sse(body)
 
-            async def pump(p: int, text, ids):
-                try:
-                    async for delta in state.generate(ids, params, text, req.timeout):
-                        await queue.put((p, delta))
-                except APIError as exc:
-                    await queue.put((p, exc))
-                await queue.put((p, None))
+    async def chunks() -> AsyncIterator[str]:
+        # Bounded: with a slow reader the pumps wait, so the backlog stays in the engine client's
+        # coalescing buffers instead of growing here.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
 
-            tasks = [asyncio.create_task(pump(p, text, ids)) for p, (text, ids) in enumerate(prompts)]
+        async def pump(p: int, text, ids):
             try:
-                pending: dict[int, dict] = {}
-                text_offset: dict[int, int] = {}
-                finals, done = {}, 0
-                while done < len(prompts):
-                    p, delta = await queue.get()
-                    if delta is None:
-                        done += 1
-                        continue
-                    if isinstance(delta, APIError):
-                        raise delta
-                    finals[p] = delta.output
-                    index = p * n + delta.index
-                    acc = pending.setdefault(index, {"text": "", "ids": [], "lps": []})
-                    acc["text"] += delta.text
-                    acc["ids"] += delta.token_ids
-                    acc["lps"] += delta.logprobs or []
-                    if len(acc["ids"]) < interval and delta.finish_reason is None:
-                        continue
-                    pending.pop(index)
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = _logprobs(state, acc["ids"], acc["lps"], text_offset.get(index, 0))
-                    text_offset[index] = text_offset.get(index, 0) + len(acc["text"])
-                    body = {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [
-                            {
-                                "index": index,
-                                "text": acc["text"],
-                                "logprobs": logprobs,
-                                "finish_reason": delta.finish_reason,
-                                "stop_reason": delta.stop_reason,
-                            }
-                        ],
-                    }
-                    if include_usage:
-                        body["usage"] = None
-                    yield sse(body)
-                if include_usage:
-                    completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
-                    yield sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": model,
-                            "choices": [],
-                            "usage": usage(
-                                sum(len(ids) for _, ids in prompts),
-                                completion_tokens,
-                                sum(f.num_cached_tokens for f in finals.values()),
-                            ),
-                        }
-                    )
-            finally:
-                for t in tasks:
-                    t.cancel()
+                async for delta in state.generate(ids, params, text, req.timeout):
+                    await queue.put((p, delta))
+            except APIError as exc:
+                await queue.put((p, exc))
+            await queue.put((p, None))
 
-        return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+        tasks = [asyncio.create_task(pump(p, text, ids)) for p, (text, ids) in enumerate(prompts)]
+        try:
+            text_offset: dict[int, int] = {}
+            finals, done = {}, 0
+            while done < len(prompts):
+                p, delta = await queue.get()
+                if delta is None:
+                    done += 1
+                    continue
+                if isinstance(delta, APIError):
+                    raise delta
+                finals[p] = delta.output
+                index = p * n + delta.index
+                pending = accumulator.add(index, delta)
+                if pending is None:
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = _logprobs(state, pending.token_ids, pending.logprobs, text_offset.get(index, 0))
+                text = pending.text
+                if index not in text_offset:  # the choice's first chunk
+                    text = echoed[p] + text
+                text_offset[index] = text_offset.get(index, 0) + len(pending.text)
+                choice = CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=pending.finish_reason,
+                    stop_reason=pending.stop_reason,
+                )
+                yield chunk([choice])
+            if include_usage:
+                completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+                usage = Usage.of(
+                    sum(len(ids) for _, ids in prompts),
+                    completion_tokens,
+                    sum(f.num_cached_tokens for f in finals.values()),
+                )
+                yield chunk([], usage)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from brisk.server.errors import error_body
 
 if TYPE_CHECKING:
-    from brisk.server.app import ServerState
+    from brisk.server.state import ServerState
 
 logger = logging.getLogger("brisk.server.requests")
 

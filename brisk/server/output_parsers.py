@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from brisk.server.errors import APIError
-
 
 class PlainChoiceParser:
+    """The text is the content (stop strings were applied by the engine's detokenizer)."""
+
     has_tool_calls = False
+    stopped = False  # stop strings end the completion in the engine
 
     def __init__(self) -> None:
         self.text = ""
+        self.content_tokens: list[bool] = []  # of the last feed: every token is content
 
     def feed(self, token_ids: list[int], text: str) -> dict[str, Any]:
         self.text += text
+        self.content_tokens = [True] * len(token_ids)
         return {"content": text} if text else {}
 
     def finish_stream(self) -> dict[str, Any]:
@@ -29,50 +32,125 @@ class PlainChoiceParser:
         return {"content": self.text}
 
 
+class StopTrimmer:
+    """Stop strings over a text that arrives in pieces: releases text that cannot begin a stop string, and cuts
+    the text at the first stop string (keeping it with include_stop_str_in_output)."""
+
+    def __init__(self, stops: list[str], include_stop: bool) -> None:
+        self.stops, self.include_stop = stops, include_stop
+        self.held = ""
+        self.stopped = False
+
+    def add(self, text: str) -> str:
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        buf = self.held + text
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            pos, stop = min(hits)
+            self.stopped, self.held = True, ""
+            return buf[: pos + (len(stop) if self.include_stop else 0)]
+        keep = next(
+            (
+                k
+                for k in range(min(len(buf), max(map(len, self.stops)) - 1), 0, -1)
+                if any(s.startswith(buf[-k:]) for s in self.stops)
+            ),
+            0,
+        )
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return "" if self.stopped else held
+
+
 class HarmonyChoiceParser:
-    def __init__(self, tokenizer, prefix_ids: list[int]) -> None:
+    """gpt-oss output -> reasoning_content / content / tool_calls. Stop strings apply to `content` here (the
+    engine does not see them: they must not match reasoning), and nothing after a stop is reported."""
+
+    def __init__(self, tokenizer, prefix_ids: list[int], stop: list[str] | None = None, include_stop=False) -> None:
         from brisk.harmony import HarmonyParser
 
         self.parser = HarmonyParser.from_tokenizer(tokenizer)
         self.has_tool_calls = False
-        self._result = None
+        self._stop = StopTrimmer(list(stop or []), include_stop)
+        self._finished = False
+        self._emitted: dict[str, Any] = {}  # every field sent so far, merged: the non-streamed message
+        self.content_tokens: list[bool] = []  # of the last feed: which tokens are text of `content`
         # A forced tool-call prefix opens the call (id, name) before the model says anything: send that
         # with the first real delta.
         self._prefix_fields = self._fields(self.parser.feed(prefix_ids)) if prefix_ids else {}
 
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the content: the rest of the output is dropped."""
+        return self._stop.stopped
+
     def feed(self, token_ids: list[int], text: str) -> dict[str, Any]:
-        fields = self._fields(self.parser.feed(token_ids))
+        from brisk.harmony.parser import CONTENT
+
+        if self.stopped:
+            self.content_tokens = [False] * len(token_ids)
+            return {}
+        destinations: list[str | None] = []
+        fields = self._fields(self.parser.feed(token_ids, destinations))
+        self.content_tokens = [d == CONTENT for d in destinations]
+        if self.stopped:  # tokens after the one that completed the stop string are not reported
+            last = max((i for i, is_content in enumerate(self.content_tokens) if is_content), default=-1)
+            self.content_tokens = [c and i <= last for i, c in enumerate(self.content_tokens)]
         if self._prefix_fields:
             prefix, self._prefix_fields = self._prefix_fields, {}
             for key, value in fields.items():
                 merge_delta_fields(prefix, key, value)
             fields = prefix
-        return fields
+        return self._note(fields)
 
     def finish_stream(self) -> dict[str, Any]:
         """The text only the end of output releases (a held-back character or a cut-off header)."""
-        self._result = self.parser.finish()
-        return self._fields(self._result.last_delta)
+        if self._finished:
+            return {}
+        self._finished = True
+        fields, self._prefix_fields = self._prefix_fields, {}
+        if not self.stopped:
+            for key, value in self._fields(self.parser.finish().last_delta).items():
+                merge_delta_fields(fields, key, value)
+        held = self._stop.flush()
+        if held:
+            merge_delta_fields(fields, "content", held)
+        return self._note(fields)
 
     def finish(self) -> dict[str, Any]:
-        result = self._result or self.parser.finish()
-        message: dict[str, Any] = {"content": result.content or None}
-        if result.reasoning_content:
-            message["reasoning_content"] = result.reasoning_content
-        if result.tool_calls:
-            self.has_tool_calls = True
+        """The whole message: the merged fields the stream sent (so streamed and whole answers agree)."""
+        self.finish_stream()
+        emitted = self._emitted
+        message: dict[str, Any] = {"content": emitted.get("content") or None}
+        if emitted.get("reasoning_content"):
+            message["reasoning_content"] = emitted["reasoning_content"]
+        if emitted.get("tool_calls"):
             message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in result.tool_calls
+                {"id": c.get("id"), "type": "function", "function": c["function"]} for c in emitted["tool_calls"]
             ]
         return message
 
+    def _note(self, fields: dict[str, Any]) -> dict[str, Any]:
+        for key, value in fields.items():
+            merge_delta_fields(self._emitted, key, value)
+        return fields
+
     def _fields(self, delta) -> dict[str, Any]:
         fields: dict[str, Any] = {}
+        if self.stopped:
+            return fields
         if delta.reasoning_content:
             fields["reasoning_content"] = delta.reasoning_content
         if delta.content:
-            fields["content"] = delta.content
+            content = self._stop.add(delta.content)
+            if content:
+                fields["content"] = content
+            if self.stopped:
+                return fields  # what followed the stop string in this delta is dropped
         if delta.tool_calls:
             self.has_tool_calls = True
             fields["tool_calls"] = [_tool_call_delta(c) for c in delta.tool_calls]
@@ -101,31 +179,8 @@ def _tool_call_delta(c) -> dict[str, Any]:
     return out
 
 
-def make_choice_parser(state, prefix_ids: list[int]):
-    return HarmonyChoiceParser(state.tokenizer, prefix_ids) if state.is_harmony else PlainChoiceParser()
-
-
-def prepare_tools(state, tools: list[dict] | None, tool_choice) -> tuple[list[dict] | None, list[int]]:
-    """Validate tool_choice against the tools; return the tools to render and the forced-call prefix ids.
-
-    tool_choice 'required' or a named function starts the assistant turn as a harmony tool call, so
-    the model can only answer with a call (prompting alone leaves tool_calls empty too often).
-    """
-    choice = tool_choice or ("auto" if tools else "none")
-    if choice != "none" and not tools:
-        raise APIError(400, "tool_choice needs 'tools'.", param="tool_choice")
-    if not tools:
-        return None, []
-    if not state.is_harmony:
-        raise APIError(400, "Function tools are supported for gpt-oss (harmony) models only.", param="tools")
-    if choice == "none":
-        return None, []
-    if choice == "auto":
-        return tools, []
-    name = ""
-    if choice != "required":
-        if choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise APIError(400, f"tool_choice names an unknown function '{choice.function.name}'.", param="tool_choice")
-        name = choice.function.name + " <|constrain|>json<|message|>"
-    prefix = state.tokenizer.encode("<|channel|>commentary to=functions." + name, add_special_tokens=False)
-    return tools, prefix
+def make_choice_parser(state, prefix_ids: list[int], stop: list[str] | None = None, include_stop: bool = False):
+    """The parser of one choice; `stop`: the stop strings a harmony parser applies to `content`."""
+    if state.is_harmony:
+        return HarmonyChoiceParser(state.tokenizer, prefix_ids, stop, include_stop)
+    return PlainChoiceParser()

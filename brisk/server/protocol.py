@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from brisk.sampling_params import SamplingParams
+from brisk.sampling_params import InvalidRequest, SamplingParams
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -47,6 +48,24 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
                 stack.append((child, depth + 1))
 
 
+def refused(reason: str) -> AfterValidator:
+    """For a field of the OpenAI API that brisk cannot honour (`Annotated[Any, refused(why)]`): null is accepted,
+    any other value is a 400 naming the field (ignoring it would change the result)."""
+
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise PydanticCustomError("unsupported_field", reason)
+        return value
+
+    return AfterValidator(check)
+
+
+# An OpenAI field with no effect on a self-hosted server (docs/api.md says why for each); accepted, bounded
+# only by the body's own limits (size, depth).
+NoEffect = Any
+Metadata = Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -63,66 +82,97 @@ class _Body(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_obfuscation: NoEffect = None
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
-class _SamplingFields(_Body):
-    """Parameters shared by every generation endpoint: OpenAI's plus the vLLM/TensorRT-LLM extensions."""
+class _GenerationFields(_Body):
+    """The sampling fields every generation endpoint takes (the Responses API's set), with one builder."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # extensions
+    # OpenAI fields with no effect here (docs/api.md)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    service_tier: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_options: NoEffect = None
+    prompt_cache_retention: Literal["in_memory", "24h", "in-memory"] | None = None
+    moderation: NoEffect = None
+    # extensions (vLLM / TensorRT-LLM names)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
     timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]) -> SamplingParams:
+    def field_names(self) -> dict[str, str]:
+        """This endpoint's names of SamplingParams fields where they differ, so errors name the client's field."""
+        return {}
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
+    ) -> SamplingParams:
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        try:
-            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids") from None
         return SamplingParams(
-            n=self.n,
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=bias or None,
             seed=self.seed,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
+            **extra,
+        )
+
+
+class _SamplingFields(_GenerationFields):
+    """Chat completions' and completions' further sampling fields: OpenAI's plus vLLM's extensions."""
+
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream_options: StreamOptions | None = None
+    # extensions
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
+    ) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise InvalidRequest("logit_bias", "logit_bias keys must be token ids.") from None
+        return super().sampling_params(
+            max_tokens,
+            logprobs,
+            defaults,
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias or None,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            **extra,
         )
 
 
@@ -153,6 +203,15 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    metadata: Metadata | None = None
+    store: bool | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: NoEffect = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    audio: Annotated[Any, refused("brisk generates text only; audio output is not available.")] = None
+    web_search_options: Annotated[Any, refused("brisk has no web search.")] = None
+    functions: Annotated[Any, refused("functions is deprecated and not supported; use tools.")] = None
+    function_call: Annotated[Any, refused("function_call is deprecated and not supported; use tool_choice.")] = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
@@ -166,20 +225,28 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, defaults)
+
+    def field_names(self) -> dict[str, str]:
+        max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT32)  # 0: with echo, the prompt alone
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
-    best_of: int | None = None
-    suffix: None = None
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: Annotated[Any, refused("suffix (fill-in-the-middle) is not supported by brisk's models.")] = None
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs, defaults)
+        # max_tokens 0 generates nothing (the route answers from the prompt); the rest is still checked
+        max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
+        return self.sampling_params(max_tokens, self.logprobs, defaults)
 
 
 class TokenizeRequest(_Body):
@@ -205,48 +272,79 @@ class ResponsesFunctionTool(_Request):
 
 class ResponsesReasoning(_Request):
     effort: Literal["low", "medium", "high"] | None = None
-    summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(_Body):
-    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+class ResponsesTextFormat(_Request):
+    type: Literal["text"] = "text"
+
+
+class ResponsesText(_Request):
+    format: ResponsesTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesStreamOptions(_Request):
+    include_obfuscation: NoEffect = None
+
+
+ResponseIncludable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+# include values brisk cannot produce: a 400 naming them (the others concern tools brisk does not have)
+REFUSED_INCLUDES = {
+    "reasoning.encrypted_content": "brisk does not encrypt reasoning; pass reasoning items back as they came.",
+    "message.output_text.logprobs": "the Responses API returns no logprobs here; use /v1/chat/completions.",
+}
+
+
+class ResponsesRequest(_GenerationFields):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=0, le=MAX_INT32)
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
     reasoning: ResponsesReasoning | None = None
-    stream: bool = False
-    store: bool = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    # extensions shared with the other endpoints
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
-    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
-    timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
+    text: ResponsesText | None = None
+    include: list[ResponseIncludable] | None = Field(None, max_length=16)
+    store: bool = True
+    metadata: Metadata | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
+    previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    background: bool | None = None
+    background_options: NoEffect = None
+    access_programs: NoEffect = None
+    image: NoEffect = None
+    context_management: Annotated[Any, refused("brisk does not compact conversations; use truncation.")] = None
+    conversation: Annotated[Any, refused("the Conversations API is not available; use previous_response_id.")] = None
+    prompt: Annotated[Any, refused("stored prompt templates are not available; send the input itself.")] = None
+
+    @field_validator("include")
+    @classmethod
+    def _refused_includes(cls, include: list[str] | None) -> list[str] | None:
+        for value in include or []:
+            if value in REFUSED_INCLUDES:
+                raise PydanticCustomError(
+                    "unsupported_value",
+                    "include {value}: {reason}",
+                    {"value": value, "reason": REFUSED_INCLUDES[value]},
+                )
+        return include
+
+    def field_names(self) -> dict[str, str]:
+        return {"prompt": "input", "max_tokens": "max_output_tokens"}
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        def pick(name: str, fallback: Any) -> Any:
-            value = getattr(self, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        return SamplingParams(
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0),
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            seed=self.seed,
-            max_tokens=self.max_output_tokens,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            priority=self.priority,
-        )
+        return self.sampling_params(self.max_output_tokens, None, defaults)

@@ -1,235 +1,38 @@
-"""POST /v1/responses (gpt-oss's native API): input items -> chat messages -> the chat machinery -> output items.
+"""The Responses API (gpt-oss's native API): input items -> chat messages -> the chat machinery -> output items.
 
-Non-streaming returns the finished response; streaming emits the Responses API events (created,
-output_item.added, *.delta, *.done, completed). Both are built from the same per-choice parser fields,
-so they agree.
+POST /v1/responses runs one response (`ResponseRun`): its events (created, output_item.added, *.delta, *.done, and
+a terminal completed / incomplete / failed / cancelled) are streamed, or drained into the finished response. Both
+come from the same per-choice parser fields, so they agree. Stored responses (`store`, default true) are kept in
+the `ResponseStore`; `previous_response_id` continues one. `background: true` runs the response as a task
+(`BackgroundRuns`): GET polls it, GET with `stream=true` (and `starting_after`) replays and follows its events,
+POST .../cancel stops it.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from brisk.server.app import ServerState, sse, stream_with_errors, until_disconnected
-from brisk.server.chat import render_chat_prompt
 from brisk.server.errors import APIError
-from brisk.server.output_parsers import make_choice_parser, prepare_tools
-from brisk.server.protocol import NamedToolChoice, ResponsesRequest
+from brisk.server.protocol import NamedToolChoice, NamedToolChoiceFunction, ResponsesRequest
+from brisk.server.response_items import input_items, items_to_messages
+from brisk.server.response_run import ResponseRun
+from brisk.server.response_store import owner_of
+from brisk.server.schemas import (
+    ERROR_RESPONSES,
+    InputItemList,
+    ResponseDeleted,
+    ResponseObject,
+    event_stream_response,
+)
+from brisk.server.state import ServerState, server_state
+from brisk.server.streaming import sse, stream_with_errors, until_disconnected
+from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    raise APIError(400, "message content must be a string or a list of text parts", param="input")
-
-
-def input_to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return messages + [{"role": "user", "content": req.input}]
-    pending_reasoning = None
-    for item in req.input:
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("user", "assistant", "system"):
-                raise APIError(400, f"unsupported message role {item.get('role')!r}", param="input")
-            msg = {"role": role, "content": _text_of(item.get("content", ""))}
-            if role == "assistant" and pending_reasoning:
-                msg["reasoning_content"], pending_reasoning = pending_reasoning, None
-            messages.append(msg)
-        elif kind == "reasoning":
-            pending_reasoning = _text_of(item.get("content") or item.get("summary") or [])
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)
-            else:
-                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if pending_reasoning:
-                    msg["reasoning_content"], pending_reasoning = pending_reasoning, None
-                messages.append(msg)
-        elif kind == "function_call_output":
-            messages.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_of(item.get("output", ""))}
-            )
-        else:
-            raise APIError(400, f"unsupported input item type {kind!r}", param="input")
-    return messages
-
-
-class _OutputItems:
-    """Builds output items from parser fields, and the stream events that describe them."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self.events: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None
-        self._call_index: int | None = None
-
-    def _start(self, item: dict[str, Any]) -> None:
-        self.close()
-        self.items.append(item)
-        self._open = item
-        self.events.append(
-            {
-                "type": "response.output_item.added",
-                "output_index": len(self.items) - 1,
-                "item": dict(item, content=[]) if "content" in item else dict(item),
-            }
-        )
-        if item["type"] == "message":
-            self.events.append(
-                {
-                    "type": "response.content_part.added",
-                    "item_id": item["id"],
-                    "output_index": len(self.items) - 1,
-                    "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": []},
-                }
-            )
-
-    def add(self, fields: dict[str, Any]) -> None:
-        idx = self._index
-        if fields.get("reasoning_content"):
-            if self._open is None or self._open["type"] != "reasoning":
-                self._start(
-                    {
-                        "type": "reasoning",
-                        "id": f"rs_{uuid.uuid4().hex}",
-                        "summary": [],
-                        "content": [{"type": "reasoning_text", "text": ""}],
-                    }
-                )
-            self._open["content"][0]["text"] += fields["reasoning_content"]
-            self.events.append(
-                {
-                    "type": "response.reasoning_text.delta",
-                    "item_id": self._open["id"],
-                    "output_index": idx(),
-                    "content_index": 0,
-                    "delta": fields["reasoning_content"],
-                }
-            )
-        if fields.get("content"):
-            if self._open is None or self._open["type"] != "message":
-                self._start(
-                    {
-                        "type": "message",
-                        "id": f"msg_{uuid.uuid4().hex}",
-                        "status": "in_progress",
-                        "role": "assistant",
-                        "content": [{"type": "output_text", "text": "", "annotations": []}],
-                    }
-                )
-            self._open["content"][0]["text"] += fields["content"]
-            self.events.append(
-                {
-                    "type": "response.output_text.delta",
-                    "item_id": self._open["id"],
-                    "output_index": idx(),
-                    "content_index": 0,
-                    "delta": fields["content"],
-                }
-            )
-        for call in fields.get("tool_calls", []):
-            if (
-                call.get("id")
-                or self._open is None
-                or self._open["type"] != "function_call"
-                or self._call_index != call["index"]
-            ):
-                self._start(
-                    {
-                        "type": "function_call",
-                        "id": f"fc_{uuid.uuid4().hex}",
-                        "call_id": call.get("id"),
-                        "name": call["function"].get("name", ""),
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                )
-                self._call_index = call["index"]
-            delta = call["function"].get("arguments", "")
-            if delta:
-                self._open["arguments"] += delta
-                self.events.append(
-                    {
-                        "type": "response.function_call_arguments.delta",
-                        "item_id": self._open["id"],
-                        "output_index": idx(),
-                        "delta": delta,
-                    }
-                )
-
-    def _index(self) -> int:
-        return len(self.items) - 1
-
-    def close(self) -> None:
-        item, self._open = self._open, None
-        if item is None:
-            return
-        i = len(self.items) - 1
-        if item["type"] == "reasoning":
-            self.events.append(
-                {
-                    "type": "response.reasoning_text.done",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "content_index": 0,
-                    "text": item["content"][0]["text"],
-                }
-            )
-        elif item["type"] == "message":
-            part = item["content"][0]
-            self.events.append(
-                {
-                    "type": "response.output_text.done",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "content_index": 0,
-                    "text": part["text"],
-                }
-            )
-            self.events.append(
-                {
-                    "type": "response.content_part.done",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "content_index": 0,
-                    "part": part,
-                }
-            )
-        else:
-            self.events.append(
-                {
-                    "type": "response.function_call_arguments.done",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "arguments": item["arguments"],
-                }
-            )
-        item["status"] = "completed"
-        if item["type"] == "reasoning":
-            item.pop("status")
-        self.events.append({"type": "response.output_item.done", "output_index": i, "item": item})
-
-    def take_events(self) -> list[dict[str, Any]]:
-        events, self.events = self.events, []
-        return events
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None):
@@ -239,110 +42,175 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
             raise APIError(
                 400, "tool_choice must be none, auto, required or {type: function, name}", param="tool_choice"
             )
-        return NamedToolChoice(function={"name": choice["name"]})
+        return NamedToolChoice(function=NamedToolChoiceFunction(name=choice["name"]))
     return choice
 
 
-def register(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest, raw: Request):
-        state.check_model(req.model)
-        state.admit()
-        params = state.sampling_params(req)
-        tools, forced = prepare_tools(
-            state,
-            [
-                {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                for t in req.tools or []
-            ],
-            _chat_tool_choice(req.tool_choice),
-        )
-        effort = req.reasoning.effort if req.reasoning else None
-        prompt_ids = render_chat_prompt(state, input_to_messages(req), tools, effort, {}) + forced
-        state.check_prompt(prompt_ids, params)
-        parser = make_choice_parser(state, forced)
-        items = _OutputItems()
-        rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+FORCED_CALL_ROOM = 32  # tokens truncation leaves for a forced call's header
 
-        def response_body(status: str, final=None) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": "response",
-                "created_at": created,
-                "status": status,
-                "model": state.model_name,
-                "output": items.items,
-                "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-                "tool_choice": req.tool_choice or "auto",
-                "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "max_output_tokens": req.max_output_tokens,
-                "instructions": req.instructions,
-                "metadata": req.metadata or {},
-                "error": None,
-                "incomplete_details": None,
-                "usage": None,
-                "text": {"format": {"type": "text"}},
-                "reasoning": {"effort": effort, "summary": None},
-            }
-            if final is not None:
-                out = final.outputs[0]
-                if out.finish_reason == "length":
-                    body["status"] = "incomplete"
-                    body["incomplete_details"] = {"reason": "max_output_tokens"}
-                elif out.finish_reason == "abort":  # timeout or server shutdown
-                    body["status"] = "incomplete"
-                    body["incomplete_details"] = {"reason": "aborted"}
-                reasoning_text = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
-                body["usage"] = {
-                    "input_tokens": len(prompt_ids),
-                    "output_tokens": len(out.token_ids),
-                    "total_tokens": len(prompt_ids) + len(out.token_ids),
-                    "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                    # re-encoding the reasoning text counts its tokens without the channel headers
-                    "output_tokens_details": {
-                        "reasoning_tokens": len(state.tokenizer.encode(reasoning_text, add_special_tokens=False))
-                        if reasoning_text
-                        else 0
-                    },
-                }
-            return body
 
-        deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
+    """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt,
+    `reserve` tokens and max_output_tokens fit the context."""
+    room = state.info.max_seq_len - (max_tokens or 1) - reserve
+    messages = list(messages)
+    while len(prompt_ids) > room:
+        first = next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
+        if first is None:
+            break  # nothing left to drop: the length check reports it
+        del messages[first]
+        while first < len(messages) - 1 and messages[first]["role"] == "tool":  # results of a dropped call go too
+            del messages[first]
+        prompt_ids = state.render_chat(messages, tools, effort, {}, param="input")
+    return prompt_ids
 
-        async def whole_response() -> dict[str, Any]:
-            final = None
-            async for delta in deltas:
-                items.add(parser.feed(delta.token_ids, delta.text))
-                final = delta.output
-            items.add(parser.finish_stream())
-            items.close()
-            return response_body("completed", final)
 
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    response_model_exclude_unset=True,
+    responses=event_stream_response("ResponseStreamEvent"),
+)
+async def responses(req: ResponsesRequest, raw: Request, state: ServerState = Depends(server_state)):
+    state.check_model(req.model)
+    store = state.response_store
+    owner = owner_of(raw.headers.get("authorization"))
+    if (req.previous_response_id or req.background) and store is None:
+        param = "background" if req.background else "previous_response_id"
+        raise APIError(400, "This server keeps no responses (started without a response store).", param=param)
+    if req.background and not req.store:
+        raise APIError(400, "A background response must be stored (store: true).", param="store")
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        previous = await store.get(owner, req.previous_response_id) if store is not None else None
+        if previous is None:
+            raise APIError(
+                404,
+                f"No stored response '{req.previous_response_id}'.",
+                param="previous_response_id",
+                code="response_not_found",
+            )
+        history = previous.conversation()
+    state.admit()
+    params = state.sampling_params(req)
+    offered = [] if req.max_tool_calls == 0 else req.tools or []  # no call allowed: no tool offered
+    plan = plan_tools(
+        state,
+        [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in offered],
+        _chat_tool_choice(req.tool_choice) if offered else None,
+    )
+    effort = req.reasoning.effort if req.reasoning else None
+    items = input_items(req.input)
+    messages = items_to_messages(req.instructions, history + items)
+    prompt_ids = state.render_chat(messages, plan.tools, effort, {}, param="input")
+    if req.truncation == "auto":
+        reserve = FORCED_CALL_ROOM if plan.forces_call else 0
+        prompt_ids = _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
+    state.check_prompt(prompt_ids, params, req.field_names())
+    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
+    prompt_ids += forced
+    state.check_prompt(prompt_ids, params, req.field_names())
+    run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history)
+
+    if req.background:
+        state.background_runs.start(run)
         if not req.stream:
-            return await until_disconnected(raw, whole_response())
+            return run.body()
+        return StreamingResponse(
+            stream_with_errors(_sse(state.background_runs.follow(run.id, -1))), media_type="text/event-stream"
+        )
+    if not req.stream:
+        run.report_failures = False  # a failure is the HTTP error itself
 
-        async def events():
-            seq = 0
+        async def drain() -> ResponseObject:
+            async for _ in run.events():
+                pass
+            return run.body()
 
-            def event(body: dict[str, Any]) -> str:
-                nonlocal seq
-                seq += 1
-                return f"event: {body['type']}\n" + sse({**body, "sequence_number": seq - 1})
+        return await until_disconnected(raw, drain())
+    return StreamingResponse(stream_with_errors(_sse(run.events())), media_type="text/event-stream")
 
-            yield event({"type": "response.created", "response": response_body("in_progress")})
-            yield event({"type": "response.in_progress", "response": response_body("in_progress")})
-            final = None
-            async for delta in deltas:
-                items.add(parser.feed(delta.token_ids, delta.text))
-                final = delta.output
-                for e in items.take_events():
-                    yield event(e)
-            items.add(parser.finish_stream())
-            items.close()
-            for e in items.take_events():
-                yield event(e)
-            yield event({"type": "response.completed", "response": response_body("completed", final)})
 
-        return StreamingResponse(stream_with_errors(events()), media_type="text/event-stream")
+async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async for event in events:
+        yield sse(event, event=event["type"])
+
+
+async def _visible(state: ServerState, raw: Request, response_id: str) -> tuple[str, Any]:
+    """The owner, and the background run or stored response of that id; 404 if the caller may not see it."""
+    owner = owner_of(raw.headers.get("authorization"))
+    run = state.background_runs.get(owner, response_id)
+    if run is not None:
+        return owner, run
+    stored = await state.response_store.get(owner, response_id) if state.response_store is not None else None
+    if stored is None:
+        raise APIError(404, f"No response '{response_id}'.", param="response_id", code="response_not_found")
+    return owner, stored
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, response_model_exclude_unset=True)
+async def get_response(
+    response_id: str,
+    raw: Request,
+    stream: bool = False,
+    starting_after: int = -1,
+    state: ServerState = Depends(server_state),
+):
+    """A stored response; a background one while it runs. `stream=true` replays its events after
+    `starting_after` (a sequence number), then follows them until it ends."""
+    _, found = await _visible(state, raw, response_id)
+    if stream:
+        if not isinstance(found, ResponseRun):
+            raise APIError(400, "Only a background response's events can be streamed.", param="stream")
+        events = state.background_runs.follow(response_id, starting_after)
+        return StreamingResponse(stream_with_errors(_sse(events)), media_type="text/event-stream")
+    return found.body() if isinstance(found, ResponseRun) else found.body
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList)
+async def get_input_items(
+    response_id: str,
+    raw: Request,
+    order: Literal["asc", "desc"] = "desc",
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = None,
+    state: ServerState = Depends(server_state),
+) -> InputItemList:
+    """The input items of a response, the conversation before it included (what the model was given)."""
+    _, found = await _visible(state, raw, response_id)
+    items = found.history_items + found.input_items
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return InputItemList(
+        data=page,
+        first_id=page[0].get("id") if page else None,
+        last_id=page[-1].get("id") if page else None,
+        has_more=len(items) > limit,
+    )
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
+async def delete_response(response_id: str, raw: Request, state: ServerState = Depends(server_state)):
+    owner, found = await _visible(state, raw, response_id)
+    if isinstance(found, ResponseRun):
+        state.background_runs.cancel(response_id)
+        await state.background_runs.wait(response_id)
+    if state.response_store is not None:
+        await state.response_store.delete(owner, response_id)
+    state.background_runs.forget(response_id)
+    return ResponseDeleted(id=response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, response_model_exclude_unset=True)
+async def cancel_response(response_id: str, raw: Request, state: ServerState = Depends(server_state)):
+    """Stop a background response (its status becomes `cancelled`); a finished one is returned as it is."""
+    _, found = await _visible(state, raw, response_id)
+    if not isinstance(found, ResponseRun):
+        raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+    state.background_runs.cancel(response_id)
+    await state.background_runs.wait(response_id)
+    return found.body()

@@ -15,9 +15,12 @@ from brisk.config import ConfigError, EngineConfig, ModelConfig
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
+from brisk.harmony.chat import is_harmony_model
 from brisk.model_runner.loader import resolve_model_path
-from brisk.server.app import ServerState, build_app
+from brisk.server.app import build_app
+from brisk.server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
+from brisk.server.state import ServerState
 from brisk.server.tracing import ObservabilityConfig, configure_logging, make_tracer_provider
 
 logger = logging.getLogger("brisk.server")
@@ -66,6 +69,9 @@ async def serve(
     otlp_traces_endpoint: str | None = None,
     log_format: str = "text",
     profile_dir: str | None = None,
+    state_dir: str | None = None,
+    response_ttl: float = DEFAULT_TTL_S,
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES,
     **engine_options,
 ) -> int:
     api_key = resolve_api_key(api_key, api_key_file)
@@ -83,7 +89,7 @@ async def serve(
         return 0
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
     model_config = ModelConfig.from_pretrained(path)
-    is_harmony = model_config.hf_config.model_type == "gpt_oss" and "<|channel|>" in tokenizer.get_vocab()
+    is_harmony = is_harmony_model(model_config.hf_config.model_type, tokenizer)
     name = served_model_name or (model or "brisk-demo")
     if log_format == "json":  # every line of a JSON log is one JSON object
         logger.info("configuration in effect", extra={"brisk": {"config": config.model_dump(mode="json")}})
@@ -117,6 +123,7 @@ async def serve(
         request_timeout,
         log_prompts,
         list(allowed_origins or []),
+        response_store=ResponseStore(state_dir or default_state_dir(), response_ttl, max_stored_responses),
         observability=observability,
     )
     app = build_app(state)
@@ -150,7 +157,14 @@ async def serve(
         await client.shutdown()
         if observability.tracer_provider is not None:
             observability.tracer_provider.shutdown()  # flushes the spans still batched
+        if state.response_store is not None:
+            state.response_store.close()
     return exit_code["value"]
+
+
+def default_state_dir() -> Path:
+    """Where stored Responses live unless --state-dir says otherwise (XDG's state folder)."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "brisk"
 
 
 def run(model: str | None, **kwargs) -> int:

@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from brisk.server.app import ServerState
+from brisk.server.state import ServerState
 
 logger = logging.getLogger("brisk.server")
 ABORT_GRACE_S = 5.0  # after aborting, how long the engine gets to report the aborted requests

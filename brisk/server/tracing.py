@@ -23,7 +23,7 @@ from brisk.server.metrics import HTTPMetricsMiddleware, RequestTiming
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from brisk.server.app import ServerState
+    from brisk.server.state import ServerState
 
 request_logger = logging.getLogger("brisk.server.requests")
 SERVICE_NAME = "brisk"

@@ -1,0 +1,224 @@
+"""Responses API items: input items -> chat messages, and the output items (with their stream events) built from
+the per-choice parser's fields."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from brisk.server.errors import APIError
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise APIError(400, "message content must be a string or a list of text parts", param="input")
+
+
+def input_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's `input` as items (a string is one user message), each with an id (for /input_items)."""
+    items = [{"type": "message", "role": "user", "content": input_}] if isinstance(input_, str) else input_
+    return [item if item.get("id") else {"id": f"item_{uuid.uuid4().hex}", **item} for item in items]
+
+
+def items_to_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items (messages, reasoning, function calls and their outputs) -> chat messages for the renderer."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    pending_reasoning = None
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = "system" if item.get("role") == "developer" else item.get("role")
+            if role not in ("user", "assistant", "system"):
+                raise APIError(400, f"unsupported message role {item.get('role')!r}", param="input")
+            msg: dict[str, Any] = {"role": role, "content": _text_of(item.get("content", ""))}
+            if role == "assistant" and pending_reasoning:
+                msg["reasoning_content"], pending_reasoning = pending_reasoning, None
+            messages.append(msg)
+        elif kind == "reasoning":
+            pending_reasoning = _text_of(item.get("content") or item.get("summary") or [])
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if pending_reasoning:
+                    msg["reasoning_content"], pending_reasoning = pending_reasoning, None
+                messages.append(msg)
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_of(item.get("output", ""))}
+            )
+        else:
+            raise APIError(400, f"unsupported input item type {kind!r}", param="input")
+    return messages
+
+
+class OutputItems:
+    """Builds output items from parser fields, and the stream events that describe them."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._call_index: int | None = None
+
+    def _start(self, item: dict[str, Any]) -> dict[str, Any]:
+        self.close()
+        self.items.append(item)
+        self._open = item
+        self.events.append(
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.items) - 1,
+                "item": dict(item, content=[]) if "content" in item else dict(item),
+            }
+        )
+        if item["type"] == "message":
+            self.events.append(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": len(self.items) - 1,
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []},
+                }
+            )
+        return item
+
+    def add(self, fields: dict[str, Any]) -> None:
+        idx = self._index
+        if fields.get("reasoning_content"):
+            item = self._open
+            if item is None or item["type"] != "reasoning":
+                item = self._start(
+                    {
+                        "type": "reasoning",
+                        "id": f"rs_{uuid.uuid4().hex}",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}],
+                    }
+                )
+            item["content"][0]["text"] += fields["reasoning_content"]
+            self.events.append(
+                {
+                    "type": "response.reasoning_text.delta",
+                    "item_id": item["id"],
+                    "output_index": idx(),
+                    "content_index": 0,
+                    "delta": fields["reasoning_content"],
+                }
+            )
+        if fields.get("content"):
+            item = self._open
+            if item is None or item["type"] != "message":
+                item = self._start(
+                    {
+                        "type": "message",
+                        "id": f"msg_{uuid.uuid4().hex}",
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": "", "annotations": []}],
+                    }
+                )
+            item["content"][0]["text"] += fields["content"]
+            self.events.append(
+                {
+                    "type": "response.output_text.delta",
+                    "item_id": item["id"],
+                    "output_index": idx(),
+                    "content_index": 0,
+                    "delta": fields["content"],
+                }
+            )
+        for call in fields.get("tool_calls", []):
+            item = self._open
+            if call.get("id") or item is None or item["type"] != "function_call" or self._call_index != call["index"]:
+                item = self._start(
+                    {
+                        "type": "function_call",
+                        "id": f"fc_{uuid.uuid4().hex}",
+                        "call_id": call.get("id"),
+                        "name": call["function"].get("name", ""),
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                )
+                self._call_index = call["index"]
+            delta = call["function"].get("arguments", "")
+            if delta:
+                item["arguments"] += delta
+                self.events.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": item["id"],
+                        "output_index": idx(),
+                        "delta": delta,
+                    }
+                )
+
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    def close(self) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        i = len(self.items) - 1
+        if item["type"] == "reasoning":
+            self.events.append(
+                {
+                    "type": "response.reasoning_text.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "text": item["content"][0]["text"],
+                }
+            )
+        elif item["type"] == "message":
+            part = item["content"][0]
+            self.events.append(
+                {
+                    "type": "response.output_text.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "text": part["text"],
+                }
+            )
+            self.events.append(
+                {
+                    "type": "response.content_part.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "part": part,
+                }
+            )
+        else:
+            self.events.append(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "arguments": item["arguments"],
+                }
+            )
+        item["status"] = "completed"
+        if item["type"] == "reasoning":
+            item.pop("status")
+        self.events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events

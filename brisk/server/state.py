@@ -1,0 +1,196 @@
+"""What every router shares: the engine client, tokenizer and config, and the request checks run in one order.
+
+Order of checks for a generation request (each answers before any work is done):
+  middleware: draining (503), API key (401), body size (413)  ->  pydantic schema (400)  ->
+  model name (404)  ->  capacity (503 engine dead, 400 too many prompts, 429 full)  ->
+  sampling fields (400)  ->  render / tokenize (400)  ->  token ids and lengths against the model (400).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from brisk.config import EngineConfig
+from brisk.engine.client import AsyncEngineClient, EngineDeadError, RequestFailedError
+from brisk.engine.messages import EngineInfo
+from brisk.engine.output_processor import CompletionDelta
+from brisk.harmony.chat import render_chat
+from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.server.errors import APIError
+from brisk.server.metrics import RequestTiming, ServerMetrics
+from brisk.server.response_run import BackgroundRuns
+from brisk.server.response_store import ResponseStore
+from brisk.server.tracing import ObservabilityConfig
+
+logger = logging.getLogger("brisk.server")
+
+
+@dataclass
+class ServerState:
+    client: AsyncEngineClient
+    tokenizer: Any
+    config: EngineConfig
+    model_name: str
+    generation_defaults: dict[str, Any]
+    is_harmony: bool
+    api_key: str | None = None
+    max_request_body_size: int = 8 << 20
+    request_timeout: float | None = None  # server-wide cap on a request's run time, seconds
+    log_prompts: bool = False
+    allowed_origins: list[str] = field(default_factory=list)
+    response_store: ResponseStore | None = None  # stored Responses (store: true); None keeps none
+    draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # traces, logs, profiling
+    metrics: ServerMetrics = field(init=False)
+    background_runs: BackgroundRuns = field(init=False)
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.model_name)
+        self.metrics.bind_engine(self.client, self.config)
+        self.background_runs = BackgroundRuns()
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's facts (vocabulary, max_seq_len); a 503 before the engine has started."""
+        info = self.client.info
+        if info is None:
+            raise APIError(503, "The engine is not running.", code="engine_dead")
+        return info
+
+    # ---- request checks shared by the endpoints ------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.config.model):
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def admit(self, num_requests: int = 1) -> None:
+        """Refuse work the server cannot take now (429, retry) or ever (400), before doing any."""
+        if self.client.dead:
+            raise APIError(503, "The engine is not running.", code="engine_dead")
+        capacity = self.config.max_batch_size + self.config.max_num_waiting
+        if num_requests > capacity:
+            raise APIError(400, f"A request may hold at most {capacity} prompts.", param="prompt")
+        if self.client.num_in_flight + num_requests > capacity:
+            raise APIError(
+                429, "The server is at capacity; retry later.", code="queue_full", headers={"Retry-After": "1"}
+            )
+
+    def sampling_params(self, req) -> SamplingParams:
+        """The request's SamplingParams; an invalid value is a 400 naming the request's own field."""
+        try:
+            params = req.to_sampling_params(self.generation_defaults)
+        except InvalidRequest as exc:
+            raise invalid_request_error(exc, req.field_names()) from None
+        if getattr(req, "bad_words", None):
+            params.logit_bias = {**(params.logit_bias or {}), **self.banned_tokens(req.bad_words)}
+        return params
+
+    def banned_tokens(self, words: list[str]) -> dict[int, float]:
+        """vLLM's bad_words as a logit bias of -100 (OpenAI's "ban") on each word's token, with and without a
+        leading space. A word of several tokens would need a ban that depends on the tokens before it: 400."""
+        banned: dict[int, float] = {}
+        for word in words:
+            variants = [self.tokenizer.encode(w, add_special_tokens=False) for w in {word, " " + word.lstrip()}]
+            single = [ids[0] for ids in variants if len(ids) == 1]
+            if not single:
+                raise APIError(
+                    400,
+                    f"bad_words: {word!r} is several tokens; only single-token words can be banned.",
+                    param="bad_words",
+                )
+            banned.update(dict.fromkeys(single, -100.0))
+        return banned
+
+    def check_prompt(
+        self, prompt_ids: list[int], params: SamplingParams, field_names: dict[str, str] | None = None
+    ) -> None:
+        """The same model checks the offline API runs (SamplingParams.check_for_model), as a 400.
+
+        `field_names` maps SamplingParams' names to the endpoint's (chat's prompt is `messages`)."""
+        info = self.info
+        try:
+            params.check_for_model(prompt_ids, info.vocab_size, info.max_seq_len)
+        except InvalidRequest as exc:
+            raise invalid_request_error(exc, field_names) from None
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        reasoning_effort: str | None,
+        template_kwargs: dict[str, Any],
+        add_generation_prompt: bool = True,
+        param: str = "messages",
+    ) -> list[int]:
+        try:
+            return render_chat(
+                self.tokenizer,
+                messages,
+                harmony=self.is_harmony,
+                tools=tools,
+                reasoning_effort=reasoning_effort,
+                template_kwargs=template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as exc:  # the template's own errors (jinja, TypeError) are the request's fault
+            raise APIError(400, f"Cannot render the messages: {exc}", param=param) from None
+
+    def timeout_for(self, requested: float | None) -> float | None:
+        """The request's own `timeout`, capped by the server's --request-timeout."""
+        limits = [t for t in (requested, self.request_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None, timeout: float | None = None
+    ) -> AsyncGenerator[CompletionDelta, None]:
+        """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures.
+
+        A completion that ends with finish_reason "error" (the model produced non-finite logits) fails
+        the request: a 500, or an in-band error event once a stream has started.
+        """
+        rid = uuid.uuid4().hex
+        if self.log_prompts:
+            logger.info(
+                "request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids, len(prompt_ids)
+            )
+        timing = RequestTiming(rid, len(prompt_ids), params.max_tokens, params.n)
+        last = None
+        try:
+            async for delta in self.client.generate(rid, prompt_ids, params, prompt, self.timeout_for(timeout)):
+                if delta.finish_reason == "error":
+                    raise APIError(500, "The model produced non-finite logits for this request.", code="model_error")
+                timing.on_delta(delta)
+                last = delta
+                yield delta
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        except RequestFailedError as exc:
+            raise APIError(400, str(exc)) from None
+        finally:
+            timing.finish(last)
+            self.metrics.observe_request(timing)
+
+
+def invalid_request_error(exc: InvalidRequest, field_names: dict[str, str] | None = None) -> APIError:
+    param = (field_names or {}).get(exc.param, exc.param)
+    message = exc.message
+    if param != exc.param and exc.param != "prompt":  # say the field as the client named it
+        message = message.replace(exc.param, param)
+    return APIError(400, message, param=param, code=exc.code)
+
+
+def server_state(request: Request) -> ServerState:
+    """The app's ServerState (a FastAPI dependency of every router)."""
+    return request.app.state.brisk

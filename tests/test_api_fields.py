@@ -1,0 +1,138 @@
+"""docs/api.md's field tables, walked against the spec and a live server (issue 17).
+
+Each endpoint's table must list exactly the request fields of the official `openai` package (its request
+TypedDicts are the spec), and every row's example is sent to `brisk serve` on the bundled demo model (a tiny
+gpt-oss, harmony format): implemented and no-effect rows answer 200, rejected rows 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import typing
+from pathlib import Path
+
+import httpx
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
+
+import brisk
+from tests.server_utils import RunningServer
+
+API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
+STATUSES = {"implemented", "no effect", "rejected"}
+MAX_SEQ_LEN = 512
+
+BASE = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 2},
+}
+SPEC = {
+    "/v1/chat/completions": chat_create_params.CompletionCreateParamsStreaming,
+    "/v1/completions": completion_create_params.CompletionCreateParamsStreaming,
+    "/v1/responses": response_create_params.ResponseCreateParamsStreaming,
+}
+
+
+def _rows() -> list[dict]:
+    """(endpoint, field, source, status, example) for every table row of docs/api.md."""
+    rows, endpoint = [], None
+    for line in API_DOC.read_text().splitlines():
+        heading = re.match(r"## POST (\S+)", line)
+        if heading:
+            endpoint = heading.group(1)
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if endpoint is None or len(cells) != 5 or not cells[0].startswith("`"):
+            continue
+        field, source, status, example, _ = cells
+        rows.append(
+            {
+                "endpoint": endpoint,
+                "field": field.strip("`"),
+                "source": source,
+                "status": status,
+                "example": json.loads(example.strip("`")),
+            }
+        )
+    return rows
+
+
+ROWS = _rows()
+
+
+def test_each_table_lists_exactly_the_spec_fields():
+    assert {r["endpoint"] for r in ROWS} == set(SPEC)
+    for endpoint, spec in SPEC.items():
+        documented = {r["field"] for r in ROWS if r["endpoint"] == endpoint and r["source"] == "OpenAI"}
+        assert documented == set(typing.get_type_hints(spec)), endpoint
+    for row in ROWS:
+        assert row["status"] in STATUSES, row
+        assert row["field"] in row["example"], row  # the example exercises its own field
+        assert row["source"] == "OpenAI" or row["status"] == "implemented", row  # extensions are never ignored
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RunningServer(
+        str(DEMO_MODEL), "--served-model-name", "brisk-demo", "--max_batch_size", "8", "--max_seq_len", str(MAX_SEQ_LEN)
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    "row", ROWS, ids=[f"{r['endpoint'].rsplit('/', 1)[-1]}:{r['field']}:{r['status']}" for r in ROWS]
+)
+def test_every_documented_field_behaves_as_its_row_says(server, row):
+    example = dict(row["example"])
+    if example.get("previous_response_id") == "$stored_response":  # a response stored just before
+        stored = httpx.post(f"{server.url}/v1/responses", json=BASE["/v1/responses"], timeout=120).json()
+        example["previous_response_id"] = stored["id"]
+    body = {**BASE[row["endpoint"]], **example}
+    r = httpx.post(f"{server.url}{row['endpoint']}", json=body, timeout=120)
+    if row["status"] == "rejected":
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"] or "").split(".")[0] == row["field"], error
+        return
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events and not any(e.get("error") for e in events), r.text  # no in-band error event
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_a_field_outside_spec_and_extensions_is_refused_by_name(server, endpoint):
+    r = httpx.post(f"{server.url}{endpoint}", json={**BASE[endpoint], "frobnicate": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate", r.text
+
+
+def test_completions_echo_leads_with_the_prompt(server):
+    body = {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    echoed = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": True}).json()["choices"][0]["text"]
+    assert echoed == "ROMEO:" + plain
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": True, "stream": True}).text
+    texts = [json.loads(x[6:])["choices"][0]["text"] for x in streamed.splitlines() if x.startswith("data: {")]
+    assert "".join(texts) == echoed
+    alone = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": True, "max_tokens": 0}).json()
+    assert alone["choices"][0]["text"] == "ROMEO:" and alone["usage"]["completion_tokens"] == 0
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_responses_truncation_auto_drops_the_oldest_items(server):
+    long_turn = "To be, or not to be, that is the question. " * 30
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": long_turn} for i in range(6)]
+    body = {"input": [*history, {"role": "user", "content": "Speak."}], "max_output_tokens": 4}
+    too_long = httpx.post(f"{server.url}/v1/responses", json=body)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input", too_long.text
+    fitted = httpx.post(f"{server.url}/v1/responses", json={**body, "truncation": "auto"})
+    assert fitted.status_code == 200, fitted.text
+    usage = fitted.json()["usage"]
+    assert usage["input_tokens"] + 4 <= MAX_SEQ_LEN and fitted.json()["truncation"] == "auto"

@@ -1,0 +1,159 @@
+"""Stateful Responses API through `brisk serve` of the bundled demo model (issue 17): stored responses, GET /
+input_items / DELETE, previous_response_id (with the prefix cache), function_call_output turns, background runs
+(poll, resumable stream, cancel), and storage that outlives the server process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+import brisk
+from brisk.server.response_store import ResponseStore, StoredResponse, owner_of
+from tests.server_utils import RunningServer, wait_until
+
+DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def _serve(state_dir: Path) -> RunningServer:
+    return RunningServer(str(DEMO_MODEL), "--served-model-name", "brisk-demo", "--state-dir", str(state_dir))
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("brisk_state")
+
+
+@pytest.fixture(scope="module")
+def server(state_dir):
+    srv = _serve(state_dir)
+    yield srv
+    srv.stop()
+
+
+def _post(server, **body) -> dict:
+    r = httpx.post(f"{server.url}/v1/responses", json={"temperature": 0, "max_output_tokens": 24, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _get(server, path: str, **params) -> httpx.Response:
+    return httpx.get(f"{server.url}/v1/responses/{path}", params=params, timeout=60)
+
+
+def test_stored_by_default_and_read_back(server):
+    first = _post(server, input="Good morrow, sir.")
+    assert first["store"] is True
+    again = _get(server, first["id"]).json()
+    assert again == first
+    items = _get(server, f"{first['id']}/input_items", order="asc").json()
+    assert [i["content"] for i in items["data"]] == ["Good morrow, sir."] and items["has_more"] is False
+    unstored = _post(server, input="Hark!", store=False)
+    assert _get(server, unstored["id"]).status_code == 404
+    r = httpx.post(f"{server.url}/v1/responses", json={"input": "Hi", "previous_response_id": unstored["id"]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(server):
+    first = _post(server, input="What news from the court?", instructions="Speak briefly.")
+    second = _post(server, input="And what of the king?", previous_response_id=first["id"])
+    assert second["previous_response_id"] == first["id"]
+    # the second prompt holds the first exchange: longer, and its start served from the prefix cache
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + 5
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    items = _get(server, f"{second['id']}/input_items", order="asc").json()["data"]
+    contents = [i.get("content") for i in items if i.get("type", "message") == "message"]
+    assert contents[0] == "What news from the court?" and contents[-1] == "And what of the king?"
+    assert [i["id"] for i in items if i["type"] == "message" and i.get("role") == "assistant"] == [
+        o["id"] for o in first["output"] if o["type"] == "message"
+    ]
+
+
+def test_function_call_output_turn(server):
+    call_turn = _post(server, input="Weather in Verona?", tools=[TOOL], tool_choice="required")
+    calls = [o for o in call_turn["output"] if o["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather"
+    answer = _post(
+        server,
+        previous_response_id=call_turn["id"],
+        tools=[TOOL],
+        input=[{"type": "function_call_output", "call_id": calls[0]["call_id"], "output": '{"sky": "clear"}'}],
+    )
+    assert answer["status"] in ("completed", "incomplete") and answer["output"]
+    kinds = [i["type"] for i in _get(server, f"{answer['id']}/input_items", order="asc").json()["data"]]
+    assert kinds[-2:] == ["function_call", "function_call_output"]
+
+
+def test_delete(server):
+    response = _post(server, input="Farewell.")
+    r = httpx.delete(f"{server.url}/v1/responses/{response['id']}")
+    assert r.json() == {"id": response["id"], "object": "response.deleted", "deleted": True}
+    assert _get(server, response["id"]).status_code == 404
+    assert httpx.delete(f"{server.url}/v1/responses/{response['id']}").status_code == 404
+
+
+def test_background_poll_and_resumable_stream(server):
+    body = {"input": "Tell me a tale.", "background": True, "max_output_tokens": 32, "ignore_eos": True}
+    started = _post(server, **body)
+    assert started["background"] is True and started["status"] in ("queued", "in_progress")
+    rid = started["id"]
+    assert wait_until(lambda: _get(server, rid).json()["status"] != "in_progress", timeout=120)
+    done = _get(server, rid).json()
+    assert done["status"] == "incomplete" and done["usage"]["output_tokens"] == 32
+    events = [
+        json.loads(line[6:])
+        for line in _get(server, rid, stream="true", starting_after=2).text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert events[0]["sequence_number"] == 3 and [e["sequence_number"] for e in events] == list(
+        range(3, 3 + len(events))
+    )
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["output"] == done["output"]
+    streamed = httpx.post(f"{server.url}/v1/responses", json={**body, "stream": True, "temperature": 0}, timeout=120)
+    kinds = [json.loads(x[6:])["type"] for x in streamed.text.splitlines() if x.startswith("data: {")]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+
+
+def test_background_cancel(server):
+    started = _post(server, input="Speak on.", background=True, max_output_tokens=1500, ignore_eos=True)
+    r = httpx.post(f"{server.url}/v1/responses/{started['id']}/cancel", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert _get(server, started["id"]).json()["status"] == "cancelled"
+    in_flight = 'brisk:num_requests_in_flight{model_name="brisk-demo"}'
+    assert wait_until(lambda: server.metrics()[in_flight] == 0, timeout=30)  # the engine request was aborted
+    foreground = _post(server, input="Hi")
+    r = httpx.post(f"{server.url}/v1/responses/{foreground['id']}/cancel")
+    assert r.status_code == 400
+
+
+def test_stored_responses_outlive_the_server(state_dir, server):
+    response = _post(server, input="Remember me.")
+    server.stop()
+    restarted = _serve(state_dir)
+    try:
+        assert _get(restarted, response["id"]).json() == response
+    finally:
+        restarted.stop()
+
+
+def test_a_response_is_visible_only_to_the_key_that_stored_it(tmp_path):
+    async def scenario() -> None:
+        store = ResponseStore(tmp_path, ttl_s=60, max_responses=2)
+        alice, bob = owner_of("Bearer alice"), owner_of("Bearer bob")
+        for i in range(3):
+            await store.put(alice, StoredResponse({"id": f"resp_{i}", "output": []}, [], []))
+        assert await store.get(alice, "resp_2") is not None and await store.get(bob, "resp_2") is None
+        assert await store.get(alice, "resp_0") is None  # the oldest went beyond max_responses
+        assert not await store.delete(bob, "resp_2") and await store.delete(alice, "resp_2")
+        store.close()
+
+    asyncio.run(scenario())
