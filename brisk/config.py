@@ -31,14 +31,14 @@ class _Strict(BaseModel):
 
 class KvCacheConfig(_Strict):
     enable_block_reuse: bool = True
-    tokens_per_block: int = Field(32, ge=1, le=1024)
-    free_gpu_memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    tokens_per_block: int = Field(default=32, ge=1, le=1024)
+    free_gpu_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
     # CPU / explicit sizing: a fixed number of blocks overrides the memory fraction.
-    max_blocks: int | None = Field(None, ge=2)
+    max_blocks: int | None = Field(default=None, ge=2)
 
 
 class CudaGraphConfig(_Strict):
-    max_batch_size: int = Field(256, ge=0)
+    max_batch_size: int = Field(default=256, ge=0)
     enable_padding: bool = True
     batch_sizes: list[int] | None = None
 
@@ -64,24 +64,24 @@ class EngineConfig(_Strict):
     seed: int = 0
     trust_remote_code: bool = False
 
-    max_batch_size: int = Field(256, ge=1)
-    max_num_tokens: int = Field(8192, ge=1)
-    max_seq_len: int | None = Field(None, ge=1)
-    max_num_waiting: int = Field(4096, ge=0)
+    max_batch_size: int = Field(default=256, ge=1)
+    max_num_tokens: int = Field(default=8192, ge=1)
+    max_seq_len: int | None = Field(default=None, ge=1)
+    max_num_waiting: int = Field(default=4096, ge=0)
     enable_chunked_prefill: bool = True
-    kv_cache_free_gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_free_gpu_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
-    tokens_per_block: int | None = Field(None, ge=1, le=1024)
+    tokens_per_block: int | None = Field(default=None, ge=1, le=1024)
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
     attn_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     # Verify KV block accounting (free + used = total, one reference per table entry) after every step:
     # for soak tests and debugging, it walks every block.
     check_kv_invariants: bool = False
-    stream_interval: int = Field(1, ge=1)
+    stream_interval: int = Field(default=1, ge=1)
     # CPU serving: torch intra-op threads of the engine process and of each worker rank. None: the host's
     # cores but one (left to the API server) shared among the ranks (measured best, docs/performance.md).
-    num_cpu_threads: int | None = Field(None, ge=1)
+    num_cpu_threads: int | None = Field(default=None, ge=1)
     # CPU serving of bf16 weights: reorder them once into oneDNN's blocked layout (faster matmuls, one more
     # copy of the dense and bf16 expert weights in memory); off: plain torch matmuls on the loaded tensors.
     cpu_weight_prepack: bool = True
@@ -92,8 +92,8 @@ class EngineConfig(_Strict):
     # what AVX2-only CPUs run); torch (or false): PyTorch ops only, the reference paths.
     cpu_kernels: Literal["auto", "avx512", "avx2", "torch"] = "auto"
     enable_attention_dp: bool = False
-    tp_size: int = Field(1, ge=1)
-    ep_size: int = Field(1, ge=1)
+    tp_size: int = Field(default=1, ge=1)
+    ep_size: int = Field(default=1, ge=1)
 
     @field_validator("cpu_kernels", mode="before")
     @classmethod

@@ -33,6 +33,8 @@ def distribution_ms(values_s: list[float]) -> dict[str, float | None]:
 def tpot_s(result: RequestResult) -> float | None:
     if result.error is not None or result.output_tokens < 2:
         return None  # a single token has no decode time
+    if result.ttft_s is None or result.e2e_s is None:
+        return None  # only failed requests (handled above) lack timings
     return (result.e2e_s - result.ttft_s) / (result.output_tokens - 1)
 
 
@@ -82,9 +84,9 @@ def summarize_point(
         "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s > 0 else 0.0,
         "output_throughput_per_gpu": output_throughput / num_gpus,
         "output_throughput_per_user": 1000.0 / tpot["mean"] if tpot["mean"] else None,
-        "ttft_ms": distribution_ms([r.ttft_s for r in ok]),
+        "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": tpot,
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
-        "e2e_ms": distribution_ms([r.e2e_s for r in ok]),
+        "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         "requests": [request_record(r) for r in results],
     }

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 def pareto_front(xy: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points no other point beats on both axes (higher is better on both), in increasing x."""
-    front = []
+    front: list[tuple[float, float]] = []
     for x, y in sorted(xy, key=lambda p: (-p[0], -p[1])):
         if not front or y > front[-1][1]:
             front.append((x, y))

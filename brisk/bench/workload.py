@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -97,14 +98,18 @@ class LocalTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, tokens: list[Any]) -> str:
-        return self.tokenizer.decode(tokens)
+        text = self.tokenizer.decode(tokens)
+        if not isinstance(text, str):  # a list of strings only comes back for a batch of sequences
+            raise TypeError(f"tokenizer.decode returned {type(text).__name__}, expected str")
+        return text
 
     def count(self, text: str) -> int:
         if self.endpoint == "chat" and getattr(self.tokenizer, "chat_template", None):
             out = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
             )
-            return len(out["input_ids"] if hasattr(out, "keys") else out)
+            # a BatchEncoding (a mapping) in recent transformers, a plain list of ids in older ones
+            return len(out["input_ids"] if isinstance(out, Mapping) else out)
         return len(self.tokenizer.encode(text))
 
 

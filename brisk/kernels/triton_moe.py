@@ -451,7 +451,7 @@ def _launch_gemm(
     grid = (num_m_blocks * triton.cdiv(n, config.block_n),)
     alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
     stride_wk = 1 if mxfp4 else weight.stride(2)
-    s = scales if mxfp4 else weight  # unused pointer when not MXFP4
+    s = scales if scales is not None else weight  # unused pointer when not MXFP4
     _moe_gemm_kernel[grid](
         a,
         weight,

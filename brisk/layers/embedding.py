@@ -13,7 +13,7 @@ from torch import nn
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_last_dim
 from brisk.kernels.cpu_kernels import CpuKernels
-from brisk.layers.linear import all_reduce_across_tp, copy_checked, linear, prepack_cpu_weight
+from brisk.layers.linear import all_reduce_across_tp, copy_checked, linear, prepack_cpu_weight, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = parallel.tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:

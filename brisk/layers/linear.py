@@ -11,6 +11,8 @@ tensor into it, so checkpoints are loaded the same way whatever `tp_size` is.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,28 @@ from torch import nn
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_reduce
 from brisk.kernels.cpu_kernels import CpuKernels
+
+
+class WeightLoader(Protocol):
+    """Copies this rank's part of a full checkpoint tensor into `param`; `shard_id` names the part of a fused
+    parameter (0/1 for gate/up, "q"/"k"/"v"), None for an unfused one."""
+
+    def __call__(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None: ...
+
+
+# The attribute a parameter carries its loader in (vLLM's name). torch has no typed slot for it, hence the
+# two accessors below rather than `param.weight_loader`.
+WEIGHT_LOADER_ATTR = "weight_loader"
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    setattr(param, WEIGHT_LOADER_ATTR, loader)
+
+
+def get_weight_loader(param: nn.Parameter) -> WeightLoader:
+    """The loader `set_weight_loader` attached (AttributeError for a parameter that has none)."""
+    loader: WeightLoader = getattr(param, WEIGHT_LOADER_ATTR)
+    return loader
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -71,9 +95,16 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+@runtime_checkable
+class Prepackable(Protocol):
+    """A layer whose weights can be prepacked after loading (see prepack_cpu_weight)."""
+
+    def prepack(self) -> int: ...
+
+
 def prepack_weights(model: nn.Module) -> int:
     """Prepack every layer's weights that can be (see prepack_cpu_weight); returns how many were."""
-    return sum(m.prepack() for m in model.modules() if hasattr(m, "prepack"))
+    return sum(m.prepack() for m in model.modules() if isinstance(m, Prepackable))
 
 
 def all_reduce_across_tp(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
@@ -89,10 +120,10 @@ class LinearBase(nn.Module):
         self.parallel = parallel
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None
@@ -117,7 +148,7 @@ class ReplicatedLinear(LinearBase):
     ) -> None:
         super().__init__(input_size, output_size, bias, parallel)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         copy_checked(param.data, loaded_weight, type(self).__name__)
 
 
@@ -130,7 +161,7 @@ class ColumnParallelLinear(LinearBase):
         self.output_size_per_rank = divide(output_size, parallel.tp_size, "output_size")
         super().__init__(input_size, self.output_size_per_rank, bias, parallel)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         size = param.shape[0]
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
         copy_checked(param.data, shard, type(self).__name__)
@@ -151,7 +182,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             divide(size, parallel.tp_size, "merged output size")
         super().__init__(input_size, sum(self.output_sizes), bias, parallel)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
@@ -189,7 +220,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, parallel)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -217,7 +248,7 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
         super().__init__(self.input_size_per_rank, output_size, bias, parallel)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 2:
             size = param.shape[1]
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)

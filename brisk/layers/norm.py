@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.kernels.cpu_kernels import CpuKernels
-from brisk.layers.linear import default_weight_loader
+from brisk.layers.linear import default_weight_loader, set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        set_weight_loader(self.weight, default_weight_loader)
         self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

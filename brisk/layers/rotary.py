@@ -45,6 +45,8 @@ def _default_inv_freq(config: Any, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flat q [T, H*D] and k [T, KVH*D] at the given positions [T]."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer), so nn.Module's __getattr__ would type it loosely
+
     def __init__(self, hf_text_config: Any, head_dim: int) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(hf_text_config)

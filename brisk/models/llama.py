@@ -17,7 +17,14 @@ from torch import nn
 from brisk.config import ModelConfig, ParallelConfig
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from brisk.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, copy_checked
+from brisk.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_checked,
+    get_weight_loader,
+    set_weight_loader,
+)
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
 
@@ -56,8 +63,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         if sinks:
-            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-            self.sinks.weight_loader = self._load_sinks
+            self.sinks: nn.Parameter | None = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            set_weight_loader(self.sinks, self._load_sinks)
         else:
             self.sinks = None
         is_sliding = model_config.layer_types[layer_idx] == "sliding_attention"
@@ -76,7 +83,7 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # built together (qk_norm)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
@@ -208,7 +215,7 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"unexpected checkpoint weight '{name}': {type(self).__name__} has no parameter '{target}'"
                 )
-            param.weight_loader(param, tensor, shard_id)
+            get_weight_loader(param)(param, tensor, shard_id)
             shards_seen[target].add(shard_id)
         loaded = set()
         for target, seen in shards_seen.items():

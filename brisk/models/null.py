@@ -29,6 +29,8 @@ LOGIT_POOL_SPARE_ROWS = 61
 class BriskNullForCausalLM(nn.Module):
     """No weights, no math: zero hidden states and random logits, with the KV-cache layers a runner expects."""
 
+    zero_hidden_row: torch.Tensor  # a buffer (register_buffer), so nn.Module's __getattr__ would type it loosely
+
     def __init__(
         self,
         model_config: ModelConfig,

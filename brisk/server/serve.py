@@ -136,7 +136,8 @@ async def serve(
             log_level="info",
             access_log=False,
             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
-            timeout_graceful_shutdown=ABORT_GRACE_S,
+            # uvicorn annotates this int | None but only passes it to asyncio.wait_for, which takes a float
+            timeout_graceful_shutdown=ABORT_GRACE_S,  # type: ignore[arg-type]
             log_config=None,  # uvicorn's records go through the root handler (text or JSON, --log-format)
         ),
         state,
