@@ -111,7 +111,17 @@ def test_openapi_response_schemas_are_documented_and_validate_real_responses(ser
         ("post", "/v1/chat/completions"): {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
         ("post", "/v1/completions"): {"prompt": "Hi", "max_tokens": 3, "logprobs": 2},
         ("post", "/v1/responses"): {"input": "Hi", "max_output_tokens": 3},
+        # the stored-response routes, on a background response (the only kind that can be cancelled)
+        ("get", "/v1/responses/{response_id}"): None,
+        ("get", "/v1/responses/{response_id}/input_items"): None,
+        ("post", "/v1/responses/{response_id}/cancel"): None,
+        ("delete", "/v1/responses/{response_id}"): None,
     }
+    stored = httpx.post(
+        f"{server.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 3, "background": True}, timeout=60
+    )
+    assert stored.status_code == 200, stored.text
+    response_id = stored.json()["id"]
     json_endpoints = {
         (method, path)
         for path, ops in document["paths"].items()
@@ -124,7 +134,8 @@ def test_openapi_response_schemas_are_documented_and_validate_real_responses(ser
         content = document["paths"][path][method]["responses"]["200"]["content"]
         schema = content["application/json"]["schema"]
         assert schema, f"{method} {path}: empty response schema"
-        r = httpx.request(method, f"{server.url}{path}", json=body, timeout=60)
+        url = f"{server.url}{path.format(response_id=response_id)}"
+        r = httpx.request(method, url, json=body, timeout=60)
         assert r.status_code == 200, r.text
         _validator(document, schema).validate(r.json())
         checked += 1
