@@ -223,6 +223,22 @@ def test_clamped_swiglu_matches_the_torch_ops(kernels, halves, rows):
             torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_is_finite_where_the_sigmoid_underflows(kernels, dtype):
+    # Gates below -88.7 / alpha put exp(-alpha * gate) beyond fp32's range: sigmoid = 0, the activation -0 (torch).
+    # Random MXFP4 experts (dummy weights) reach such gates at every layer. 48 columns: whole vectors of 8 and 16
+    # lanes (where the compiled division is a reciprocal estimate) and a scalar tail on both builds.
+    g = torch.Generator().manual_seed(7)
+    gate = -torch.logspace(1, 30, 48 * 3).reshape(3, 48)[:, torch.randperm(48, generator=g)]
+    gate[1, ::3] = torch.randn(16, generator=g) * 6  # ordinary gates among them
+    up = torch.randn(3, 48, generator=g) * 4
+    gate_up = torch.stack([gate, up], -1).flatten(1).to(dtype)  # interleaved, as checkpoints store them
+    reference = clamped_swiglu(gate_up, 1.702, 7.0)
+    out = kernels.clamped_swiglu(gate_up, 1.702, 7.0, False)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-30)
+
+
 def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
     moe = FusedMoE(4, 2, 16, 8)
     gate_up = torch.randn(3, 16)

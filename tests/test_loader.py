@@ -13,7 +13,14 @@ from safetensors.torch import save_file
 
 from brisk.config import ModelConfig
 from brisk.layers.attention import Attention
-from brisk.model_runner.loader import ModelNotAvailableError, checkpoint_files, load_model, resolve_model_path
+from brisk.model_runner.loader import (
+    DUMMY_MXFP4_SCALE_RANGE,
+    DUMMY_STD,
+    ModelNotAvailableError,
+    checkpoint_files,
+    load_model,
+    resolve_model_path,
+)
 from tests.tiny_models import make_tiny_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -121,8 +128,13 @@ def test_dummy_weights_run_on_cpu(tmp_path):
     config = ModelConfig.from_pretrained(make_tiny_model("gpt_oss", tmp_path / "m", mxfp4=True))
     model = load_model(config, load_format="dummy", device="cpu")
     experts = model.model.layers[0].mlp.experts
-    assert 118 <= experts.gate_up_proj_scales.min() and experts.gate_up_proj_scales.max() <= 128
+    low, high = DUMMY_MXFP4_SCALE_RANGE
+    assert low == experts.gate_up_proj_scales.min() and experts.gate_up_proj_scales.max() == high
     assert experts.gate_up_proj_blocks.float().std() > 50  # spread over the whole byte range
+    # Dequantized, the experts spread like the other dummy weights (real checkpoints' magnitudes), not 100x wider.
+    for expert in range(experts.num_local_experts):
+        for weight in experts.expert_weights(expert, torch.float32):
+            assert DUMMY_STD / 2 < weight.std() < DUMMY_STD * 2
     assert 0 < model.model.layers[0].self_attn.qkv_proj.weight.std() < 0.05
 
 

@@ -6,6 +6,7 @@ sequence starting at block 1; block 0 is the null block), through prefill, batch
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,9 +15,10 @@ import torch
 from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
+from brisk.model_runner import loader
 from brisk.model_runner.loader import load_model
 from tests.conftest import skip_unless_isa_under_test
-from tests.tiny_models import hf_reference, make_tiny_model
+from tests.tiny_models import hf_reference, make_tiny_model, tiny_config
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -162,3 +164,37 @@ def test_attention_layers_follow_layer_types(models):
     assert [m.layer_idx for m in layers] == list(range(model_config.num_layers))
     expected = [model_config.sliding_window if t == "sliding_attention" else None for t in model_config.layer_types]
     assert [m.sliding_window for m in layers] == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_random_mxfp4_experts_give_the_torch_paths_logits_through_the_kernels(
+    request, tmp_path, monkeypatch, isa, dtype
+):
+    """`--load_format dummy` gpt-oss with MXFP4 experts whose scales reach 2^1: gate pre-activations far below
+    -88.7 / alpha, where exp(-alpha * gate) overflows fp32. Prefill, then greedy decodes, through the PyTorch
+    paths and through each build of brisk's C kernels: finite logits, the same tokens, close logits."""
+    skip_unless_isa_under_test(request.config, isa)
+    monkeypatch.setattr(loader, "DUMMY_MXFP4_SCALE_RANGE", (118, 128))  # E8M0 2^-9 .. 2^1
+    config = tiny_config("gpt_oss").to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(ModelConfig.from_pretrained(str(tmp_path), dtype=dtype), load_format="dummy", device="cpu")
+    prompt = random_tokens(12, seed=4)
+
+    def greedy(kernels: CpuKernels | None) -> tuple[list[int], torch.Tensor]:
+        kv = PagedKV(model, kernels=kernels)
+        seq = kv.add_sequence(len(prompt) + 8)
+        steps = [brisk_logits(model, *kv.step([(seq, prompt)]))[-1:]]
+        for _ in range(8):
+            steps.append(brisk_logits(model, *kv.step([(seq, steps[-1].argmax(-1))])))
+        logits = torch.cat(steps)
+        return logits.argmax(-1).tolist(), logits
+
+    torch_tokens, torch_logits = greedy(None)
+    assert torch.isfinite(torch_logits).all()
+    kernel_tokens, kernel_logits = greedy(load_cpu_kernels(isa))
+    assert torch.isfinite(kernel_logits).all()
+    assert kernel_tokens == torch_tokens
+    scale = torch_logits.abs().max().item()
+    torch.testing.assert_close(kernel_logits, torch_logits, rtol=0, atol=(1e-4 if dtype == "float32" else 2e-2) * scale)

@@ -183,9 +183,19 @@ void brisk_rms_norm(const void *x, int64_t x_stride, void *out, int64_t out_stri
     }
 }
 
+/* sigmoid(x) = 1 / (1 + exp(-x)) without ever exponentiating a positive number: e^x / (1 + e^x) for x < 0. The
+ * plain form overflows exp to +inf below x = -88.7, where the exact 1 / inf = 0 is not what runs: -ffast-math lets
+ * GCC vectorize the division as a reciprocal estimate (vrcp14ps / vrcpps) refined by a Newton step, r * (2 - d * r),
+ * which for d = inf computes inf * 0 = NaN. Here the denominator stays in [1, 2]. */
+static inline float sigmoid(float x) {
+    const float e = expf(-fabsf(x));
+    return (x < 0.0f ? e : 1.0f) / (1.0f + e);
+}
+
 /* gpt-oss's activation of gate_up rows: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
- * limit), with gate i / up i at columns i / inter + i (halves) or 2i / 2i + 1 (interleaved). bf16 rows are rounded
- * after every op, as torch's eager bf16 ops round (tests: identical to them). */
+ * limit), with gate i / up i at columns i / inter + i (halves) or 2i / 2i + 1 (interleaved). g has no lower clamp:
+ * random (dummy) MXFP4 experts reach gates of -1000 and below, where the sigmoid underflows to 0 (see sigmoid).
+ * bf16 rows are rounded after every op, as torch's eager bf16 ops round (tests: identical to them). */
 void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int is_bf16,
                           int halves, int rows, int inter, float alpha, float limit) {
     const int gate_step = halves ? 1 : 2, up_offset = halves ? inter : 1;
@@ -208,10 +218,10 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
             const float g = gate[i] < limit ? gate[i] : limit;
             const float u = up[i] < -limit ? -limit : (up[i] > limit ? limit : up[i]);
             if (is_bf16) {
-                const float sig = round_bf16(1.0f / (1.0f + expf(-round_bf16(g * alpha))));
+                const float sig = round_bf16(sigmoid(round_bf16(g * alpha)));
                 act[i] = round_bf16(round_bf16(u + 1.0f) * round_bf16(g * sig));
             } else {
-                act[i] = (u + 1.0f) * (g * (1.0f / (1.0f + expf(-(g * alpha)))));
+                act[i] = (u + 1.0f) * (g * sigmoid(g * alpha));
             }
         }
         if (is_bf16) {

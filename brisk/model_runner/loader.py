@@ -24,7 +24,10 @@ HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktok
 HUB_IGNORE_PATTERNS = ("*/*",)
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_STD = 0.02
-DUMMY_MXFP4_SCALE_RANGE = (118, 128)  # E8M0 exponents 2^-9 .. 2^1: weights of a sane magnitude
+# MXFP4 dummy experts spread like the other dummy weights: random E2M1 codes have an RMS of 2.93, times E8M0 scales
+# 2^-9 .. 2^-6 (bytes 118 .. 121) an RMS of about 0.026. Scales up to 2^1 (RMS 2) made every expert's output ~100x
+# the residual stream (and would overflow fp16).
+DUMMY_MXFP4_SCALE_RANGE = (118, 121)
 
 
 class ModelNotAvailableError(RuntimeError):
