@@ -6,8 +6,9 @@ synthetic word-level one with exactly the model's vocabulary: the words `brisk b
 from, then "t<id>" (unknown words -> the first word). Random weights make any real text meaningless; this one needs
 no file, encodes and decodes every id, counts prompt tokens exactly, and keeps the benchmark's random prompts
 distinct (no accidental prefix-cache hits). The smoke model is gpt-oss at toy sizes for the CPU (sliding and full
-layers, sinks, top-k experts); its experts are bf16, because brisk's CPU kernels turn random MXFP4 experts into
-non-finite logits (the torch path does not; found by this suite, reported, not fixed here).
+layers, sinks, top-k experts); its experts are bf16, so that phase d's transformers baseline runs it on a CPU
+without an MXFP4 kernel package. (This suite found the CPU kernels' sigmoid turning large negative gates of random
+MXFP4 experts into NaN; fixed, and tested in tests/test_models.py.)
 """
 
 from __future__ import annotations
