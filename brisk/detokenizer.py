@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -142,6 +143,7 @@ def _decode_function(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bo
     if backend is not None:
         # Straight to the Rust tokenizer: the Python wrapper's per-call overhead dominates for short windows.
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    # one sequence of ids decodes to one string (transformers types the result for batches too)
+    return lambda ids: cast(
+        str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
     )

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from brisk.harmony.results import HarmonyDelta, HarmonyResult, ToolCall, ToolCallDelta, make_tool_call_id_factory
 from brisk.harmony.text import IncrementalText
@@ -77,7 +77,9 @@ class HarmonySpecialTokens:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> HarmonySpecialTokens:
-        ids = {name: tokenizer.convert_tokens_to_ids(text) for name, text in SPECIAL_TOKEN_TEXTS.items()}
+        ids: dict[str, Any] = {
+            name: tokenizer.convert_tokens_to_ids(text) for name, text in SPECIAL_TOKEN_TEXTS.items()
+        }
         missing = [
             text
             for name, text in SPECIAL_TOKEN_TEXTS.items()
@@ -170,7 +172,8 @@ class HarmonyParser:
     ) -> HarmonyParser:
         def decode(token_ids: Sequence[int]) -> str:
             # Other special tokens (<|endoftext|>, reserved ones) are not text.
-            return tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            text = tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            return cast(str, text)  # one sequence of ids decodes to one string
 
         return cls(HarmonySpecialTokens.from_tokenizer(tokenizer), decode, tool_call_ids=tool_call_ids)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from openai_harmony import HarmonyEncoding, Message
@@ -70,7 +70,8 @@ def to_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str
             converted.append(turn)
         elif role == "tool":
             # A result that does not directly follow its call; the template names it after the latest call.
-            name = call_names.get(message.get("tool_call_id")) or message.get("name")
+            call_id = message.get("tool_call_id")
+            name = (call_names.get(call_id) if isinstance(call_id, str) else None) or message.get("name")
             if not call_names or not name:
                 raise ValueError("a tool message must answer a tool call of an earlier assistant message")
             converted.append(_tool_result(message, name))
@@ -120,9 +121,10 @@ def render_with_template(
         template_kwargs["model_identity"] = model_identity
     if builtin_tools:
         template_kwargs["builtin_tools"] = list(builtin_tools)
-    encoded = tokenizer.apply_chat_template(
+    # transformers types the result as ids or a dict and `tools` narrower than the JSON schemas it accepts
+    encoded: Any = tokenizer.apply_chat_template(
         to_template_messages(messages),
-        tools=to_template_tools(tools),
+        tools=cast(Any, to_template_tools(tools)),
         add_generation_prompt=True,
         tokenize=True,
         return_dict=True,
