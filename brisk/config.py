@@ -63,6 +63,9 @@ class EngineConfig(_Strict):
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
     tokens_per_block: int | None = Field(None, ge=1, le=1024)
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
+    # Overlap scheduling: schedule and prepare step N+1 while step N runs (trtllm's key). None: on for GPUs; off
+    # on CPUs, where the device work is not asynchronous and overlap only adds a wasted token per finish.
+    disable_overlap_scheduler: bool | None = None
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
     attn_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     # Verify KV block accounting (free + used = total, one reference per table entry) after every step:

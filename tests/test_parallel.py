@@ -82,7 +82,7 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
     max_blocks = MAX_BLOCKS_PER_DP_RANK if options.get("enable_attention_dp") else MAX_BLOCKS
     with LLM(models[arch], **ENGINE_OPTIONS, **options, kv_cache_config={"max_blocks": max_blocks}) as llm:
         engine = llm.engine
-        parallel = engine.runner.parallel
+        parallel = engine.executor.runner.parallel
         assert parallel.world_size == 2
         assert parallel.dp_size == (2 if options.get("enable_attention_dp") else 1)
         tokens = _generate_twice(llm)

@@ -51,6 +51,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self._no_sliding = all(g.sliding_window is None for g in groups)
         self.tables: dict[str, list[list[int]]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self._hashes: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {}
@@ -108,12 +109,12 @@ class KVCacheManager:
             hashes.append((hash((parent, toks)), parent, toks))
         return hashes[:n]
 
-    def cache_full_blocks(self, req: KVRequest) -> None:
-        """Index the request's blocks that are now completely computed."""
+    def cache_full_blocks(self, req: KVRequest, num_tokens: int | None = None) -> None:
+        """Index the request's blocks whose first `num_tokens` (default: the computed ones) are all known."""
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
-        n_full = req.num_computed_tokens // self.block_size
+        n_full = (req.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         start = self._num_cached_blocks.get(rid, 0)
         if n_full <= start:
             return
@@ -138,6 +139,11 @@ class KVCacheManager:
         else:
             tables = self.tables[rid]
             num_computed = req.num_computed_tokens
+            total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
+            if self._no_sliding and len(tables[0]) >= total_blocks:
+                return True  # the common decode step: the last block still has room
+            if self.enable_prefix_caching:  # index what leaves the window before it goes back to the pool
+                self.cache_full_blocks(req, min(num_computed, req.num_tokens))
             self._release_out_of_window(tables, num_computed)
         total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
         needed = [max(0, total_blocks - len(t)) for t in tables]

@@ -171,6 +171,14 @@ class Sampler:
         self.cpu_kernels = cpu_kernels
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        token_ids, raw_logprobs = self.sample(logits, batch)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
+        return _with_logprobs(token_ids, raw_logprobs, batch)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled token ids [B] int64, left on the logits' device (no host synchronisation), and the raw
+        logprobs [B, V] when some row asked for them (`logprobs_output` turns them into host lists)."""
         if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
             raise ValueError(
                 f"logits must have shape ({batch.batch_size}, {batch.vocab_size}), got {tuple(logits.shape)}"
@@ -184,10 +192,7 @@ class Sampler:
             for t in (batch.logit_bias_rows, batch.masked_stop_rows, batch.seen_token_mask, batch.output_token_counts)
         )
         if batch.all_greedy and not processed:  # the common decode batch: no copy of the [B, V] logits
-            token_ids = logits.argmax(dim=-1)
-            if raw_logprobs is None:
-                return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
-            return _with_logprobs(token_ids, raw_logprobs, batch)
+            return logits.argmax(dim=-1), raw_logprobs
 
         logits = logits.to(torch.float32, copy=True)  # processed in place from here on
         _apply_logit_bias(logits, batch)
@@ -202,9 +207,10 @@ class Sampler:
             token_ids = _sample(logits, batch, self.cpu_kernels)
             if greedy_token_ids is not None:
                 token_ids = torch.where(batch.greedy_rows, greedy_token_ids, token_ids)
+        return token_ids, raw_logprobs
 
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
+    @staticmethod
+    def logprobs_output(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return _with_logprobs(token_ids, raw_logprobs, batch)
 
 
