@@ -21,7 +21,7 @@ from brisk.kv_cache.manager import KVCacheManager
 from brisk.model_runner.runner import StepHandle, resolve_device
 from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from brisk.scheduler.request import Request
-from brisk.scheduler.scheduler import Scheduler, TokenOutput
+from brisk.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         scheds, kvs = self.schedulers, self.kv_managers
         return SchedulerStats(
-            sum(len(s.running) for s in scheds),
+            sum(s.num_running for s in scheds),
             sum(len(s.waiting) for s in scheds),
             sum(kv.usage for kv in kvs) / len(kvs),
             sum(kv.prefix_queries for kv in kvs),
@@ -191,26 +191,35 @@ class EngineCore:
     def _update(self, scheds: list[SchedulerOutput], results: list[ModelRunnerOutput]) -> list[EngineCoreOutput]:
         outputs = []
         for scheduler, sched, result in zip(self.schedulers, scheds, results):
-            for t in scheduler.update_from_output(sched, result):
-                outputs.append(self._to_output(t, result))
+            logprobs = result.logprobs
+            for req, new_ids, finished, row in scheduler.update_from_output(sched, result):
+                token_logprobs = None
+                if logprobs is not None and row >= 0 and req.params.logprobs is not None:
+                    lp = logprobs[row]
+                    if lp is not None:
+                        token_logprobs = [TokenLogprob(new_ids[0], lp.logprob, lp.top)]
+                elif not new_ids:
+                    logger.error(
+                        "request %s: the model produced non-finite logits; it ends with an error", req.parent_id
+                    )
+                outputs.append(
+                    EngineCoreOutput(
+                        req.parent_id,
+                        req.index,
+                        new_ids,
+                        token_logprobs,
+                        req.finish_reason if finished else None,
+                        req.stop_reason,
+                        req.num_prompt_tokens,
+                        req.num_cached_tokens,
+                    )
+                )
+                if finished:
+                    self._forget_if_done(req.parent_id)
         if self.config.check_kv_invariants:
             for kv in self.kv_managers:
                 kv.check_invariants()
         return outputs
-
-    def _to_output(self, t: TokenOutput, result: ModelRunnerOutput) -> EngineCoreOutput:
-        req = t.request
-        if not t.new_token_ids:
-            logger.error("request %s: the model produced non-finite logits; finishing it with an error", req.parent_id)
-        logprobs = None
-        if req.params.logprobs is not None and result.logprobs is not None and t.row >= 0:
-            lp = result.logprobs[t.row]
-            if lp is not None:
-                logprobs = [TokenLogprob(t.new_token_ids[0], lp.logprob, lp.top)]
-        out = self._output(req, t.new_token_ids, logprobs)
-        if t.finished:
-            self._forget_if_done(req.parent_id)
-        return out
 
     @staticmethod
     def _output(req: Request, new_ids: list[int], logprobs) -> EngineCoreOutput:

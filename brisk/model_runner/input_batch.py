@@ -35,7 +35,6 @@ class RequestState:
     # Outputs kept on the host only for rows whose sampling depends on them (penalties, min_tokens).
     needs_history: bool
     output_token_ids: list[int] = field(default_factory=list)
-    num_output_tokens: int = 0  # sampled so far (including a step in flight)
 
 
 class InputBatch:

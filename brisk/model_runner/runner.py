@@ -24,7 +24,7 @@ from brisk.layers.linear import prepack_weights
 from brisk.model_runner.cuda_graph import DecodeGraphs, graph_batch_sizes
 from brisk.model_runner.input_batch import InputBatch, RequestState
 from brisk.model_runner.loader import load_model
-from brisk.model_runner.sampler import Sampler, SamplingBatch
+from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
 from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
@@ -129,11 +129,18 @@ class ModelRunner:
         self._sampling_cached: SamplingBatch | None = None
         self._last_handle: StepHandle | None = None
         self.graphs: DecodeGraphs | None = None
+        # On a CPU only a cuda_graph_config given explicitly runs decode steps on the padded static buffers: there
+        # is nothing to capture, and padding rows cost real compute (gpt-oss: the experts they route to).
         graph_config = config.cuda_graph_config
+        if device.type != "cuda" and "cuda_graph_config" not in config.model_fields_set:
+            graph_config = None
         if graph_config is not None:
             sizes = graph_batch_sizes(graph_config, config.max_batch_size)
             if sizes:
-                self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture=device.type == "cuda")
+                # Under attention DP the ranks' padded sizes differ step by step (the MoE gathers every rank's
+                # rows): their steps run on the padded buffers uncaptured.
+                capture = device.type == "cuda" and parallel.dp_size == 1
+                self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture=capture)
                 self.graphs.capture_all(self)
 
     # ---- KV cache ------------------------------------------------------------------------------
@@ -258,7 +265,6 @@ class ModelRunner:
                 num_prompt,
                 needs_history,
                 output_token_ids=list(new.token_ids[num_prompt:]),
-                num_output_tokens=new.num_output_tokens,
             )
             self.states[new.req_id] = state
             batch.add(state, new.block_ids, new.num_computed_tokens)
@@ -299,9 +305,6 @@ class ModelRunner:
                 lo, hi = int(computed[i]), min(int(seq_lens[i]), int(host_len[i]))
                 input_ids[qsl[i] : qsl[i] + hi - lo] = state.host_token_ids[lo:hi]
         batch.num_computed[rows] = seq_lens
-        for i in sample_idx.tolist():
-            state = batch.states[rows[i]]
-            state.num_output_tokens += 1
         block_idx = positions // bs
         offsets = positions % bs
         slot_mappings = [table[token_rows, block_idx].astype(np.int64) * bs + offsets for table in batch.block_tables]
@@ -331,9 +334,10 @@ class ModelRunner:
         return step
 
     def _forward(self, step: StepBatch) -> torch.Tensor:
-        padded = self.graphs.padded_size(step) if self.graphs is not None else None
-        if padded is not None:
-            return self.graphs.run(self, step, padded)
+        if self.graphs is not None:
+            padded = self.graphs.padded_size(step)
+            if padded is not None:
+                return self.graphs.run(self, step, padded)
         dev = self.device
         input_ids = torch.from_numpy(step.input_ids_host).to(dev)
         if len(step.placeholder_idx):
@@ -379,12 +383,15 @@ class ModelRunner:
         batch = self._sampling_batch(step, logits.shape[-1])
         logits = logits.float()
         # A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be sampled:
-        # it is zeroed so the sampler never sees it, and only that request fails. The check rides on the step's
-        # one host synchronisation (with the tokens), never a sync of its own.
-        bad = ~torch.isfinite(logits.amax(dim=-1))
-        if not (batch.all_greedy and batch.max_num_logprobs is None):
+        # only that request fails (an argmax of it is harmless; the other paths see it zeroed). The check rides
+        # on the step's one host synchronisation (with the tokens), never a sync of its own.
+        if self.sampler.is_plain_greedy(batch):  # one pass over the logits finds both
+            row_max, token_ids = row_max_and_argmax(logits)
+            raw_logprobs, bad = None, ~torch.isfinite(row_max)
+        else:
+            bad = ~torch.isfinite(logits.amax(dim=-1))
             logits = torch.where(bad[:, None], 0.0, logits)
-        token_ids, raw_logprobs = self.sampler.sample(logits, batch)
+            token_ids, raw_logprobs = self.sampler.sample(logits, batch)
         token_ids = token_ids.clamp_(0, logits.shape[-1] - 1)  # a bad row's pick must still embed next step
         logprobs = None
         if raw_logprobs is not None:
@@ -454,17 +461,18 @@ class StepHandle:
         self._bad = bad
         self._logprobs = logprobs
         self._is_rank0 = is_rank0
-        self._host: tuple[list[int], list[bool]] | None = None
+        self._host: tuple[list[int], list[int]] | None = None
         self._history_done = False
         self._outputs: list[ModelRunnerOutput] | None = None
 
-    def _to_host(self) -> tuple[list[int], list[bool]]:
+    def _to_host(self) -> tuple[list[int], list[int]]:
+        """(sampled token ids, non-finite flags) of every sampled row, in one device-to-host copy."""
         if self._host is None:
             if self._token_ids is None:
                 self._host = ([], [])
             else:
-                both = torch.stack([self._token_ids, self._bad.to(torch.int64)]).tolist()
-                self._host = (both[0], [bool(b) for b in both[1]])
+                ids, bad = torch.stack([self._token_ids, self._bad.to(torch.int64)]).tolist()
+                self._host = (ids, bad)
         return self._host
 
     def wait_for_history(self) -> None:
@@ -488,25 +496,29 @@ class StepHandle:
         self.wait_for_history()
         outputs = []
         if self._is_rank0:
+            any_bad = any(bad)
             offset = 0
-            logprobs = self._logprobs
             for d, sched in enumerate(self._scheds):
                 n = sched.num_sampled_requests
                 req_ids = sched.sampled_req_ids
-                out = ModelRunnerOutput([], [], None, [])
-                if logprobs is not None and d == 0:
-                    out.logprobs = []
+                # Rank 0's own rows carry its logprobs (attention DP: the other ranks' rows have none).
+                logprobs = self._logprobs if d == self._runner.parallel.dp_rank else None
+                if not any_bad and logprobs is None:  # the common step: the lists as they are
+                    outputs.append(ModelRunnerOutput(req_ids, ids[offset : offset + n]))
+                    offset += n
+                    continue
+                row_logprobs: list[TokenLogprobs | None] = []
+                out = ModelRunnerOutput([], [], row_logprobs if logprobs is not None else None, [])
                 for j, rid in enumerate(req_ids):
                     if bad[offset + j]:
                         out.failed_req_ids.append(rid)
                         continue
                     out.req_ids.append(rid)
                     out.sampled_token_ids.append(ids[offset + j])
-                    if out.logprobs is not None:
+                    if logprobs is not None:
                         num = logprobs.num_logprobs[j]
-                        out.logprobs.append(
-                            None if num is None else TokenLogprobs(logprobs.logprobs[j], logprobs.top_logprobs[j])
-                        )
+                        lp = None if num is None else TokenLogprobs(logprobs.logprobs[j], logprobs.top_logprobs[j])
+                        row_logprobs.append(lp)
                 offset += n
                 outputs.append(out)
         self._outputs = outputs

@@ -17,8 +17,12 @@ import msgspec
 from brisk.sampling_params import SamplingParams
 
 
-class FinishReason(enum.StrEnum):
-    """Why a completion ended; the OpenAI API's strings ("error": the model produced non-finite logits)."""
+class FinishReason(str, enum.Enum):
+    """Why a completion ended; the OpenAI API's strings ("error": the model produced non-finite logits). A str,
+    so it compares, prints and serialises as that string."""
+
+    def __str__(self) -> str:
+        return self.value
 
     STOP = "stop"
     LENGTH = "length"

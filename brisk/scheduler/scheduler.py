@@ -16,6 +16,7 @@ in step N+1: that step's token for it is dropped (never output), and its blocks 
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 from brisk.kv_cache.manager import KVCacheManager
 from brisk.scheduler.output import (
@@ -28,16 +29,13 @@ from brisk.scheduler.output import (
 from brisk.scheduler.request import Request, RequestStatus
 
 
-class TokenOutput:
+class TokenOutput(NamedTuple):
     """What one step produced for one request (the engine adds logprobs from `row` of the runner output)."""
 
-    __slots__ = ("request", "new_token_ids", "finished", "row")
-
-    def __init__(self, request: Request, new_token_ids: list[int], finished: bool, row: int = -1) -> None:
-        self.request = request
-        self.new_token_ids = new_token_ids
-        self.finished = finished
-        self.row = row
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+    row: int = -1
 
 
 class Scheduler:
@@ -56,6 +54,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        self._num_finished_running = 0  # finished requests still in `running` (see _finish)
         self._num_sent_blocks: dict[str, int] = {}  # blocks per KV group the runner holds, per running request
         # Finished (the runner held them) or preempted since the last step that ran: the next one tells the runner.
         self._finished_ids: list[str] = []
@@ -79,7 +78,7 @@ class Scheduler:
         if req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._num_finished_running += 1  # dropped from `running` in one pass, not one list.remove each
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
         if self._num_sent_blocks.pop(req.request_id, None) is not None or req.num_preemptions:
@@ -88,23 +87,36 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) - self._num_finished_running
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) - self._num_finished_running
+
+    def _drop_finished_running(self) -> None:
+        if self._num_finished_running:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self._num_finished_running = 0
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._drop_finished_running()
         budget = self.max_num_tokens
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
+        allocate_slots = self.kv.allocate_slots
 
         # 1. Running requests, oldest first; preempt the least important when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens + req.num_placeholders - req.num_computed_tokens, budget)
+            num_new = len(req._all_token_ids) + req.num_placeholders - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0 or len(req.output_token_ids) + req.num_placeholders >= req.max_tokens:
                 i += 1  # its last token is being sampled: nothing left to compute
                 continue
-            while not self.kv.allocate_slots(req, num_new):
+            while not allocate_slots(req, num_new):
                 victim = max(self.running, key=lambda r: r.priority_key)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -122,7 +134,7 @@ class Scheduler:
         new_reqs: list[Request] = []
         if not preempted:
             for req in list(self.waiting):
-                if budget <= 0 or len(self.running) >= self.max_batch_size:
+                if budget <= 0 or self.num_running >= self.max_batch_size:
                     break
                 if req.num_placeholders or (req.follows is not None and not self._prompt_ready(req.follows)):
                     continue  # a preempted request whose last step's token is not known yet; an n > 1 sibling
@@ -221,23 +233,32 @@ class Scheduler:
         """Take a step's sampled tokens: append each to its request, check stops, index newly full blocks."""
         results = []
         requests = self.requests
-        if self.kv.enable_prefix_caching:
+        kv = self.kv
+        if kv.enable_prefix_caching:
             failed = set(output.failed_req_ids)  # their (suspect) KV is never offered to another request
+            bs, num_cached = kv.block_size, kv.num_cached_blocks
+            running = RequestStatus.RUNNING
             for rid in sched.num_scheduled_tokens:
                 req = requests.get(rid)
-                if req is not None and req.status == RequestStatus.RUNNING and rid not in failed:
-                    # Full blocks whose tokens are all known; their KV is written by this step or by one in flight,
-                    # which runs before any step that could read them through a prefix hit.
-                    self.kv.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+                if req is None or req.status is not running or rid in failed:
+                    continue
+                # Full blocks whose tokens are all known; their KV is written by this step or by one in flight,
+                # which runs before any step that could read them through a prefix hit.
+                known = req.num_computed_tokens
+                if known > len(req._all_token_ids):
+                    known = len(req._all_token_ids)
+                if known // bs > num_cached.get(rid, 0):
+                    kv.cache_full_blocks(req, known)
         for row, (rid, token) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
             req = requests.get(rid)
             if req is None:
                 continue  # finished (or aborted) while the step ran: its token is dropped
             req.num_placeholders -= 1
-            req.append_output(token)
+            req.output_token_ids.append(token)
+            req._all_token_ids.append(token)
             done = req.check_stop()
             if done:
-                self._finish(req, req.finish_reason or FinishReason.STOP)
+                self._finish(req, FinishReason.STOP)
             results.append(TokenOutput(req, [token], done, row))
         for rid in output.failed_req_ids:
             req = requests.get(rid)
