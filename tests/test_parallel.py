@@ -32,6 +32,22 @@ LAYOUTS = {
     "gpt_oss-attention_dp2-ep2": ("gpt_oss", dict(tp_size=2, ep_size=2, enable_attention_dp=True)),
     "gpt_oss-attention_dp2-moe_tp2": ("gpt_oss", dict(tp_size=2, enable_attention_dp=True)),
     "gpt_oss_mxfp4-tp2": ("gpt_oss_mxfp4", dict(tp_size=2)),
+    # Overlap scheduling and padded decode steps: every rank keeps its batch from the same SchedulerOutputs and
+    # takes the sampled tokens on its side (TP: rank 0's broadcast; attention DP: each rank samples its own rows).
+    "gpt_oss-tp2-overlap-padded": (
+        "gpt_oss",
+        dict(tp_size=2, disable_overlap_scheduler=False, cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}),
+    ),
+    "gpt_oss-attention_dp2-ep2-overlap-padded": (
+        "gpt_oss",
+        dict(
+            tp_size=2,
+            ep_size=2,
+            enable_attention_dp=True,
+            disable_overlap_scheduler=False,
+            cuda_graph_config={"batch_sizes": [1, 2, 4, 8]},
+        ),
+    ),
 }
 
 
