@@ -113,6 +113,22 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
     assert tokens == single_rank_tokens[arch]
 
 
+def test_attention_dp_reports_every_ranks_logprobs(models):
+    """Each attention-DP rank samples its own rows; rank 0 gathers their logprobs."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    results = []
+    for options in ({}, dict(tp_size=2, enable_attention_dp=True)):
+        with LLM(models["llama"], **ENGINE_OPTIONS, **options) as llm:
+            outs = llm.generate(prompts, params)
+            results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
+    for (ids, lps), (ref_ids, ref_lps) in zip(results[1], results[0]):
+        assert ids == ref_ids and len(lps) == len(ref_lps) == 4
+        for lp, ref in zip(lps, ref_lps):
+            assert lp.keys() == ref.keys()
+            assert all(abs(lp[t] - ref[t]) < 1e-4 for t in ref)
+
+
 # ---------------------------------------------------------------- what each rank holds
 
 

@@ -21,6 +21,14 @@ class TritonMoEBackend(MoEBackend):
     def __init__(self, torch_fallback: bool = False) -> None:
         self.torch_fallback = torch_fallback
 
+    @classmethod
+    def supports(cls) -> bool:
+        return torch.cuda.is_available()
+
+    @classmethod
+    def create(cls, auto: bool) -> TritonMoEBackend:
+        return cls(torch_fallback=auto)
+
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:

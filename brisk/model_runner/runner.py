@@ -95,6 +95,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.parallel = parallel
+        self.cpu_group = cpu_group
         self.block_size = config.block_size
         self.model = load_model(
             model_config,
@@ -222,7 +223,12 @@ class ModelRunner:
                 offset = sum(num_sampled_all[: p.dp_rank])
                 mine = token_ids[offset : offset + step.num_sampled]
             self.batch.last_sampled[step.sample_rows_tensor] = mine
-        handle = StepHandle(self, scheds, step, token_ids, bad, logprobs, p.rank == 0)
+        dp_logprobs = None
+        if p.dp_size > 1 and any(s.needs_logprobs for s in scheds):
+            # Each attention-DP rank sampled (and took the logprobs of) its own rows: rank 0 reports them all.
+            dp_logprobs = [None] * p.dp_size if p.rank == 0 else None
+            dist.gather_object(logprobs, dp_logprobs, dst=0, group=self.cpu_group)
+        handle = StepHandle(self, scheds, step, token_ids, bad, logprobs, p.rank == 0, dp_logprobs)
         self._last_handle = handle
         return handle
 
@@ -396,7 +402,6 @@ class ModelRunner:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = self.sampler.logprobs_output(token_ids, raw_logprobs, batch)
-            logprobs.num_logprobs = batch.num_logprobs  # type: ignore[attr-defined]
         return token_ids, bad, logprobs
 
     def _share_sampled(self, token_ids, bad, step: StepBatch, num_sampled_all: list[int]):
@@ -453,13 +458,16 @@ class StepHandle:
     """A launched step. `result()` is the step's one host synchronisation: the sampled tokens (and the
     non-finite flags) in one copy, then the ModelRunnerOutput of every DP rank (on rank 0)."""
 
-    def __init__(self, runner: ModelRunner, scheds, step: StepBatch, token_ids, bad, logprobs, is_rank0: bool):
+    def __init__(
+        self, runner: ModelRunner, scheds, step: StepBatch, token_ids, bad, logprobs, is_rank0: bool, dp_logprobs=None
+    ):
         self._runner = runner
         self._scheds = scheds
         self._step = step
         self._token_ids = token_ids
         self._bad = bad
         self._logprobs = logprobs
+        self._dp_logprobs = dp_logprobs  # attention DP: every DP rank's logprobs, on rank 0
         self._is_rank0 = is_rank0
         self._host: tuple[list[int], list[int]] | None = None
         self._history_done = False
@@ -501,8 +509,7 @@ class StepHandle:
             for d, sched in enumerate(self._scheds):
                 n = sched.num_sampled_requests
                 req_ids = sched.sampled_req_ids
-                # Rank 0's own rows carry its logprobs (attention DP: the other ranks' rows have none).
-                logprobs = self._logprobs if d == self._runner.parallel.dp_rank else None
+                logprobs = self._logprobs if self._dp_logprobs is None else self._dp_logprobs[d]
                 if not any_bad and logprobs is None:  # the common step: the lists as they are
                     outputs.append(ModelRunnerOutput(req_ids, ids[offset : offset + n]))
                     offset += n
@@ -516,7 +523,7 @@ class StepHandle:
                     out.req_ids.append(rid)
                     out.sampled_token_ids.append(ids[offset + j])
                     if logprobs is not None:
-                        num = logprobs.num_logprobs[j]
+                        num = logprobs.num_logprobs[j] if logprobs.num_logprobs is not None else None
                         lp = None if num is None else TokenLogprobs(logprobs.logprobs[j], logprobs.top_logprobs[j])
                         row_logprobs.append(lp)
                 offset += n

@@ -161,6 +161,7 @@ class SamplerOutput:
     token_ids: list[int]  # [B] sampled token per row
     logprobs: list[float] | None  # [B] raw logprob of the sampled token; None when no row asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None  # [B] params.logprobs best (token, logprob), best first
+    num_logprobs: list[int | None] | None = None  # [B] params.logprobs of each row
 
 
 class Sampler:
@@ -350,7 +351,12 @@ def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: S
         for row, (token_ids_by_rank, values, count) in enumerate(rows):
             if count:
                 top_logprobs[row] = list(zip(token_ids_by_rank[:count], values[:count]))
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(), top_logprobs=top_logprobs)
+    return SamplerOutput(
+        token_ids=token_ids.tolist(),
+        logprobs=sampled_logprobs.tolist(),
+        top_logprobs=top_logprobs,
+        num_logprobs=batch.num_logprobs,
+    )
 
 
 def _token_occurrences(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -59,6 +59,7 @@ class SchedulerOutput(msgspec.Struct):
     total_num_scheduled_tokens: int = 0
     # The requests whose known tokens this step reaches, so it samples their next one (in scheduling order).
     sampled_req_ids: list[str] = []
+    needs_logprobs: bool = False  # some sampled request asked for logprobs (attention DP gathers them)
     # Requests the runner forgets (finished, aborted) or drops from its batch until they resume (preempted).
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []

@@ -164,6 +164,7 @@ class Scheduler:
         new_data = []
         cached = CachedRequestData([], [])
         sampled: list[str] = []
+        needs_logprobs = False
         sent = self._num_sent_blocks
         for req in new_reqs:
             tables = self.kv.tables[req.request_id]
@@ -199,6 +200,8 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
                 req.num_placeholders += 1
                 sampled.append(rid)
+                if req.params.logprobs is not None:
+                    needs_logprobs = True
         for req in preempted:
             sent.pop(req.request_id, None)
         self._preempted_ids.extend(r.request_id for r in preempted)
@@ -212,6 +215,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             sampled_req_ids=sampled,
+            needs_logprobs=needs_logprobs,
             finished_req_ids=finished,
             preempted_req_ids=preempted_ids,
         )
