@@ -56,6 +56,8 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    # No host synchronisation, no data-dependent shapes in forward once prepared: a CUDA graph can capture it.
+    graph_safe = False
 
     @classmethod
     def supports(cls, device: torch.device, cpu_kernels: CpuKernels | None) -> bool:

@@ -62,6 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
     the metadata lists and the prefill tile list) is built once per step, in `prepare`."""
 
     name = "triton"
+    graph_safe = True  # decode: static plan tensors, split-K sized from the max_seq_len bound
 
     def __init__(
         self,

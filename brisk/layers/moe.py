@@ -58,6 +58,7 @@ class MoEBackend:
     """Computes sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for this rank's weights."""
 
     name = "base"
+    graph_safe = False  # the torch path sizes its work from the routing on the host (.tolist())
 
     @classmethod
     def supports(cls) -> bool:

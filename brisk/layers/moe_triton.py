@@ -17,6 +17,7 @@ class TritonMoEBackend(MoEBackend):
     """
 
     name = "triton"
+    graph_safe = True  # routing and alignment into fixed-size buffers on the device, no host synchronisation
 
     def __init__(self, torch_fallback: bool = False) -> None:
         self.torch_fallback = torch_fallback

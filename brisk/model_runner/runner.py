@@ -21,6 +21,7 @@ from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
+from brisk.layers.moe import FusedMoE
 from brisk.model_runner.cuda_graph import DecodeGraphs, graph_batch_sizes
 from brisk.model_runner.input_batch import InputBatch, RequestState
 from brisk.model_runner.loader import load_model
@@ -140,9 +141,14 @@ class ModelRunner:
             if sizes:
                 # Under attention DP the ranks' padded sizes differ step by step (the MoE gathers every rank's
                 # rows): their steps run on the padded buffers uncaptured.
-                capture = device.type == "cuda" and parallel.dp_size == 1
+                # Capture needs backends without host syncs (the Triton ones); others run the buffers uncaptured.
+                capture = device.type == "cuda" and parallel.dp_size == 1 and self._graph_safe()
                 self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture=capture)
                 self.graphs.capture_all(self)
+
+    def _graph_safe(self) -> bool:
+        moe_backends = [m.backend for m in self.model.modules() if isinstance(m, FusedMoE)]
+        return self.attention_backend.graph_safe and all(b.graph_safe for b in moe_backends)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
