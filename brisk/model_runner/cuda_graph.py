@@ -23,6 +23,7 @@ import torch
 
 from brisk.config import CudaGraphConfig
 from brisk.layers.attention import AttentionMetadata
+from brisk.model_runner.input_batch import to_device
 
 if TYPE_CHECKING:
     from brisk.model_runner.runner import ModelRunner, StepBatch
@@ -96,18 +97,18 @@ class DecodeGraphs:
     def run(self, runner: ModelRunner, step: StepBatch, padded: int) -> torch.Tensor:
         """Copy the step into the buffers, pad, run (replay on a GPU); returns the real rows' hidden states."""
         b, dev = step.num_rows, runner.device
-        self.input_ids[:b].copy_(torch.from_numpy(step.input_ids_host))
+        self.input_ids[:b].copy_(to_device(step.input_ids_host, dev), non_blocking=True)
         if len(step.placeholder_idx):
-            idx = torch.from_numpy(step.placeholder_idx).to(dev)
-            rows = torch.from_numpy(step.token_rows[step.placeholder_idx]).to(dev)
+            idx = to_device(step.placeholder_idx, dev)
+            rows = to_device(step.token_rows[step.placeholder_idx], dev)
             self.input_ids[idx] = runner.batch.last_sampled[rows]
-        self.positions[:b].copy_(torch.from_numpy(step.positions))
-        self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens))
+        self.positions[:b].copy_(to_device(step.positions, dev), non_blocking=True)
+        self.seq_lens[:b].copy_(to_device(step.seq_lens, dev), non_blocking=True)
         width = self.max_blocks if self.capture else max(1, step.block_tables[0].shape[1])
         for g in range(len(self.slot_mappings)):
-            self.slot_mappings[g][:b].copy_(torch.from_numpy(step.slot_mappings[g]))
+            self.slot_mappings[g][:b].copy_(to_device(step.slot_mappings[g], dev), non_blocking=True)
             table = step.block_tables[g]
-            self.block_tables[g][:b, : table.shape[1]].copy_(torch.from_numpy(table))
+            self.block_tables[g][:b, : table.shape[1]].copy_(to_device(table, dev), non_blocking=True)
         if padded > b:
             self.input_ids[b:padded] = self.pad_input_id
             self.positions[b:padded] = self.pad_position

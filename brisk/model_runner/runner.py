@@ -23,7 +23,7 @@ from brisk.layers.attention import Attention, AttentionMetadata, make_attention_
 from brisk.layers.linear import prepack_weights
 from brisk.layers.moe import FusedMoE
 from brisk.model_runner.cuda_graph import DecodeGraphs, graph_batch_sizes
-from brisk.model_runner.input_batch import InputBatch, RequestState
+from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
 from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -336,8 +336,8 @@ class ModelRunner:
             slot_mappings=slot_mappings,
             sample_idx=sample_idx,
             num_sampled=len(sample_idx),
-            logits_indices=torch.from_numpy(qsl[1:][sample_idx] - 1).to(dev),
-            sample_rows_tensor=torch.from_numpy(rows[sample_idx]).to(dev),
+            logits_indices=to_device(qsl[1:][sample_idx] - 1, dev),
+            sample_rows_tensor=to_device(rows[sample_idx], dev),
         )
         if step.num_sampled != sched.num_sampled_requests:
             raise RuntimeError(
@@ -351,21 +351,21 @@ class ModelRunner:
             if padded is not None:
                 return self.graphs.run(self, step, padded)
         dev = self.device
-        input_ids = torch.from_numpy(step.input_ids_host).to(dev)
+        input_ids = to_device(step.input_ids_host, dev)
         if len(step.placeholder_idx):
-            idx = torch.from_numpy(step.placeholder_idx).to(dev)
-            input_ids[idx] = self.batch.last_sampled[torch.from_numpy(step.token_rows[step.placeholder_idx]).to(dev)]
+            idx = to_device(step.placeholder_idx, dev)
+            input_ids[idx] = self.batch.last_sampled[to_device(step.token_rows[step.placeholder_idx], dev)]
         meta = AttentionMetadata(
             query_start_loc=step.query_start_loc.tolist(),
             seq_lens=step.seq_lens.tolist(),
-            block_tables=[torch.from_numpy(t).to(dev) for t in step.block_tables],
-            slot_mappings=[torch.from_numpy(s).to(dev) for s in step.slot_mappings],
+            block_tables=[to_device(t, dev) for t in step.block_tables],
+            slot_mappings=[to_device(s, dev) for s in step.slot_mappings],
             block_size=self.block_size,
             dp_num_tokens=step.dp_num_tokens,
         )
         meta.attn_plan = self.attention_backend.prepare(meta)
         step.meta = meta
-        return self.model(input_ids, torch.from_numpy(step.positions).to(dev), meta)
+        return self.model(input_ids, to_device(step.positions, dev), meta)
 
     def _sampling_batch(self, step: StepBatch, vocab_size: int) -> SamplingBatch:
         """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order

@@ -133,7 +133,7 @@ class Scheduler:
         # 2. Waiting requests, unless this step already had to preempt (admitting more would thrash).
         new_reqs: list[Request] = []
         if not preempted:
-            for req in list(self.waiting):
+            for req in self.waiting:
                 if budget <= 0 or self.num_running >= self.max_batch_size:
                     break
                 if req.num_placeholders or (req.follows is not None and not self._prompt_ready(req.follows)):
@@ -146,7 +146,6 @@ class Scheduler:
                     num_new = budget
                 if not self.kv.allocate_slots(req, num_new, hit):
                     break
-                self.waiting.remove(req)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = hit.num_tokens
                 req.num_computed_tokens = hit.num_tokens
@@ -156,6 +155,9 @@ class Scheduler:
                 scheduled[req] = num_new
                 new_reqs.append(req)
                 budget -= num_new
+            if new_reqs:  # one pass, not one list.remove per admitted request
+                admitted = set(new_reqs)
+                self.waiting = [r for r in self.waiting if r not in admitted]
         return self._build_output(scheduled, new_reqs, preempted)
 
     def _build_output(
