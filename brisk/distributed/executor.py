@@ -25,6 +25,7 @@ import torch.distributed as dist
 from brisk.config import EngineConfig, ModelConfig
 from brisk.distributed.launch import rank0_place, rank_device
 from brisk.distributed.worker import WorkerSpec, join_world
+from brisk.model_runner.cuda_graph import effective_graph_config
 from brisk.model_runner.runner import KVCacheSpec, ModelRunner, StepHandle
 from brisk.scheduler.output import SchedulerOutput
 
@@ -60,8 +61,10 @@ class DistributedExecutor:
         self._in_step = False
         self._workers: list[subprocess.Popen] = []
         if not place.launched_externally:
+            # Every rank must run the same steps: the cuda_graph_config in effect, as if given explicitly.
+            rank_config = config.model_copy(update={"cuda_graph_config": effective_graph_config(config, self.device)})
             spec = dict(
-                config_json=config.model_dump_json(), world_size=place.world_size, init_method=place.init_method
+                config_json=rank_config.model_dump_json(), world_size=place.world_size, init_method=place.init_method
             )
             for rank in range(1, place.world_size):
                 self._spawn(WorkerSpec(rank=rank, **spec))

@@ -170,9 +170,10 @@ class TorchAttentionBackend(AttentionBackend):
     # batch 32 than one pass over the whole batch: docs/performance.md).
     decode_chunk_elements = 1 << 17
 
-    def prepare(self, meta: AttentionMetadata) -> dict[tuple[int, int | None], tuple[int, list[_DecodeChunk]]]:
+    def prepare(self, meta: AttentionMetadata) -> Any:
         # Decode chunks per (KV group, window), filled by the first layer of each kind that runs the step.
-        return {}
+        chunks: dict[tuple[int, int | None], tuple[int, list[_DecodeChunk]]] = {}
+        return chunks
 
     def forward(self, layer, q, k, v, meta, sinks):
         store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])

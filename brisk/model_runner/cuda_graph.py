@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from brisk.config import CudaGraphConfig
+from brisk.config import CudaGraphConfig, EngineConfig
 from brisk.layers.attention import AttentionMetadata
 from brisk.model_runner.input_batch import to_device
 
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from brisk.model_runner.runner import ModelRunner, StepBatch
 
 logger = logging.getLogger(__name__)
+
+
+def effective_graph_config(config: EngineConfig, device: torch.device) -> CudaGraphConfig | None:
+    """The cuda_graph_config in effect. On a CPU only one given explicitly runs decode steps on the padded static
+    buffers: there is nothing to capture, and padding rows cost real compute (gpt-oss: the experts they route to)."""
+    if device.type != "cuda" and "cuda_graph_config" not in config.model_fields_set:
+        return None
+    return config.cuda_graph_config
 
 
 def graph_batch_sizes(config: CudaGraphConfig, max_rows: int) -> list[int]:

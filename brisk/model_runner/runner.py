@@ -22,7 +22,7 @@ from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
 from brisk.layers.moe import FusedMoE
-from brisk.model_runner.cuda_graph import DecodeGraphs, graph_batch_sizes
+from brisk.model_runner.cuda_graph import DecodeGraphs, effective_graph_config, graph_batch_sizes
 from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
@@ -131,11 +131,7 @@ class ModelRunner:
         self._sampling_cached: SamplingBatch | None = None
         self._last_handle: StepHandle | None = None
         self.graphs: DecodeGraphs | None = None
-        # On a CPU only a cuda_graph_config given explicitly runs decode steps on the padded static buffers: there
-        # is nothing to capture, and padding rows cost real compute (gpt-oss: the experts they route to).
-        graph_config = config.cuda_graph_config
-        if device.type != "cuda" and "cuda_graph_config" not in config.model_fields_set:
-            graph_config = None
+        graph_config = effective_graph_config(config, device)
         if graph_config is not None:
             sizes = graph_batch_sizes(graph_config, config.max_batch_size)
             if sizes:
