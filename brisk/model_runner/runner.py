@@ -212,9 +212,9 @@ class ModelRunner:
         token_ids, bad, logprobs = None, None, None
         samples_here = p.dp_size > 1 or p.rank == 0  # attention DP: every rank samples its own rows
         if step.num_sampled:
-            hidden = hidden[step.logits_indices]
-        if step.num_sampled:
-            logits = self.model.compute_logits(hidden)  # vocab-parallel under TP: every rank takes part
+            logits = self.model.compute_logits(
+                hidden[step.logits_indices]
+            )  # vocab-parallel under TP: every rank takes part
             if samples_here:
                 token_ids, bad, logprobs = self._sample(logits, step)
         if p.world_size > 1:
