@@ -2,8 +2,9 @@
 
     python benchmarks/bench_step_broadcast.py [--world-size 2] [--steps 2000] [--out broadcast.json]
 
-Rank 0 sends a `StepInput` list (what `DistributedExecutor.execute` broadcasts) of a decode batch of 1, 64
-and 256 requests at 2k context, and of an 8,192-token prefill; every other rank decodes it. Ways compared:
+Rank 0 sends a `SchedulerOutput` list (what `DistributedExecutor.execute_model` broadcasts) of a decode step of
+1, 64 and 256 running requests at 2k context (a new block every 32 steps: here each message carries one), and of
+an 8,192-token prompt scheduled for the first time; every other rank decodes it. Ways compared:
     gloo-bytes     msgspec bytes over a torch.distributed gloo group: a size, then the payload
     gloo-pickle    torch.distributed.broadcast_object_list (pickle)
     zmq-ipc        msgspec bytes over ZeroMQ PUB/SUB on an IPC socket: brisk's StepChannel (what brisk does)
@@ -31,25 +32,36 @@ import torch.multiprocessing as mp
 
 from brisk.distributed.channel import StepChannel
 from brisk.distributed.comm import broadcast_bytes
-from brisk.model_runner.runner import StepInput
+from brisk.sampling_params import SamplingParams
+from brisk.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 SHM_BYTES = 64 << 20
 WAYS = ("gloo-bytes", "gloo-pickle", "zmq-ipc", "shm-barrier")
 
 
-def make_inputs(batch: int, context: int, new_tokens: int, block_size: int = 32) -> list[StepInput]:
-    """One DP rank's step: `batch` requests of `context` tokens each computing `new_tokens` (gpt-oss: 2 KV groups)."""
-    blocks = [list(range(1 + i * (context // block_size), 1 + (i + 1) * (context // block_size))) for i in range(batch)]
-    n = batch * new_tokens
+def make_inputs(batch: int, context: int, new_tokens: int, block_size: int = 32) -> list[SchedulerOutput]:
+    """One DP rank's step: `batch` requests of `context` tokens each computing `new_tokens` (gpt-oss: 2 KV groups).
+    A request computing its whole context is new (prompt, parameters, block tables); others are running ones."""
+    rids = [f"req-{i}" for i in range(batch)]
+    nblocks = context // block_size
+    if new_tokens == context:
+        blocks = [list(range(1 + i * nblocks, 1 + (i + 1) * nblocks)) for i in range(batch)]
+        new = [NewRequestData(r, list(range(context)), SamplingParams(), None, [b, b], 0) for r, b in zip(rids, blocks)]
+        return [
+            SchedulerOutput(
+                new_requests=new,
+                num_scheduled_tokens=dict.fromkeys(rids, new_tokens),
+                total_num_scheduled_tokens=batch * new_tokens,
+                sampled_req_ids=rids,
+            )
+        ]
+    cached = CachedRequestData(rids, [[[1 + i], [1 + i]] for i in range(batch)])
     return [
-        StepInput(
-            input_ids=list(range(n)),
-            positions=[context - 1] * n,
-            query_start_loc=[i * new_tokens for i in range(batch + 1)],
-            seq_lens=[context] * batch,
-            block_tables=[blocks, [b[-4:] for b in blocks]],
-            slot_mappings=[list(range(n)), list(range(n))],
-            logits_indices=[(i + 1) * new_tokens - 1 for i in range(batch)],
+        SchedulerOutput(
+            cached_requests=cached,
+            num_scheduled_tokens=dict.fromkeys(rids, new_tokens),
+            total_num_scheduled_tokens=batch * new_tokens,
+            sampled_req_ids=rids,
         )
     ]
 
@@ -65,7 +77,7 @@ CASES = {
 def run_rank(rank: int, world: int, port: int, steps: int, shm_name: str, barrier, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[StepInput])
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[SchedulerOutput])
     channel = StepChannel(rank, None, over_tcp=False)
     shm = shared_memory.SharedMemory(name=shm_name)
     for case, shape in CASES.items():

@@ -95,7 +95,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     if args.max_num_tokens:
         options["max_num_tokens"] = args.max_num_tokens
     load_s, llm = timed(lambda: LLM(model_dir, **options))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     res.data["meta"].update(load_s=load_s, num_kv_blocks=runner.num_blocks, block_size=runner.block_size)
     res.save()
     rng = random.Random(0)

@@ -73,6 +73,9 @@ class EngineConfig(_Strict):
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
     tokens_per_block: int | None = Field(default=None, ge=1, le=1024)
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
+    # Overlap scheduling: schedule and prepare step N+1 while step N runs (trtllm's key). None: on for GPUs; off
+    # on CPUs, where the device work is not asynchronous and overlap only adds a wasted token per finish.
+    disable_overlap_scheduler: bool | None = None
     moe_config: MoeConfig = Field(default_factory=MoeConfig)
     attn_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     # Verify KV block accounting (free + used = total, one reference per table entry) after every step:
@@ -153,7 +156,9 @@ class EngineConfig(_Strict):
         given, notes = self.model_fields_set, []
         changes: dict[str, Any] = {}
         if "cuda_graph_config" in given and self.cuda_graph_config is not None:
-            notes.append("cuda_graph_config means nothing on a CPU: no CUDA graphs are captured")
+            notes.append(
+                "cuda_graph_config on a CPU: decode steps run on the padded static buffers, uncaptured (no CUDA graphs)"
+            )
         if self.moe_config.backend == "triton":
             notes.append("moe_config.backend 'triton' means nothing on a CPU: the CPU MoE path runs")
             changes["moe_config"] = MoeConfig(backend="auto")

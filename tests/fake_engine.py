@@ -12,8 +12,9 @@ import itertools
 
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec
 from brisk.sampling_params import SamplingParams
+from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from brisk.scheduler.request import Request
-from brisk.scheduler.scheduler import Scheduler, SchedulerOutput
+from brisk.scheduler.scheduler import Scheduler
 
 VOCAB = 97
 EOS = 0
@@ -30,7 +31,18 @@ def oracle(tokens: list[int], window: int | None) -> int:
     return next_token(full, win)
 
 
+class _FakeRow:
+    def __init__(self, tokens: list[int], blocks: list[list[int]], num_computed: int) -> None:
+        self.tokens = list(tokens)  # what this "rank" knows: prompt, then every token it sampled
+        self.blocks = [list(b) for b in blocks]
+        self.num_computed = num_computed
+
+
 class FakeEngine:
+    """Scheduler + KV manager driven through the engine's seam: the fake runner sees only SchedulerOutputs (it
+    keeps its own block tables and tokens, as a model runner does) and answers ModelRunnerOutputs. With `overlap`
+    the loop runs one step ahead, as EngineCore does: step N+1 is scheduled before step N's output is taken."""
+
     def __init__(
         self,
         groups: list[KVGroupSpec],
@@ -41,15 +53,20 @@ class FakeEngine:
         max_num_tokens=64,
         chunked=True,
         prefix_caching=True,
+        overlap=False,
     ):
         self.kv = KVCacheManager(groups, num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.kv, max_batch_size, max_num_tokens, chunked)
         self.groups = groups
         self.block_size = block_size
+        self.overlap = overlap
         # One "tensor" per group; a slot holds (position, token id) so reading a wrong slot shows.
         self.cache = [dict() for _ in groups]
         self.ids = itertools.count()
         self.finished: list[Request] = []
+        self.rows: dict[str, _FakeRow] = {}
+        self.preempted: dict[str, _FakeRow] = {}
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
 
     def add(self, prompt: list[int], max_tokens: int, priority: int = 0, follows: Request | None = None) -> Request:
         n = next(self.ids)
@@ -68,40 +85,74 @@ class FakeEngine:
     def window(self) -> int | None:
         return next((g.sliding_window for g in self.groups if g.sliding_window), None)
 
-    def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The fake model runner: only what the SchedulerOutput says."""
+        for rid in out.finished_req_ids:
+            self.rows.pop(rid, None)
+            self.preempted.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            self.preempted[rid] = self.rows.pop(rid)
+        for new in out.new_requests:
+            if new.resumed:
+                self.preempted.pop(new.req_id)
+            self.rows[new.req_id] = _FakeRow(new.token_ids, new.block_ids, new.num_computed_tokens)
+        for rid, new_blocks in zip(out.cached_requests.req_ids, out.cached_requests.new_block_ids):
+            for table, blocks in zip(self.rows[rid].blocks, new_blocks):
+                table.extend(blocks)
         bs = self.block_size
-        sampled = {}
-        for s in out.scheduled:
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            tables = self.kv.tables[req.request_id]
-            for g, table in enumerate(tables):
+        result = ModelRunnerOutput([], [], None, [])
+        for rid, n in out.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            start, end = row.num_computed, row.num_computed + n
+            for g, table in enumerate(row.blocks):
                 for p in range(start, end):
                     if table[p // bs] == 0:
-                        raise AssertionError(f"{req.request_id}: writing position {p} into the null block")
-                    self.cache[g][table[p // bs] * bs + p % bs] = (p, req.all_token_ids[p])
-            if s.samples:
+                        raise AssertionError(f"{rid}: writing position {p} into the null block")
+                    self.cache[g][table[p // bs] * bs + p % bs] = (p, row.tokens[p])
+            row.num_computed = end
+            if end >= len(row.tokens):
                 ctx = {}
-                for g, (spec, table) in enumerate(zip(self.groups, tables)):
+                for spec, g_cache, table in zip(self.groups, self.cache, row.blocks):
                     lo = 0 if spec.sliding_window is None else max(0, end - spec.sliding_window)
                     toks = []
                     for p in range(lo, end):
-                        pos, tok = self.cache[g].get(table[p // bs] * bs + p % bs, (None, None))
+                        pos, tok = g_cache.get(table[p // bs] * bs + p % bs, (None, None))
                         if pos != p:
-                            raise AssertionError(f"{req.request_id}: slot for position {p} holds position {pos}")
+                            raise AssertionError(f"{rid}: slot for position {p} holds position {pos}")
                         toks.append(tok)
                     ctx[spec.sliding_window is not None] = tuple(toks)
-                sampled[req] = next_token(ctx.get(False, tuple(req.all_token_ids[:end])), ctx.get(True, ()))
-        for t in self.sched.update(out, sampled):
+                token = next_token(ctx.get(False, tuple(row.tokens[:end])), ctx.get(True, ()))
+                row.tokens.append(token)
+                result.req_ids.append(rid)
+                result.sampled_token_ids.append(token)
+        if result.req_ids != out.sampled_req_ids:
+            raise AssertionError(f"sampled {result.req_ids}, the scheduler expected {out.sampled_req_ids}")
+        return result
+
+    def _update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        for t in self.sched.update_from_output(out, result):
             if t.finished:
                 self.finished.append(t.request)
         self.kv.check_invariants()
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        result = self._run(out) if out else None
+        if not self.overlap:
+            if result is not None:
+                self._update(out, result)
+            return out
+        previous, self._in_flight = self._in_flight, (out, result) if result is not None else None
+        if previous is not None:
+            self._update(*previous)
         return out
+
+    def busy(self) -> bool:
+        return bool(self.sched.num_unfinished) or self._in_flight is not None
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if not self.sched.num_unfinished:
+            if not self.busy():
                 return
             self.step()
         raise AssertionError("scheduler made no progress")

@@ -98,15 +98,18 @@ def test_cache_dtypes_threads_and_head_sizes(backend, dtype, threads, head_dim):
     assert_close(out, case.reference(True))
 
 
-def test_step_plan_is_shared_by_layers_and_rebuilt_per_step(backend):
+def test_step_plan_is_built_once_per_step_and_shared_by_layers(backend):
     a = make_case(TINY, MIXED_SPECS, window=6, seed=4)
+    plan = a.meta.attn_plan = backend.prepare(a.meta)  # what the runner does once per step
+    a.meta.attn_plan_backend = backend
+    assert plan.rows is not None and plan.has_multi_token
     assert_close(a.run(backend, False)[0], a.reference(False))
-    plan = backend._plan
     assert_close(a.run(backend, True)[0], a.reference(True))  # next layer, same step
-    assert backend._plan is plan
+    assert a.meta.attn_plan is plan
     b = make_case(TINY, DECODE_SPECS, seed=5)
-    assert_close(b.run(backend, True)[0], b.reference(True))
-    assert backend._plan is not plan and backend._plan.rows is None  # a pure decode step: rows 0..B-1
+    out = b.run(backend, True)[0]  # metadata no runner prepared: planned on first use
+    assert b.meta.attn_plan is not plan and b.meta.attn_plan.rows is None  # a pure decode step: rows 0..B-1
+    assert_close(out, b.reference(True))
 
 
 def test_loading_the_kernels_leaves_the_process_floating_point_state_alone(kernels):

@@ -74,11 +74,11 @@ def test_batch_matches_transformers(request, tiny):
     llm, ours = _brisk(path, prompts)
     # By default the best C kernels this CPU runs (of those this run tests); no compiler, or none: PyTorch paths.
     isas = cpu_kernel_isas_under_test(request.config)
-    kernels = llm.engine.runner.cpu_kernels
+    kernels = llm.engine.executor.runner.cpu_kernels
     assert (kernels.isa if kernels else None) == (isas[0] if isas else None)
     if kernels is not None:
-        assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
-        assert llm.engine.runner.model.model.norm.cpu_kernels is kernels
+        assert type(llm.engine.executor.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
+        assert llm.engine.executor.runner.model.model.norm.cpu_kernels is kernels
     assert ours == _hf_greedy(hf, prompts)
     assert llm.engine.kv.pool.num_used == 0
 
@@ -90,8 +90,8 @@ def test_forced_avx2_kernels_match(request, tiny):
     _, path, hf = tiny
     prompts = _prompts(5)
     llm, ours = _brisk(path, prompts, cpu_kernels="avx2")
-    assert llm.engine.runner.cpu_kernels.isa == "avx2"
-    assert type(llm.engine.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
+    assert llm.engine.executor.runner.cpu_kernels.isa == "avx2"
+    assert type(llm.engine.executor.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
     assert ours == _hf_greedy(hf, prompts)
 
 
@@ -100,7 +100,7 @@ def test_pytorch_reference_paths_match(tiny):
     _, path, hf = tiny
     prompts = _prompts(1)
     llm, ours = _brisk(path, prompts, cpu_kernels="torch", max_num_tokens=16)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.cpu_kernels is None
     assert type(runner.attn_layers[0].backend).__name__ == "TorchAttentionBackend"
     assert ours == _hf_greedy(hf, prompts)
@@ -156,7 +156,7 @@ def test_bf16_prepacked_weights_generate_what_plain_matmuls_generate(tiny):
     prompts = _prompts(9)
     packed_llm, packed = _brisk(path, prompts, dtype="bfloat16")
     plain_llm, plain = _brisk(path, prompts, dtype="bfloat16", cpu_weight_prepack=False)
-    model = packed_llm.engine.runner.model
+    model = packed_llm.engine.executor.runner.model
     assert model.lm_head.packed_weight is not None
-    assert all(getattr(m, "packed_weight", None) is None for m in plain_llm.engine.runner.model.modules())
+    assert all(getattr(m, "packed_weight", None) is None for m in plain_llm.engine.executor.runner.model.modules())
     assert packed == plain

@@ -76,7 +76,7 @@ def test_null_model_runs_through_the_engine_with_exact_kv_accounting(null_model_
         kv_cache_config={"tokens_per_block": BLOCK_SIZE, "max_blocks": 200},
     )
     engine = EngineCore(config)
-    attention_layers = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
+    attention_layers = [m for m in engine.executor.runner.model.modules() if isinstance(m, Attention)]
     assert len(attention_layers) == NUM_LAYERS
     assert all(layer.k_cache.numel() > 0 for layer in attention_layers)  # the runner bound KV caches
 

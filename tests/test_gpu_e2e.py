@@ -40,3 +40,37 @@ def test_triton_path_matches_torch_path(tmp_path, mxfp4):
         del llm
         torch.cuda.empty_cache()
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 64])
+def test_cuda_graphs_generate_what_eager_steps_do(tmp_path, batch):
+    """Decode steps replayed from CUDA graphs (padded to the captured sizes) equal eager steps, with overlap
+    scheduling on (the GPU default)."""
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)
+    make_tiny_tokenizer(path)
+    rng = random.Random(batch)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for name, graphs in (("eager", None), ("graphs", {"max_batch_size": 64, "enable_padding": True})):
+        llm = LLM(path, device="cuda", dtype="bfloat16", cuda_graph_config=graphs, max_batch_size=64)
+        if graphs is not None:
+            assert llm.engine.executor.runner.graphs is not None
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.pool.num_used == 0
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs["graphs"] == outputs["eager"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graphs_with_tensor_parallel_collectives(tmp_path):
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for tp in (1, 2):
+        with LLM(path, device="cuda", dtype="float32", tp_size=tp, cuda_graph_config={"batch_sizes": [1, 2, 4]}) as llm:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1]

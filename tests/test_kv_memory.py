@@ -164,7 +164,7 @@ def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
     make_tiny_tokenizer(path)
     llm = LLM(path, max_num_tokens=96, max_batch_size=8, max_seq_len=256, tokens_per_block=16, dtype="float32")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     seen: list[int] = []
     forward = runner.model.forward
     monkeypatch.setattr(runner.model, "forward", lambda ids, *a: (seen.append(len(ids)), forward(ids, *a))[1])

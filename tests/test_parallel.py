@@ -32,6 +32,22 @@ LAYOUTS = {
     "gpt_oss-attention_dp2-ep2": ("gpt_oss", dict(tp_size=2, ep_size=2, enable_attention_dp=True)),
     "gpt_oss-attention_dp2-moe_tp2": ("gpt_oss", dict(tp_size=2, enable_attention_dp=True)),
     "gpt_oss_mxfp4-tp2": ("gpt_oss_mxfp4", dict(tp_size=2)),
+    # Overlap scheduling and padded decode steps: every rank keeps its batch from the same SchedulerOutputs and
+    # takes the sampled tokens on its side (TP: rank 0's broadcast; attention DP: each rank samples its own rows).
+    "gpt_oss-tp2-overlap-padded": (
+        "gpt_oss",
+        dict(tp_size=2, disable_overlap_scheduler=False, cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}),
+    ),
+    "gpt_oss-attention_dp2-ep2-overlap-padded": (
+        "gpt_oss",
+        dict(
+            tp_size=2,
+            ep_size=2,
+            enable_attention_dp=True,
+            disable_overlap_scheduler=False,
+            cuda_graph_config={"batch_sizes": [1, 2, 4, 8]},
+        ),
+    ),
 }
 
 
@@ -82,7 +98,7 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
     max_blocks = MAX_BLOCKS_PER_DP_RANK if options.get("enable_attention_dp") else MAX_BLOCKS
     with LLM(models[arch], **ENGINE_OPTIONS, **options, kv_cache_config={"max_blocks": max_blocks}) as llm:
         engine = llm.engine
-        parallel = engine.runner.parallel
+        parallel = engine.executor.runner.parallel
         assert parallel.world_size == 2
         assert parallel.dp_size == (2 if options.get("enable_attention_dp") else 1)
         tokens = _generate_twice(llm)
@@ -96,6 +112,22 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
             kv.check_invariants()
             assert kv.pool.num_used == 0
     assert tokens == single_rank_tokens[arch]
+
+
+def test_attention_dp_reports_every_ranks_logprobs(models):
+    """Each attention-DP rank samples its own rows; rank 0 gathers their logprobs."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    results = []
+    for options in ({}, dict(tp_size=2, enable_attention_dp=True)):
+        with LLM(models["llama"], **ENGINE_OPTIONS, **options) as llm:
+            outs = llm.generate(prompts, params)
+            results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
+    for (ids, lps), (ref_ids, ref_lps) in zip(results[1], results[0]):
+        assert ids == ref_ids and len(lps) == len(ref_lps) == 4
+        for lp, ref in zip(lps, ref_lps):
+            assert lp.keys() == ref.keys()
+            assert all(abs(lp[t] - ref[t]) < 1e-4 for t in ref)
 
 
 # ---------------------------------------------------------------- what each rank holds

@@ -37,7 +37,7 @@ def test_preset_holds_trtllm_keys_and_validates(preset, caplog):
         cfg = EngineConfig.build("/model", os.path.join(EXAMPLES, preset), device="cpu")
     assert cfg.moe_config.backend == "auto"  # TRITON written in the file; on a CPU the CPU path runs
     logged = caplog.text
-    assert "cuda_graph_config means nothing on a CPU" in logged
+    assert "cuda_graph_config on a CPU: decode steps run on the padded static buffers" in logged
     assert "moe_config.backend 'triton' means nothing on a CPU" in logged
 
 

@@ -355,3 +355,20 @@ def test_overflowing_logit_biases_still_give_tokens_of_the_vocabulary() -> None:
     out = sample(logits, [boosted, everything_banned, SamplingParams(temperature=1e-4, logit_bias={3: 100.0})])
     assert out.token_ids[0] == 7 and out.token_ids[2] == 3
     assert 0 <= out.token_ids[1] < 20
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 4096), (3, 201088), (4, 100)], ids=str)
+def test_blocked_argmax_is_torch_argmax(shape):
+    """The CPU argmax by blocks picks the first maximum, as torch.argmax does: ties, -inf rows, NaN, any width."""
+    from brisk.model_runner.sampler import row_max_and_argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 5, shape, generator=g).float()  # many ties
+    if shape[0] > 2:
+        logits[1] = float("-inf")
+        logits[2, shape[1] // 2] = float("nan")
+    values, ids = row_max_and_argmax(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    expected = logits.amax(dim=-1)
+    assert torch.equal(values.isnan(), expected.isnan())
+    assert torch.equal(values[~expected.isnan()], expected[~expected.isnan()])

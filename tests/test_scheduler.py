@@ -27,10 +27,11 @@ def _check_all(engine: FakeEngine, reqs, prompts, max_tokens) -> None:
     assert not engine.kv.tables
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
-def test_batch_decodes_exactly(groups):
+def test_batch_decodes_exactly(groups, overlap):
     rng = random.Random(0)
-    engine = FakeEngine(groups, num_blocks=200, block_size=4)
+    engine = FakeEngine(groups, num_blocks=200, block_size=4, overlap=overlap)
     prompts = _prompts(rng, 8)
     reqs = [engine.add(p, 12) for p in prompts]
     engine.run()
@@ -43,7 +44,7 @@ def test_chunked_prefill_respects_token_budget(groups):
     engine = FakeEngine(groups, num_blocks=200, block_size=4, max_num_tokens=5)
     prompts = _prompts(rng, 6)
     reqs = [engine.add(p, 6) for p in prompts]
-    while engine.sched.num_unfinished:
+    while engine.busy():
         out = engine.step()
         assert out.num_tokens <= 5
     _check_all(engine, reqs, prompts, [6] * 6)
@@ -54,18 +55,19 @@ def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
     engine = FakeEngine(FULL, num_blocks=200, block_size=4, max_num_tokens=40, chunked=False)
     prompts = _prompts(rng, 6)
     reqs = [engine.add(p, 4) for p in prompts]
-    while engine.sched.num_unfinished:
+    while engine.busy():
         out = engine.step()
-        for s in out.scheduled:
-            if s.request.num_computed_tokens == 0:
-                assert s.num_new_tokens == s.request.num_tokens
+        for new in out.new_requests:
+            if new.num_computed_tokens == 0:
+                assert out.num_scheduled_tokens[new.req_id] == len(new.token_ids)
     _check_all(engine, reqs, prompts, [4] * 6)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
-def test_preemption_recomputes_exactly(groups):
+def test_preemption_recomputes_exactly(groups, overlap):
     rng = random.Random(3)
-    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8)
+    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8, overlap=overlap)
     prompts = _prompts(rng, 8)
     reqs = [engine.add(p, 20) for p in prompts]
     engine.run()
@@ -73,10 +75,11 @@ def test_preemption_recomputes_exactly(groups):
     _check_all(engine, reqs, prompts, [20] * 8)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
-def test_prefix_cache_hits_are_exact(groups):
+def test_prefix_cache_hits_are_exact(groups, overlap):
     rng = random.Random(4)
-    engine = FakeEngine(groups, num_blocks=300, block_size=4)
+    engine = FakeEngine(groups, num_blocks=300, block_size=4, overlap=overlap)
     prompts = _prompts(rng, 6, shared_prefix=17)
     first = engine.add(prompts[0], 5)
     engine.run()
@@ -102,7 +105,7 @@ def test_sliding_window_releases_blocks():
     engine = FakeEngine(HYBRID, num_blocks=400, block_size=4, prefix_caching=False)
     req = engine.add([5] * 40, 40)
     peak_sliding = 0
-    while engine.sched.num_unfinished:
+    while engine.busy():
         engine.step()
         if req.request_id in engine.kv.tables:
             sliding = [b for b in engine.kv.tables[req.request_id][1] if b != 0]
@@ -172,8 +175,11 @@ def test_sibling_follows_leader_and_shares_prompt_blocks():
     budget=st.integers(4, 64),
     chunked=st.booleans(),
     caching=st.booleans(),
+    overlap=st.booleans(),
 )
-def test_random_workloads_keep_accounting_and_outputs(seed, hybrid, num_blocks, block_size, budget, chunked, caching):
+def test_random_workloads_keep_accounting_and_outputs(
+    seed, hybrid, num_blocks, block_size, budget, chunked, caching, overlap
+):
     rng = random.Random(seed)
     groups = HYBRID if hybrid else FULL
     engine = FakeEngine(
@@ -184,6 +190,7 @@ def test_random_workloads_keep_accounting_and_outputs(seed, hybrid, num_blocks, 
         max_num_tokens=budget,
         chunked=chunked,
         prefix_caching=caching,
+        overlap=overlap,
     )
     max_tokens_per_req = 6
     # every request must fit the pool alone, and without chunking the budget too
@@ -203,6 +210,7 @@ def test_random_workloads_keep_accounting_and_outputs(seed, hybrid, num_blocks, 
             engine.kv.check_invariants()
     engine.run()
     assert engine.kv.pool.num_used == 0
+    assert not engine.sched.requests
     for req, p in zip(reqs, prompts):
         if req.request_id not in aborted:
             assert req.output_token_ids == engine.expected_output(p, max_tokens_per_req)

@@ -1,8 +1,11 @@
 """Who runs the model for the engine core: this process alone, or a torch.distributed world it drives.
 
-`DistributedExecutor` is rank 0. Each step it publishes the step's inputs (msgspec bytes over the
-`StepChannel`) and runs its own part; the other ranks (worker.py) do the same with what they
-receive. Collectives inside the model keep the ranks in lock step; rank 0 gets the logits and samples.
+`execute_model(scheds)` is the engine core's only call into the model side, the same for one process and for
+many ranks: `scheds` holds one `SchedulerOutput` per attention-DP rank, and it returns a `StepHandle` whose
+`result()` is the step's `ModelRunnerOutput` per DP rank. `DistributedExecutor` is rank 0: each step it
+publishes the SchedulerOutputs (msgspec bytes over the `StepChannel`) and runs its own part; the other ranks
+(worker.py) keep their own persistent batch from the same messages. Collectives inside the model keep the ranks
+in lock step.
 A worker that dies takes rank 0 down with a non-zero exit (the API server then reports unhealthy and exits),
 never a hang in a collective that can no longer complete.
 """
@@ -23,7 +26,9 @@ from brisk.config import EngineConfig, ModelConfig
 from brisk.distributed.launch import rank0_place
 from brisk.distributed.worker import WorkerSpec, join_world
 from brisk.host import resolve_device
-from brisk.model_runner.runner import ModelRunner, StepInput
+from brisk.model_runner.cuda_graph import effective_graph_config
+from brisk.model_runner.runner import KVCacheSpec, ModelRunner, StepHandle
+from brisk.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 WORKER_EXIT_TIMEOUT_S = 30
@@ -33,8 +38,12 @@ class LocalExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int):
         self.runner = ModelRunner(config, model_config, device, max_seq_len)
 
-    def execute(self, inputs: list[StepInput]) -> torch.Tensor | None:
-        return self.runner.forward(inputs)
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.runner.kv_cache_spec
+
+    def execute_model(self, scheds: list[SchedulerOutput]) -> StepHandle:
+        return self.runner.execute_model(scheds)
 
     def shutdown(self) -> None:
         pass
@@ -53,8 +62,10 @@ class DistributedExecutor:
         self._in_step = False
         self._workers: list[subprocess.Popen] = []
         if not place.launched_externally:
+            # Every rank must run the same steps: the cuda_graph_config in effect, as if given explicitly.
+            rank_config = config.model_copy(update={"cuda_graph_config": effective_graph_config(config, self.device)})
             spec = dict(
-                config_json=config.model_dump_json(), world_size=place.world_size, init_method=place.init_method
+                config_json=rank_config.model_dump_json(), world_size=place.world_size, init_method=place.init_method
             )
             for rank in range(1, place.world_size):
                 self._spawn(WorkerSpec(rank=rank, **spec))
@@ -79,12 +90,16 @@ class DistributedExecutor:
             logger.critical("rank %d exited with code %s; the engine cannot go on and exits", rank, code)
             os._exit(1)
 
-    def execute(self, inputs: list[StepInput]) -> torch.Tensor | None:
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.runner.kv_cache_spec
+
+    def execute_model(self, scheds: list[SchedulerOutput]) -> StepHandle:
         self._in_step = True  # cleared only if every rank is known to have finished the step
-        self.channel.publish(self._encoder.encode(inputs))
-        logits = self.runner.forward(inputs)
+        self.channel.publish(self._encoder.encode(scheds))
+        handle = self.runner.execute_model(scheds)
         self._in_step = False
-        return logits
+        return handle
 
     def shutdown(self) -> None:
         if self._stopping.is_set():

@@ -1,4 +1,5 @@
-"""A rank other than 0: holds its shard of the model and KV cache, and runs every step rank 0 broadcasts.
+"""A rank other than 0: holds its shard of the model and KV cache, and runs every step rank 0 broadcasts
+(the SchedulerOutputs: each rank keeps its own persistent batch from them).
 
 Started by rank 0 (`python -m brisk.distributed.worker`, its place as one JSON line on stdin) or by a
 launcher (torchrun: `brisk serve` on ranks > 0 calls `run_worker`). Rank 0's stop message ends the loop.
@@ -19,7 +20,8 @@ from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import WorldPlace, init_distributed
 from brisk.host import resolve_device
-from brisk.model_runner.runner import ModelRunner, StepInput, cpu_threads_per_rank
+from brisk.model_runner.runner import ModelRunner, cpu_threads_per_rank
+from brisk.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("brisk.worker")
 
@@ -50,9 +52,9 @@ def run_worker(config: EngineConfig, place: WorldPlace) -> None:
         torch.set_num_threads(cpu_threads_per_rank(config))
     runner, channel = join_world(config, place, device, *load_model_config(config, device))
     logger.info("rank %d/%d ready on %s", place.rank, place.world_size, device)
-    decoder = msgspec.msgpack.Decoder(list[StepInput])
+    decoder = msgspec.msgpack.Decoder(list[SchedulerOutput])
     while (payload := channel.receive()) is not None:
-        runner.forward(decoder.decode(payload))
+        runner.execute_model(decoder.decode(payload))
     channel.close()
     dist.destroy_process_group()
 

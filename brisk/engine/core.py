@@ -1,13 +1,17 @@
-"""EngineCore: the step loop. Schedule, run the model, sample, advance the requests, report tokens.
+"""EngineCore: the step loop. Schedule, run the model, advance the requests, report tokens.
 
-It runs in-process for the offline API and tests, and behind ZMQ in the server's engine process.
+It runs in-process for the offline API and tests, and behind ZMQ in the server's engine process. Its only call
+into the model side is `executor.execute_model(scheds)` (one SchedulerOutput per attention-DP rank).
+
+With overlap scheduling the loop is one step ahead: step N+1 is scheduled and launched before step N's tokens
+are taken (the device still runs step N while the host prepares N+1; N+1 reads N's tokens on the device), then
+step N's output updates the requests. Without it, each step is scheduled, run and taken in turn.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import replace
 
 from brisk.config import EngineConfig, ModelConfig
@@ -15,9 +19,10 @@ from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
 from brisk.host import resolve_device
 from brisk.kv_cache.manager import KVCacheManager
-from brisk.model_runner.runner import StepResult
+from brisk.model_runner.runner import StepHandle
+from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from brisk.scheduler.request import Request
-from brisk.scheduler.scheduler import Scheduler, TokenOutput
+from brisk.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +47,14 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.model_config, self.max_seq_len = load_model_config(config, self.device, model_config)
         self.executor = make_executor(config, self.model_config, self.device, self.max_seq_len)
-        self.runner = self.executor.runner
+        spec = self.executor.kv_cache_spec
+        self.num_kv_blocks, self.num_kv_groups = spec.num_blocks, len(spec.groups)
+        overlap = config.disable_overlap_scheduler
+        self.overlap = self.device.type == "cuda" if overlap is None else not overlap
         self.kv_managers: list[KVCacheManager] = []
         self.schedulers: list[Scheduler] = []
-        for _ in range(self.runner.parallel.dp_size):
-            kv = self.runner.make_kv_manager()
+        for _ in range(spec.dp_size):
+            kv = KVCacheManager(spec.groups, spec.num_blocks, spec.block_size, config.enable_prefix_caching)
             self.kv_managers.append(kv)
             self.schedulers.append(
                 Scheduler(
@@ -59,13 +67,15 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # request id -> its n completions
         self.last_step_num_tokens = 0  # tokens the last step() scheduled, for the iteration-tokens metric
         self._arrivals = itertools.count()
+        self._in_flight: tuple[list[SchedulerOutput], StepHandle] | None = None  # overlap: the step launched last
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d",
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d, overlap scheduling %s",
             self.model_config.architecture,
             self.device,
-            self.runner.num_blocks,
+            self.num_kv_blocks,
             config.block_size,
             self.max_seq_len,
+            "on" if self.overlap else "off",
         )
 
     @property
@@ -81,7 +91,7 @@ class EngineCore:
     def stats(self, iteration_tokens: tuple[int, ...] = ()) -> SchedulerStats:
         scheds, kvs = self.schedulers, self.kv_managers
         return SchedulerStats(
-            sum(len(s.running) for s in scheds),
+            sum(s.num_running for s in scheds),
             sum(len(s.waiting) for s in scheds),
             sum(kv.usage for kv in kvs) / len(kvs),
             sum(kv.prefix_queries for kv in kvs),
@@ -107,21 +117,24 @@ class EngineCore:
             stop_ids.update(self.model_config.eos_token_ids)
         # All n completions go to one DP rank: the later ones adopt the first one's prompt blocks.
         dp_rank = min(range(len(self.schedulers)), key=lambda d: self.schedulers[d].num_unfinished)
-        children = []
+        children: list[Request] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
+            arrival = next(self._arrivals)
             children.append(
                 Request(
-                    request_id=f"{rid}#{i}",
+                    # The engine's own id, unique for its lifetime (parent_id and index say whose it is).
+                    request_id=str(arrival),
                     prompt_token_ids=list(prompt),
                     params=params if params.n == 1 else replace(params, n=1, seed=seed),
                     max_tokens=max_tokens,
                     stop_token_ids=frozenset(stop_ids),
-                    arrival_seq=next(self._arrivals),
+                    arrival_seq=arrival,
                     # Later completions wait for the first one's prefill, then adopt its cached prompt blocks.
                     follows=children[0] if i > 0 and self.config.enable_prefix_caching else None,
-                    generator=None if seed is None else self.runner.make_generator(seed),
                     dp_rank=dp_rank,
+                    parent_id=rid,
+                    index=i,
                 )
             )
         self.requests[rid] = children
@@ -157,67 +170,68 @@ class EngineCore:
         """Abort all completions of a request (or one). Returns their final outputs."""
         children = self.requests.get(request_id, [])
         outputs = []
-        for i, req in enumerate(children):
-            if (index is None or i == index) and not req.is_finished:
+        for req in children:
+            if (index is None or req.index == index) and not req.is_finished:
                 self.schedulers[req.dp_rank].abort(req)
-                outputs.append(self._output(request_id, i, req, [], None))
+                outputs.append(self._output(req, [], None))
         self._forget_if_done(request_id)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return any(s.num_unfinished for s in self.schedulers)
+        return self._in_flight is not None or any(s.num_unfinished for s in self.schedulers)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         scheds = [s.schedule() for s in self.schedulers]
         self.last_step_num_tokens = sum(s.num_tokens for s in scheds)
-        if not any(scheds):
+        handle = self.executor.execute_model(scheds) if any(scheds) else None
+        if not self.overlap:
+            return self._update(scheds, handle.result()) if handle is not None else []
+        previous = self._in_flight
+        self._in_flight = (scheds, handle) if handle is not None else None
+        if previous is None:
             return []
-        now = time.time()
-        for scheduled in (s for sched in scheds for s in sched.scheduled):
-            scheduled.request.first_scheduled_time = scheduled.request.first_scheduled_time or now
-        inputs, rows = [], []
-        for sched, kv in zip(scheds, self.kv_managers):
-            step_input, step_rows = self.runner.prepare(sched, kv)
-            inputs.append(step_input)
-            rows.extend(step_rows)
-        result = self.runner.sample(self.executor.execute(inputs), rows)
-        for req in result.failed:
-            # Finished before update(): its token is dropped and its (suspect) KV blocks are not cached.
-            logger.error("request %s: the model produced non-finite logits; finishing it with an error", req.request_id)
-            req.finish_reason = "error"
-            self.schedulers[req.dp_rank].abort(req)
-        outputs = [
-            self._to_output(t, result)
-            for scheduler, sched in zip(self.schedulers, scheds)
-            for t in scheduler.update(sched, result.sampled)
-        ]
+        return self._update(previous[0], previous[1].result())
+
+    def _update(self, scheds: list[SchedulerOutput], results: list[ModelRunnerOutput]) -> list[EngineCoreOutput]:
+        outputs = []
+        for scheduler, sched, result in zip(self.schedulers, scheds, results):
+            logprobs = result.logprobs
+            for req, new_ids, finished, row in scheduler.update_from_output(sched, result):
+                token_logprobs = None
+                if logprobs is not None and row >= 0 and req.params.logprobs is not None:
+                    lp = logprobs[row]
+                    if lp is not None:
+                        token_logprobs = [TokenLogprob(new_ids[0], lp.logprob, lp.top)]
+                elif not new_ids:
+                    logger.error(
+                        "request %s: the model produced non-finite logits; it ends with an error", req.parent_id
+                    )
+                outputs.append(
+                    EngineCoreOutput(
+                        req.parent_id,
+                        req.index,
+                        new_ids,
+                        token_logprobs,
+                        req.finish_reason if finished else None,
+                        req.stop_reason,
+                        req.num_prompt_tokens,
+                        req.num_cached_tokens,
+                        req.first_scheduled_time,
+                    )
+                )
+                if finished:
+                    self._forget_if_done(req.parent_id)
         if self.config.check_kv_invariants:
             for kv in self.kv_managers:
                 kv.check_invariants()
-        for req in result.failed:
-            rid, _, idx = req.request_id.rpartition("#")
-            outputs.append(self._output(rid, int(idx), req, [], None))
-            self._forget_if_done(rid)
         return outputs
 
-    def _to_output(self, t: TokenOutput, result: StepResult) -> EngineCoreOutput:
-        rid, _, idx = t.request.request_id.rpartition("#")
-        logprobs = None
-        if t.request.params.logprobs is not None and result.sampler_output is not None:
-            row = result.rows.index(t.request)
-            so = result.sampler_output
-            logprobs = [TokenLogprob(t.new_token_ids[0], so.logprobs[row], so.top_logprobs[row])]
-        out = self._output(rid, int(idx), t.request, t.new_token_ids, logprobs)
-        if t.finished:
-            self._forget_if_done(rid)
-        return out
-
     @staticmethod
-    def _output(rid: str, index: int, req: Request, new_ids: list[int], logprobs) -> EngineCoreOutput:
+    def _output(req: Request, new_ids: list[int], logprobs) -> EngineCoreOutput:
         return EngineCoreOutput(
-            request_id=rid,
-            index=index,
+            request_id=req.parent_id,
+            index=req.index,
             new_token_ids=new_ids,
             logprobs=logprobs,
             finish_reason=req.finish_reason if req.is_finished else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from brisk.sampling_params import SamplingParams
+from brisk.scheduler.output import FinishReason
 
 
 class EngineCoreRequest(msgspec.Struct):
@@ -27,7 +28,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     index: int  # which of the n completions
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

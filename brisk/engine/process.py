@@ -70,9 +70,9 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                 mc.architecture,
                 mc.vocab_size,
                 core.max_seq_len,
-                core.runner.num_blocks,
+                core.num_kv_blocks,
                 core.config.block_size,
-                len(core.runner.kv_groups),
+                core.num_kv_groups,
             )
         )
     )

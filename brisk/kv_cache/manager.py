@@ -51,8 +51,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self._no_sliding = all(g.sliding_window is None for g in groups)
+        self._next_release: dict[str, int] = {}  # sliding windows: when a request next has a block to release
         self.tables: dict[str, list[list[int]]] = {}
-        self._num_cached_blocks: dict[str, int] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: its leading blocks in the prefix index
         self._hashes: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -108,13 +110,13 @@ class KVCacheManager:
             hashes.append((hash((parent, toks)), parent, toks))
         return hashes[:n]
 
-    def cache_full_blocks(self, req: KVRequest) -> None:
-        """Index the request's blocks that are now completely computed."""
+    def cache_full_blocks(self, req: KVRequest, num_tokens: int | None = None) -> None:
+        """Index the request's blocks whose first `num_tokens` (default: the computed ones) are all known."""
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
-        n_full = req.num_computed_tokens // self.block_size
-        start = self._num_cached_blocks.get(rid, 0)
+        n_full = (req.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(rid, 0)
         if n_full <= start:
             return
         hashes = self._block_hashes(req, n_full)
@@ -123,7 +125,7 @@ class KVCacheManager:
                 if table[i] != NULL_BLOCK:
                     h, parent, toks = hashes[i]
                     self.pool.cache(table[i], BlockKey(g, h, parent, toks))
-        self._num_cached_blocks[rid] = n_full
+        self.num_cached_blocks[rid] = n_full
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
@@ -138,7 +140,13 @@ class KVCacheManager:
         else:
             tables = self.tables[rid]
             num_computed = req.num_computed_tokens
-            self._release_out_of_window(tables, num_computed)
+            if not self._no_sliding and num_computed >= self._next_release.get(rid, 0):
+                if self.enable_prefix_caching:  # index what leaves the window before it goes back to the pool
+                    self.cache_full_blocks(req, min(num_computed, req.num_tokens))
+                self._release_out_of_window(tables, num_computed)
+                self._next_release[rid] = self._next_release_at(num_computed)
+            if len(tables[0]) * self.block_size >= num_computed + num_new_tokens:
+                return True  # the common decode step: O(1) while the last block has room
         total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
         needed = [max(0, total_blocks - len(t)) for t in tables]
         reused_free = 0
@@ -152,10 +160,19 @@ class KVCacheManager:
                     if b != NULL_BLOCK:
                         self.pool.touch(b)
             self.tables[rid] = tables
-            self._num_cached_blocks[rid] = hit.num_tokens // self.block_size
+            self.num_cached_blocks[rid] = hit.num_tokens // self.block_size
         for t, n in zip(tables, needed):
             t.extend(self.pool.allocate(n))
         return True
+
+    def _next_release_at(self, num_computed: int) -> int:
+        """The computed-token count at which some sliding group's window next leaves a whole block behind."""
+        bs = self.block_size
+        return min(
+            (self._first_needed_block(g, num_computed) + 1) * bs + g.sliding_window - 1
+            for g in self.groups
+            if g.sliding_window is not None
+        )
 
     def _release_out_of_window(self, tables: list[list[int]], num_computed: int) -> None:
         for spec, table in zip(self.groups, tables):
@@ -171,8 +188,9 @@ class KVCacheManager:
         rid = req.request_id
         for table in self.tables.pop(rid, []):
             self.pool.free(table[::-1])
-        self._num_cached_blocks.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._next_release.pop(rid, None)
 
     def check_invariants(self) -> None:
         """Pool consistency plus: every block reference is held by exactly one table entry."""

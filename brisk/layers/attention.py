@@ -13,8 +13,8 @@ picks one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,14 +33,44 @@ class AttentionMetadata:
     slot_mappings: list[torch.Tensor]  # per KV group: [T] int64 slot = block * block_size + offset; -1 skips
     block_size: int
     dp_num_tokens: list[int] | None = None  # attention data parallel: T of every DP rank (MoE gathers them)
+    # Static-buffer (CUDA graph) steps: the device copies of seq_lens / query_start_loc the backend must read
+    # instead of building its own, and the bound on any context length (split-K sizes without a host sync).
+    seq_lens_tensor: torch.Tensor | None = None  # [B] int32
+    query_start_loc_tensor: torch.Tensor | None = None  # [B+1] int32
+    max_seq_len: int | None = None
+    decode_only: bool = False  # every sequence has one new token
+    # The backend's per-step metadata, built once by `AttentionBackend.prepare` and read by every layer.
+    attn_plan: Any = field(default=None, repr=False)
+    attn_plan_backend: Any = field(default=None, repr=False)  # the backend that built attn_plan
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def plan_for(self, backend: AttentionBackend) -> Any:
+        """The step's plan; built here for metadata that no runner prepared (tests, direct layer calls)."""
+        if self.attn_plan_backend is not backend:
+            self.attn_plan, self.attn_plan_backend = backend.prepare(self), backend
+        return self.attn_plan
+
 
 class AttentionBackend:
     name = "base"
+    # No host synchronisation, no data-dependent shapes in forward once prepared: a CUDA graph can capture it.
+    graph_safe = False
+
+    @classmethod
+    def supports(cls, device: torch.device, cpu_kernels: CpuKernels | None) -> bool:
+        """Whether this backend can run on `device` (auto picks the first registered one that can)."""
+        return True
+
+    @classmethod
+    def create(cls, cpu_kernels: CpuKernels | None) -> AttentionBackend:
+        return cls()
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Per-step metadata every layer of the step shares: called once per step, before the forward."""
+        return None
 
     def forward(
         self,
@@ -140,9 +170,10 @@ class TorchAttentionBackend(AttentionBackend):
     # batch 32 than one pass over the whole batch: docs/performance.md).
     decode_chunk_elements = 1 << 17
 
-    def __init__(self) -> None:
-        self._step_meta: AttentionMetadata | None = None  # the step the cached decode chunks belong to
-        self._decode_chunks: dict[tuple[int, int | None], tuple[int, list[_DecodeChunk]]] = {}
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        # Decode chunks per (KV group, window), filled by the first layer of each kind that runs the step.
+        chunks: dict[tuple[int, int | None], tuple[int, list[_DecodeChunk]]] = {}
+        return chunks
 
     def forward(self, layer, q, k, v, meta, sinks):
         store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
@@ -155,12 +186,14 @@ class TorchAttentionBackend(AttentionBackend):
                 return out
         return self._per_sequence(layer, q, meta, sinks)
 
+    def _decode_chunks(self, meta: AttentionMetadata) -> dict[tuple[int, int | None], tuple[int, list[_DecodeChunk]]]:
+        return meta.plan_for(self)
+
     def _decode_plan(self, layer: Attention, meta: AttentionMetadata) -> tuple[int, list[_DecodeChunk]]:
         """(padded context length, chunks) of this step's decode batch for the layer's KV group and window."""
-        if self._step_meta is not meta:
-            self._step_meta, self._decode_chunks = meta, {}
+        decode_chunks = self._decode_chunks(meta)
         key = (layer.kv_group, layer.sliding_window)
-        plan = self._decode_chunks.get(key)
+        plan = decode_chunks.get(key)
         if plan is None:
             bs, dev = meta.block_size, layer.k_cache.device
             blocks_per_seq = -(-max(meta.seq_lens) // bs)
@@ -182,7 +215,7 @@ class TorchAttentionBackend(AttentionBackend):
                 )
                 for start in range(0, meta.num_seqs, per_chunk)
             ]
-            plan = self._decode_chunks[key] = (padded, chunks)
+            plan = decode_chunks[key] = (padded, chunks)
         return plan
 
     @staticmethod
@@ -254,27 +287,38 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+def _attention_backends() -> dict[str, type[AttentionBackend]]:
+    """The registry, in auto's order of preference. Imported lazily: triton is a GPU extra."""
+    from brisk.layers.attention_cpu import CpuAttentionBackend
+
+    backends: dict[str, type[AttentionBackend]] = {}
+    try:
+        from brisk.layers.attention_triton import TritonAttentionBackend
+
+        backends["triton"] = TritonAttentionBackend
+    except ImportError:  # no triton: the GPU backend is not there
+        pass
+    backends["cpu"] = CpuAttentionBackend
+    backends["torch"] = TorchAttentionBackend
+    return backends
+
+
 def make_attention_backend(name: str, device: torch.device, cpu_kernels: CpuKernels | None = None) -> AttentionBackend:
     """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py, needs
-    `cpu_kernels`); 'auto': triton on CUDA, cpu on CPU when the kernels are there, else torch.
+    `cpu_kernels`); 'auto': the first of triton, cpu, torch whose `supports(device, cpu_kernels)` holds.
 
-    One instance serves every layer, so per-step device metadata is built once per step, not per layer.
+    One instance serves every layer; its per-step metadata is built once per step by `prepare`.
     """
+    backends = _attention_backends()
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if cpu_kernels is not None else "torch"
-    if name == "cpu":
-        if cpu_kernels is None or device.type != "cpu":
-            raise ValueError(
-                "attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: auto, avx512 "
-                "or avx2, a CPU that runs them and a C compiler: see the log)"
-            )
-        from brisk.layers.attention_cpu import CpuAttentionBackend
-
-        return CpuAttentionBackend(cpu_kernels)
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from brisk.layers.attention_triton import TritonAttentionBackend  # lazy: triton is a GPU extra
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend '{name}'; choose one of: auto, torch, triton, cpu")
+        name = next(n for n, cls in backends.items() if cls.supports(device, cpu_kernels))
+    cls = backends.get(name)
+    if cls is None:
+        known = ", ".join(["auto", *sorted(backends)])
+        raise ValueError(f"unknown or unavailable attention backend '{name}'; choose one of: {known}")
+    if name == "cpu" and not cls.supports(device, cpu_kernels):
+        raise ValueError(
+            "attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: auto, avx512 "
+            "or avx2, a CPU that runs them and a C compiler: see the log)"
+        )
+    return cls.create(cpu_kernels)

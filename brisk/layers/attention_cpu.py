@@ -8,7 +8,7 @@ the reference's per-sequence path, whose matmuls are what a prompt needs. Both w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,27 +16,32 @@ from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv
 
 
-@dataclass(frozen=True)
+@dataclass
 class _StepPlan:
-    """One step's metadata as the kernel reads it, shared by every layer that runs the step."""
+    """One step's metadata as the kernel reads it, built once per step by `prepare` and read by every layer."""
 
-    meta: AttentionMetadata  # the step it was built for (identity)
     seq_lens: torch.Tensor  # [B] int32
     rows: torch.Tensor | None  # [Nd] int32 q rows of the one-new-token sequences; None: all of them, in order
     seq_ids: torch.Tensor | None  # [Nd] int32 their sequence indices; None as above
     num_decode: int
     has_multi_token: bool  # some sequence brings several new tokens (per-sequence path)
+    torch_chunks: dict = field(default_factory=dict)  # the reference path's decode chunks (other cache dtypes)
 
 
 def build_step_plan(meta: AttentionMetadata) -> _StepPlan:
+    if meta.decode_only:
+        seq_lens = meta.seq_lens_tensor
+        if seq_lens is None:
+            seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        return _StepPlan(seq_lens, None, None, meta.num_seqs, False)
     qsl = meta.query_start_loc
     decode = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
     seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
     has_multi = any(qsl[i + 1] - qsl[i] > 1 for i in range(meta.num_seqs))
     if len(decode) == meta.num_seqs:  # a pure decode step: row i is sequence i
-        return _StepPlan(meta, seq_lens, None, None, len(decode), has_multi)
+        return _StepPlan(seq_lens, None, None, len(decode), has_multi)
     rows = torch.tensor([qsl[i] for i in decode], dtype=torch.int32)
-    return _StepPlan(meta, seq_lens, rows, torch.tensor(decode, dtype=torch.int32), len(decode), has_multi)
+    return _StepPlan(seq_lens, rows, torch.tensor(decode, dtype=torch.int32), len(decode), has_multi)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -47,15 +52,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels: CpuKernels) -> None:
         super().__init__()
         self.kernels = kernels
-        self._plan: _StepPlan | None = None
+
+    @classmethod
+    def supports(cls, device: torch.device, cpu_kernels: CpuKernels | None) -> bool:
+        return device.type == "cpu" and cpu_kernels is not None
+
+    @classmethod
+    def create(cls, cpu_kernels: CpuKernels | None) -> CpuAttentionBackend:
+        if cpu_kernels is None:
+            raise ValueError("the CPU attention backend needs brisk's CPU kernels")
+        return cls(cpu_kernels)
+
+    def prepare(self, meta: AttentionMetadata) -> _StepPlan:
+        return build_step_plan(meta)
+
+    def _decode_chunks(self, meta: AttentionMetadata) -> dict:
+        return meta.plan_for(self).torch_chunks
 
     def forward(self, layer: Attention, q, k, v, meta, sinks):
         if layer.k_cache.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads fp32 and bf16 caches
             return super().forward(layer, q, k, v, meta, sinks)
         store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
-        plan = self._plan
-        if plan is None or plan.meta is not meta:
-            plan = self._plan = build_step_plan(meta)
+        plan = meta.plan_for(self)
         qf = q.float()
         if qf.stride(2) != 1 or qf.stride(1) != qf.shape[2]:
             qf = qf.contiguous()

@@ -26,27 +26,25 @@ from brisk.layers.attention import Attention, AttentionBackend, AttentionMetadat
 
 @dataclass(frozen=True)
 class _StepPlan:
-    """Device-side view of one step's metadata, shared by every layer that runs the step."""
+    """Device-side view of one step's metadata, built once per step by `prepare` and read by every layer."""
 
-    query_start_loc: list[int]  # the host lists this plan was built from (cache key)
-    seq_lens_list: list[int]
     block_q: int
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
     decode_seqs: torch.Tensor  # [Nd] int32 sequences with exactly one new token
     tile_seqs: torch.Tensor  # [Nt] int32 prefill tiles (sequence, first new token)
     tile_starts: torch.Tensor
-    max_decode_len: int  # longest context among decode sequences
-
-    def matches(self, meta: AttentionMetadata, block_q: int) -> bool:
-        return (
-            self.block_q == block_q
-            and self.query_start_loc == meta.query_start_loc
-            and self.seq_lens_list == meta.seq_lens
-        )
+    max_decode_len: int  # bound on the longest context among decode sequences (split-K sizes)
 
 
 def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device) -> _StepPlan:
+    if meta.decode_only and meta.seq_lens_tensor is not None and meta.query_start_loc_tensor is not None:
+        # A static-buffer (CUDA graph) step: the buffers' own tensors, a bound instead of the maximum, no host data.
+        n = meta.seq_lens_tensor.shape[0]
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        decode = torch.arange(n, dtype=torch.int32, device=device)
+        bound = meta.max_seq_len or max(meta.seq_lens, default=0)
+        return _StepPlan(block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, decode, empty, empty, bound)
     qsl, lens = list(meta.query_start_loc), list(meta.seq_lens)
     n_new = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     decode = [i for i, n in enumerate(n_new) if n == 1]
@@ -56,14 +54,15 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
     flat = torch.tensor(qsl + lens + decode + tile_seqs + tile_starts, dtype=torch.int32, device=device)
     cuts = [len(qsl), len(lens), len(decode), len(tile_seqs), len(tile_starts)]
     cu, sl, dec, ts, tst = torch.split(flat, cuts)
-    return _StepPlan(qsl, lens, block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode), default=0))
+    return _StepPlan(block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode), default=0))
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention on the GPU. Share one instance across layers: the step plan (device copies of
-    the metadata lists and the prefill tile list) is then built once per step instead of per layer."""
+    the metadata lists and the prefill tile list) is built once per step, in `prepare`."""
 
     name = "triton"
+    graph_safe = True  # decode: static plan tensors, split-K sized from the max_seq_len bound
 
     def __init__(
         self,
@@ -76,12 +75,20 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_block_n = prefill_block_n
         self.decode_block_n = decode_block_n
         self.decode_partition_size = decode_partition_size
-        self._plan: _StepPlan | None = None
+
+    @classmethod
+    def supports(cls, device: torch.device, cpu_kernels) -> bool:
+        return device.type == "cuda"
+
+    def prepare(self, meta: AttentionMetadata) -> dict[int, _StepPlan]:
+        # Plans per prefill tile height, built by the first layer of each head layout (one for brisk's models).
+        return {}
 
     def _step_plan(self, meta: AttentionMetadata, block_q: int, device: torch.device) -> _StepPlan:
-        plan = self._plan
-        if plan is None or not plan.matches(meta, block_q) or plan.seq_lens.device != device:
-            plan = self._plan = build_step_plan(meta, block_q, device)
+        plans = meta.plan_for(self)
+        plan = plans.get(block_q)
+        if plan is None:
+            plan = plans[block_q] = build_step_plan(meta, block_q, device)
         return plan
 
     def forward(

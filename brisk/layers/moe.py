@@ -58,6 +58,16 @@ class MoEBackend:
     """Computes sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for this rank's weights."""
 
     name = "base"
+    graph_safe = False  # the torch path sizes its work from the routing on the host (.tolist())
+
+    @classmethod
+    def supports(cls) -> bool:
+        """Whether this process can run the backend (auto picks the first registered one that can)."""
+        return True
+
+    @classmethod
+    def create(cls, auto: bool) -> MoEBackend:
+        return cls()
 
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -120,17 +130,29 @@ class TorchMoEBackend(MoEBackend):
         return (y.view(1, len(experts), -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
 
 
-def make_moe_backend(name: str) -> MoEBackend:
-    """'torch': the reference; 'triton': the fused GPU kernels; 'auto': triton when CUDA and triton are there."""
-    if name == "auto" and not (torch.cuda.is_available() and importlib.util.find_spec("triton") is not None):
-        name = "torch"
-    if name == "torch":
-        return TorchMoEBackend()
-    if name in ("auto", "triton"):
+def _moe_backends() -> dict[str, type[MoEBackend]]:
+    """The registry, in auto's order of preference (as for attention: layers/attention.py)."""
+    backends: dict[str, type[MoEBackend]] = {}
+    if importlib.util.find_spec("triton") is not None:
         from brisk.layers.moe_triton import TritonMoEBackend  # lazy: triton is an optional (GPU) dependency
 
-        return TritonMoEBackend(torch_fallback=name == "auto")
-    raise ValueError(f"unknown moe backend '{name}'; choose one of: auto, torch, triton")
+        backends["triton"] = TritonMoEBackend
+    backends["torch"] = TorchMoEBackend
+    return backends
+
+
+def make_moe_backend(name: str) -> MoEBackend:
+    """'torch': the reference; 'triton': the fused GPU kernels; 'auto': the first registered backend whose
+    `supports()` holds (triton where CUDA and triton are there; its layers left on a CPU fall back to torch)."""
+    backends = _moe_backends()
+    auto = name == "auto"
+    if auto:
+        name = next(n for n, cls in backends.items() if cls.supports())
+    cls = backends.get(name)
+    if cls is None:
+        known = ", ".join(["auto", *sorted(backends)])
+        raise ValueError(f"unknown or unavailable moe backend '{name}'; choose one of: {known}")
+    return cls.create(auto=auto)
 
 
 class FusedMoE(nn.Module):

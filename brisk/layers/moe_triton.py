@@ -17,9 +17,18 @@ class TritonMoEBackend(MoEBackend):
     """
 
     name = "triton"
+    graph_safe = True  # routing and alignment into fixed-size buffers on the device, no host synchronisation
 
     def __init__(self, torch_fallback: bool = False) -> None:
         self.torch_fallback = torch_fallback
+
+    @classmethod
+    def supports(cls) -> bool:
+        return torch.cuda.is_available()
+
+    @classmethod
+    def create(cls, auto: bool) -> TritonMoEBackend:
+        return cls(torch_fallback=auto)
 
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

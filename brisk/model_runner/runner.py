@@ -8,25 +8,27 @@ one `BlockPool`; a block's bytes are `num_slots * 2 * block_size * kv_heads * he
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.comm import agree_min, all_gather_rows
 from brisk.kernels.cpu_kernels import load_cpu_kernels
-from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec, cdiv
+from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
+from brisk.layers.moe import FusedMoE
+from brisk.model_runner.cuda_graph import DecodeGraphs, effective_graph_config, graph_batch_sizes
+from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
-from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
-from brisk.scheduler.request import Request
-from brisk.scheduler.scheduler import SchedulerOutput
+from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
+from brisk.sampling_params import SamplingParams
+from brisk.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
 
@@ -41,25 +43,14 @@ def kv_groups_for(model_config: ModelConfig) -> list[KVGroupSpec]:
     return groups
 
 
-class StepInput(msgspec.Struct, array_like=True):
-    """One step's model input for one (data-parallel) rank: flat tokens plus the paged-KV addressing.
-    Rank 0 builds it and, with several ranks, publishes it to them: plain lists encode fast with msgspec."""
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the engine core needs to know of the model side to keep the books of its KV cache."""
 
-    input_ids: list[int]
-    positions: list[int]
-    query_start_loc: list[int]  # [B+1]
-    seq_lens: list[int]  # [B]
-    block_tables: list[list[list[int]]]  # per KV group, per sequence (ragged)
-    slot_mappings: list[list[int]]  # per KV group: [T]
-    logits_indices: list[int]  # rows of the hidden states that sample a token
-
-
-@dataclass
-class StepResult:
-    sampled: dict[Request, int]
-    sampler_output: SamplerOutput | None
-    rows: list[Request]  # request of each sampler row
-    failed: list[Request] = field(default_factory=list)  # rows whose logits were not finite
+    groups: list[KVGroupSpec]
+    num_blocks: int
+    block_size: int
+    dp_size: int  # one KV pool (and scheduler) per attention-DP rank
 
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
@@ -101,6 +92,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.parallel = parallel
+        self.cpu_group = cpu_group
         self.block_size = config.block_size
         self.model = load_model(
             model_config,
@@ -120,10 +112,17 @@ class ModelRunner:
                 if hasattr(module, "cpu_kernels"):
                     module.cpu_kernels = self.cpu_kernels
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        attention_backend = make_attention_backend(config.attn_backend, device, self.cpu_kernels)
+        self.attention_backend = make_attention_backend(config.attn_backend, device, self.cpu_kernels)
         for layer in self.attn_layers:
-            layer.backend = attention_backend
+            layer.backend = self.attention_backend
         self.kv_groups = kv_groups_for(model_config)
+        self.sampler = Sampler(self.cpu_kernels)
+        self.states: dict[str, RequestState] = {}  # every request this rank holds (running or preempted)
+        self.batch = InputBatch(config.max_batch_size, cdiv(max_seq_len, self.block_size), len(self.kv_groups), device)
+        self._sampling_key: tuple | None = None
+        self._sampling_cached: SamplingBatch | None = None
+        self._last_handle: StepHandle | None = None
+        self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.kv_cache_config.max_blocks is None:
             self.num_blocks = self._num_kv_blocks_by_profiling()  # brisk/model_runner/memory.py
         else:
@@ -131,7 +130,20 @@ class ModelRunner:
         if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
             self.num_blocks = agree_min(self.num_blocks, cpu_group)
         self._allocate_kv_cache()
-        self.sampler = Sampler(self.cpu_kernels)
+        graph_config = effective_graph_config(config, device)
+        if graph_config is not None:
+            sizes = graph_batch_sizes(graph_config, config.max_batch_size)
+            if sizes:
+                # Under attention DP the ranks' padded sizes differ step by step (the MoE gathers every rank's
+                # rows): their steps run on the padded buffers uncaptured.
+                # Capture needs backends without host syncs (the Triton ones); others run the buffers uncaptured.
+                capture = device.type == "cuda" and parallel.dp_size == 1 and self._graph_safe()
+                self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture=capture)
+                self.graphs.capture_all(self)
+
+    def _graph_safe(self) -> bool:
+        moe_backends = [m.backend for m in self.model.modules() if isinstance(m, FusedMoE)]
+        return self.attention_backend.graph_safe and all(b.graph_safe for b in moe_backends)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -169,26 +181,39 @@ class ModelRunner:
         weights = torch.cuda.memory_allocated(self.device)
         lengths = profile_batch_shape(self.config.max_num_tokens, self.config.max_batch_size)
         tables: list[list[int]] = []
-        slots: list[int] = []
         start = 1  # block 0 is the null block
         for n in lengths:
             table = list(range(start, start + cdiv(n, self.block_size)))
             start += len(table)
             tables.append(table)
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n))
         self.num_blocks = start
         self._allocate_kv_cache()
-        ends = list(itertools.accumulate(lengths))
-        step = StepInput(
-            input_ids=[i % self.model_config.vocab_size for i in range(ends[-1])],
-            positions=[p for n in lengths for p in range(n)],
-            query_start_loc=[0, *ends],
-            seq_lens=lengths,
-            block_tables=[tables for _ in self.kv_groups],  # every group's layers write the same blocks' slots
-            slot_mappings=[slots for _ in self.kv_groups],
-            logits_indices=[e - 1 for e in ends],
+        # A real step (the scheduler's message, the persistent batch, forward, logits, sampling) over dummy
+        # prompts that fill max_num_tokens; their rows leave the batch afterwards.
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        vocab = self.model_config.vocab_size
+        new = [
+            NewRequestData(
+                f"kv-profile-{i}", [t % vocab for t in range(n)], params, None, [table] * len(self.kv_groups), 0
+            )
+            for i, (n, table) in enumerate(zip(lengths, tables))
+        ]
+        sched = SchedulerOutput(
+            new_requests=new,
+            num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new},
+            total_num_scheduled_tokens=sum(lengths),
+            sampled_req_ids=[r.req_id for r in new],
         )
-        measured = measure_profile_run(self.device, weights, lambda: self.forward([step] * self.parallel.dp_size))
+        profile_ids = [r.req_id for r in new]
+
+        def profile_step() -> None:
+            self.execute_model([sched] * self.parallel.dp_size).result()
+            self.batch.remove(profile_ids)
+            for rid in profile_ids:
+                self.states.pop(rid, None)
+            self._last_handle = None
+
+        measured = measure_profile_run(self.device, weights, profile_step)
         for (
             layer
         ) in self.attn_layers:  # free the temporary cache (allocated before the profile's baseline: not counted)
@@ -228,93 +253,344 @@ class ModelRunner:
                 layer.k_cache, layer.v_cache = slots[j]
                 layer.kv_group = g
 
-    def make_kv_manager(self) -> KVCacheManager:
-        return KVCacheManager(self.kv_groups, self.num_blocks, self.block_size, self.config.enable_prefix_caching)
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.kv_groups, self.num_blocks, self.block_size, self.parallel.dp_size)
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[StepInput, list[Request]]:
-        """Flatten a scheduled batch into the step's model input; also returns the request of each sampled row."""
-        step = StepInput([], [], [0], [], [[] for _ in self.kv_groups], [[] for _ in self.kv_groups], [])
-        rows: list[Request] = []
-        bs = self.block_size
-        for s in sched.scheduled:
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            step.input_ids.extend(req.all_token_ids[start:end])
-            step.positions.extend(range(start, end))
-            step.query_start_loc.append(step.query_start_loc[-1] + s.num_new_tokens)
-            step.seq_lens.append(end)
-            for g, table in enumerate(kv.tables[req.request_id]):
-                step.block_tables[g].append(table)
-                step.slot_mappings[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.samples:
-                step.logits_indices.append(step.query_start_loc[-1] - 1)
-                rows.append(req)
-        return step, rows
-
     @torch.inference_mode()
-    def forward(self, inputs: list[StepInput]) -> torch.Tensor | None:
-        """Run this rank's part of a step (inputs[dp_rank]); every rank calls it with the same inputs.
+    def execute_model(self, scheds: list[SchedulerOutput]) -> StepHandle:
+        """Run this rank's part of a step (scheds[dp_rank]); every rank calls it with every DP rank's
+        SchedulerOutput. Launches the step and returns at once: its sampled tokens stay on the device (the next
+        step reads them from there) until `StepHandle.result()` brings them to the host."""
+        p = self.parallel
+        sched = scheds[p.dp_rank]
+        self._update_batch(sched)
+        step = self._prepare(sched)
+        if p.dp_size > 1:  # what each rank runs (the MoE layers gather them): padded where a rank pads
+            step.dp_num_tokens = [self._num_tokens_run(s) for s in scheds]
+        hidden = self._forward(step)
+        num_sampled_all = [s.num_sampled_requests for s in scheds]
+        token_ids, bad, logprobs = None, None, None
+        samples_here = p.dp_size > 1 or p.rank == 0  # attention DP: every rank samples its own rows
+        if step.num_sampled:
+            logits = self.model.compute_logits(
+                hidden[step.logits_indices]
+            )  # vocab-parallel under TP: every rank takes part
+            if samples_here:
+                token_ids, bad, logprobs = self._sample(logits, step)
+        if p.world_size > 1:
+            token_ids, bad = self._share_sampled(token_ids, bad, step, num_sampled_all)
+        if token_ids is not None and step.num_sampled:
+            mine = token_ids
+            if p.dp_size > 1:
+                offset = sum(num_sampled_all[: p.dp_rank])
+                mine = token_ids[offset : offset + step.num_sampled]
+            self.batch.last_sampled[step.sample_rows_tensor] = mine
+        dp_logprobs = None
+        if p.dp_size > 1 and any(s.needs_logprobs for s in scheds):
+            # Each attention-DP rank sampled (and took the logprobs of) its own rows: rank 0 reports them all.
+            dp_logprobs = [None] * p.dp_size if p.rank == 0 else None
+            dist.gather_object(logprobs, dp_logprobs, dst=0, group=self.cpu_group)
+        handle = StepHandle(self, scheds, step, token_ids, bad, logprobs, p.rank == 0, dp_logprobs)
+        self._last_handle = handle
+        return handle
 
-        Returns the logits of the sampled rows, all DP ranks' rows in order, on rank 0; None elsewhere
-        or when no row samples.
-        """
-        p, dev = self.parallel, self.device
-        step = inputs[p.dp_rank]
+    def _num_tokens_run(self, sched: SchedulerOutput) -> int:
+        n = sched.total_num_scheduled_tokens
+        if self.graphs is not None:
+            padded = self.graphs.padded_size_of(len(sched.num_scheduled_tokens), n, sched.num_sampled_requests)
+            if padded is not None:
+                return padded
+        return n
+
+    def _update_batch(self, sched: SchedulerOutput) -> None:
+        batch = self.batch
+        batch.remove(sched.finished_req_ids)
+        batch.remove(sched.preempted_req_ids)
+        for rid in sched.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in sched.new_requests:
+            state = self.states.get(new.req_id) if new.resumed else None
+            generator = state.generator if state is not None else None
+            if state is None and new.seed is not None:
+                generator = self.make_generator(new.seed)
+            params = new.params
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids.update(self.model_config.eos_token_ids)
+            num_prompt = len(new.token_ids) - new.num_output_tokens
+            needs_history = (
+                params.min_tokens > 0
+                or params.repetition_penalty != 1.0
+                or bool(params.presence_penalty)
+                or bool(params.frequency_penalty)
+            )
+            state = RequestState(
+                new.req_id,
+                new.token_ids,
+                params,
+                generator,
+                frozenset(stop_ids),
+                num_prompt,
+                needs_history,
+                output_token_ids=list(new.token_ids[num_prompt:]),
+            )
+            self.states[new.req_id] = state
+            batch.add(state, new.block_ids, new.num_computed_tokens)
+        cached = sched.cached_requests
+        row_of = batch.row_of
+        for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            batch.append_blocks(row_of[rid], block_ids)
+
+    def _prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's model input, from the persistent batch: vectorised over rows and tokens."""
+        batch, bs, dev = self.batch, self.block_size, self.device
+        nst = sched.num_scheduled_tokens
+        row_of = batch.row_of
+        num_rows = len(nst)
+        rows = np.fromiter((row_of[rid] for rid in nst), dtype=np.int64, count=num_rows)
+        counts = np.fromiter(nst.values(), dtype=np.int64, count=num_rows)
+        computed = batch.num_computed[rows]
+        host_len = batch.num_host_tokens[rows]
+        seq_lens = computed + counts
+        num_tokens = int(sched.total_num_scheduled_tokens)
+        decode_only = num_tokens == num_rows
+        qsl = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        if decode_only:
+            positions = computed
+            token_rows = rows
+        else:
+            token_rows = np.repeat(rows, counts)
+            positions = np.repeat(computed - qsl[:-1], counts) + np.arange(num_tokens)
+        samples = seq_lens >= host_len
+        sample_idx = np.flatnonzero(samples)
+        # Tokens the host knows (prompts, resumed requests) vs the row's last sampled token (on the device).
+        from_host = positions < batch.num_host_tokens[token_rows]
+        input_ids = np.zeros(num_tokens, dtype=np.int64)
+        if from_host.any():
+            for i in np.flatnonzero(computed < host_len).tolist():
+                state = batch.states[rows[i]]
+                lo, hi = int(computed[i]), min(int(seq_lens[i]), int(host_len[i]))
+                input_ids[qsl[i] : qsl[i] + hi - lo] = state.host_token_ids[lo:hi]
+        batch.num_computed[rows] = seq_lens
+        block_idx = positions // bs
+        offsets = positions % bs
+        slot_mappings = [table[token_rows, block_idx].astype(np.int64) * bs + offsets for table in batch.block_tables]
+        width = int(batch.num_blocks[rows].max()) if num_rows else 0
+        step = StepBatch(
+            rows=rows,
+            num_rows=num_rows,
+            num_tokens=num_tokens,
+            decode_only=decode_only,
+            input_ids_host=input_ids,
+            placeholder_idx=np.flatnonzero(~from_host),
+            token_rows=token_rows,
+            positions=positions,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=[table[rows, :width] for table in batch.block_tables],
+            slot_mappings=slot_mappings,
+            sample_idx=sample_idx,
+            num_sampled=len(sample_idx),
+            logits_indices=to_device(qsl[1:][sample_idx] - 1, dev),
+            sample_rows_tensor=to_device(rows[sample_idx], dev),
+        )
+        if step.num_sampled != sched.num_sampled_requests:
+            raise RuntimeError(
+                f"the runner samples {step.num_sampled} rows, the scheduler expects {sched.num_sampled_requests}"
+            )
+        return step
+
+    def _forward(self, step: StepBatch) -> torch.Tensor:
+        if self.graphs is not None:
+            padded = self.graphs.padded_size(step)
+            if padded is not None:
+                return self.graphs.run(self, step, padded)
+        dev = self.device
+        input_ids = to_device(step.input_ids_host, dev)
+        if len(step.placeholder_idx):
+            idx = to_device(step.placeholder_idx, dev)
+            input_ids[idx] = self.batch.last_sampled[to_device(step.token_rows[step.placeholder_idx], dev)]
         meta = AttentionMetadata(
-            query_start_loc=step.query_start_loc,
-            seq_lens=step.seq_lens,
-            block_tables=[_pad_2d(t, dev) for t in step.block_tables],
-            slot_mappings=[torch.tensor(s, dtype=torch.int64, device=dev) for s in step.slot_mappings],
+            query_start_loc=step.query_start_loc.tolist(),
+            seq_lens=step.seq_lens.tolist(),
+            block_tables=[to_device(t, dev) for t in step.block_tables],
+            slot_mappings=[to_device(s, dev) for s in step.slot_mappings],
             block_size=self.block_size,
-            dp_num_tokens=[len(i.input_ids) for i in inputs] if p.dp_size > 1 else None,
+            dp_num_tokens=step.dp_num_tokens,
         )
-        hidden = self.model(
-            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(step.positions, dtype=torch.long, device=dev),
-            meta,
-        )
-        hidden = hidden[torch.tensor(step.logits_indices, dtype=torch.long, device=dev)]
-        if p.dp_size > 1:
-            # The LM head is replicated under attention DP: rank 0 computes every rank's logits.
-            counts = [len(i.logits_indices) for i in inputs]
-            if not any(counts):
-                return None
-            hidden = all_gather_rows(hidden, counts)
-            return self.model.compute_logits(hidden) if p.rank == 0 else None
-        if not step.logits_indices:
-            return None
-        logits = self.model.compute_logits(hidden)  # vocab-parallel under TP: every rank takes part
-        return logits if p.rank == 0 else None
+        meta.attn_plan = self.attention_backend.prepare(meta)
+        step.meta = meta
+        return self.model(input_ids, to_device(step.positions, dev), meta)
 
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor | None, rows: list[Request]) -> StepResult:
-        if logits is None:
-            return StepResult({}, None, [])
-        logits = logits.float()
-        # A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be
-        # sampled: zero it so the sampler never sees it, and fail only that request. One reduction over
-        # the logits finds such rows; only those rows are rewritten.
-        bad = ~torch.isfinite(logits.amax(dim=-1))
-        if bad.any():
-            logits[bad] = 0.0
-        batch = SamplingBatch.build(
-            params=[r.params for r in rows],
-            prompt_ids=[r.prompt_token_ids for r in rows],
-            output_ids=[r.output_token_ids for r in rows],
-            generators=[r.generator for r in rows],
-            stop_ids=[set(r.stop_token_ids) for r in rows],
-            vocab_size=logits.shape[-1],
+    def _sampling_batch(self, step: StepBatch, vocab_size: int) -> SamplingBatch:
+        """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order
+        and none of them samples with its history (penalties, min_tokens)."""
+        batch = self.batch
+        sample_rows = step.rows[step.sample_idx]
+        key = (batch.version, sample_rows.tobytes(), vocab_size)
+        if self._sampling_key == key and self._sampling_cached is not None:
+            return self._sampling_cached
+        states = [batch.states[r] for r in sample_rows.tolist()]
+        needs_history = any(s.needs_history for s in states)
+        if needs_history and self._last_handle is not None:
+            self._last_handle.wait_for_history()  # the previous step's tokens (a host sync, only for these rows)
+        built = SamplingBatch.build(
+            params=[s.params for s in states],
+            prompt_ids=[s.host_token_ids[: s.num_prompt_tokens] if s.needs_history else () for s in states],
+            output_ids=[s.output_token_ids if s.needs_history else () for s in states],
+            generators=[s.generator for s in states],
+            stop_ids=[s.stop_ids for s in states],
+            vocab_size=vocab_size,
             device=self.device,
         )
-        out = self.sampler(logits, batch)
-        failed = [rows[i] for i in bad.nonzero().flatten().tolist()]
-        return StepResult({r: t for r, t in zip(rows, out.token_ids) if r not in failed}, out, rows, failed)
+        self._sampling_key, self._sampling_cached = (None, None) if needs_history else (key, built)
+        return built
+
+    def _sample(self, logits: torch.Tensor, step: StepBatch):
+        batch = self._sampling_batch(step, logits.shape[-1])
+        logits = logits.float()
+        # A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be sampled:
+        # only that request fails (an argmax of it is harmless; the other paths see it zeroed). The check rides
+        # on the step's one host synchronisation (with the tokens), never a sync of its own.
+        if self.sampler.is_plain_greedy(batch):  # one pass over the logits finds both
+            row_max, token_ids = row_max_and_argmax(logits)
+            raw_logprobs, bad = None, ~torch.isfinite(row_max)
+        else:
+            bad = ~torch.isfinite(logits.amax(dim=-1))
+            logits = torch.where(bad[:, None], 0.0, logits)
+            token_ids, raw_logprobs = self.sampler.sample(logits, batch)
+        token_ids = token_ids.clamp_(0, logits.shape[-1] - 1)  # a bad row's pick must still embed next step
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = self.sampler.logprobs_output(token_ids, raw_logprobs, batch)
+        return token_ids, bad, logprobs
+
+    def _share_sampled(self, token_ids, bad, step: StepBatch, num_sampled_all: list[int]):
+        """Every rank writes the sampled tokens into its own batch: rank 0 broadcasts them under TP; attention-DP
+        ranks each sampled their own rows and gather them."""
+        p = self.parallel
+        if p.dp_size > 1:
+            if not any(num_sampled_all):
+                return None, None
+            mine = torch.zeros(step.num_sampled, 2, dtype=torch.int64, device=self.device)
+            if token_ids is not None:
+                mine[:, 0] = token_ids
+                mine[:, 1] = bad
+            both = all_gather_rows(mine, num_sampled_all)
+            return both[:, 0], both[:, 1].bool()
+        n = num_sampled_all[0]
+        if not n:
+            return token_ids, bad
+        buf = torch.empty(n, dtype=torch.int64, device=self.device)
+        if p.rank == 0:
+            buf.copy_(token_ids)
+        dist.broadcast(buf, src=0)
+        return (buf, bad) if p.rank != 0 else (token_ids, bad)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
 
-def _pad_2d(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+@dataclass
+class StepBatch:
+    """One step as the runner lays it out: host arrays (numpy) and the tensors built from them."""
+
+    rows: np.ndarray  # [B] batch row of each scheduled request, in the scheduler's order
+    num_rows: int
+    num_tokens: int
+    decode_only: bool  # every request computes one token
+    input_ids_host: np.ndarray  # [T]; placeholders (0) where the token is a row's last sampled one
+    placeholder_idx: np.ndarray  # token indices filled from the device
+    token_rows: np.ndarray  # [T] batch row of each token
+    positions: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B+1]
+    seq_lens: np.ndarray  # [B]
+    block_tables: list[np.ndarray]  # per KV group [B, width]
+    slot_mappings: list[np.ndarray]  # per KV group [T]
+    sample_idx: np.ndarray  # indices (into rows) of the requests that sample
+    num_sampled: int
+    logits_indices: torch.Tensor
+    sample_rows_tensor: torch.Tensor  # batch rows of the sampled requests
+    meta: AttentionMetadata | None = None
+    dp_num_tokens: list[int] | None = None
+
+
+class StepHandle:
+    """A launched step. `result()` is the step's one host synchronisation: the sampled tokens (and the
+    non-finite flags) in one copy, then the ModelRunnerOutput of every DP rank (on rank 0)."""
+
+    def __init__(
+        self, runner: ModelRunner, scheds, step: StepBatch, token_ids, bad, logprobs, is_rank0: bool, dp_logprobs=None
+    ):
+        self._runner = runner
+        self._scheds = scheds
+        self._step = step
+        self._token_ids = token_ids
+        self._bad = bad
+        self._logprobs = logprobs
+        self._dp_logprobs = dp_logprobs  # attention DP: every DP rank's logprobs, on rank 0
+        self._is_rank0 = is_rank0
+        self._host: tuple[list[int], list[int]] | None = None
+        self._history_done = False
+        self._outputs: list[ModelRunnerOutput] | None = None
+
+    def _to_host(self) -> tuple[list[int], list[int]]:
+        """(sampled token ids, non-finite flags) of every sampled row, in one device-to-host copy."""
+        if self._host is None:
+            if self._token_ids is None:
+                self._host = ([], [])
+            else:
+                ids, bad = torch.stack([self._token_ids, self._bad.to(torch.int64)]).tolist()
+                self._host = (ids, bad)
+        return self._host
+
+    def wait_for_history(self) -> None:
+        """Append this step's tokens to the outputs of the rows that sample with their history."""
+        if self._history_done:
+            return
+        self._history_done = True
+        ids, _ = self._to_host()
+        runner = self._runner
+        d = runner.parallel.dp_rank
+        offset = sum(s.num_sampled_requests for s in self._scheds[:d])
+        for j, rid in enumerate(self._scheds[d].sampled_req_ids):
+            state = runner.states.get(rid)
+            if state is not None and state.needs_history:
+                state.output_token_ids.append(ids[offset + j])
+
+    def result(self) -> list[ModelRunnerOutput]:
+        if self._outputs is not None:
+            return self._outputs
+        ids, bad = self._to_host()
+        self.wait_for_history()
+        outputs = []
+        if self._is_rank0:
+            any_bad = any(bad)
+            offset = 0
+            for d, sched in enumerate(self._scheds):
+                n = sched.num_sampled_requests
+                req_ids = sched.sampled_req_ids
+                logprobs = self._logprobs if self._dp_logprobs is None else self._dp_logprobs[d]
+                if not any_bad and logprobs is None:  # the common step: the lists as they are
+                    outputs.append(ModelRunnerOutput(req_ids, ids[offset : offset + n]))
+                    offset += n
+                    continue
+                row_logprobs: list[TokenLogprobs | None] = []
+                out = ModelRunnerOutput([], [], row_logprobs if logprobs is not None else None, [])
+                for j, rid in enumerate(req_ids):
+                    if bad[offset + j]:
+                        out.failed_req_ids.append(rid)
+                        continue
+                    out.req_ids.append(rid)
+                    out.sampled_token_ids.append(ids[offset + j])
+                    if logprobs is not None:
+                        num = logprobs.num_logprobs[j] if logprobs.num_logprobs is not None else None
+                        lp = None if num is None else TokenLogprobs(logprobs.logprobs[j], logprobs.top_logprobs[j])
+                        row_logprobs.append(lp)
+                offset += n
+                outputs.append(out)
+        self._outputs = outputs
+        return outputs

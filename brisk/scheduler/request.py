@@ -5,9 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from brisk.sampling_params import SamplingParams
+from brisk.scheduler.output import FinishReason
 
 
 class RequestStatus(enum.Enum):
@@ -18,7 +17,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: str  # unique among the requests in flight (one per completion)
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved against max_seq_len
@@ -26,19 +25,24 @@ class Request:
     arrival_seq: int  # admission order among equal priorities
     # n > 1: a sibling whose prefill this one waits for, so it can adopt the prompt's KV blocks.
     follows: Request | None = None
-    generator: torch.Generator | None = None
     dp_rank: int = 0  # attention data parallelism: the rank whose KV pool holds this request
+    parent_id: str = ""  # the client's request id ("" : request_id)
+    index: int = 0  # which of the parent's n completions
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is computed or being computed by a step in flight
+    # Tokens sampled by steps in flight whose ids are not known here yet (overlap scheduling): the next step
+    # computes their KV from the device-side sampled ids.
+    num_placeholders: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission
     num_preemptions: int = 0
     first_scheduled_time: float = 0.0  # time.time() of its first step (0: not yet), for queue-time metrics
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
+        self.parent_id = self.parent_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -68,10 +72,10 @@ class Request:
         """After a token was appended: set finish_reason if the request is done."""
         last = self.output_token_ids[-1]
         if last in self.stop_token_ids and len(self.output_token_ids) > self.params.min_tokens:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
             self.stop_reason = last if last in self.params.stop_token_ids else None
             return True
         if len(self.output_token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
             return True
         return False

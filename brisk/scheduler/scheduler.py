@@ -6,48 +6,37 @@ blocks and batch slots last. When the pool runs dry a running request is preempt
 its blocks are freed and it re-enters the waiting queue with `num_computed_tokens = 0` (a prefix-cache
 hit may give much of it back). Prefill, chunked prefill, prefix hits and preemption need no other
 state than that counter.
+
+Overlap scheduling: `schedule()` advances `num_computed_tokens` at once and counts the token a step will
+sample as a placeholder, so step N+1 can be scheduled while step N runs; `update_from_output(N)` later
+replaces the placeholder by the sampled token. A request that finishes in step N may thus have been scheduled
+in step N+1: that step's token for it is dropped (never output), and its blocks were freed with it.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import time
+from typing import NamedTuple
 
 from brisk.kv_cache.manager import KVCacheManager
+from brisk.scheduler.output import (
+    CachedRequestData,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from brisk.scheduler.request import Request, RequestStatus
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
-@dataclass
-class TokenOutput:
-    """What one step produced for one request (the engine adds logprobs)."""
+class TokenOutput(NamedTuple):
+    """What one step produced for one request (the engine adds logprobs from `row` of the runner output)."""
 
     request: Request
     new_token_ids: list[int]
     finished: bool
+    row: int = -1
 
 
 class Scheduler:
@@ -64,46 +53,74 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: list[Request] = []  # sorted by priority_key
         self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        self._num_finished_running = 0  # finished requests still in `running` (see _finish)
+        self._num_sent_blocks: dict[str, int] = {}  # blocks per KV group the runner holds, per running request
+        # Finished (the runner held them) or preempted since the last step that ran: the next one tells the runner.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=lambda r: r.priority_key)
 
-    def abort(self, req: Request) -> None:
-        if req.is_finished:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._finish(req, "abort")
+    def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT) -> None:
+        if not req.is_finished:
+            self._finish(req, reason)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = req.finish_reason or reason
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self._num_finished_running += 1  # dropped from `running` in one pass, not one list.remove each
         req.status = RequestStatus.FINISHED
-        if req in self.running:
-            self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        if self._num_sent_blocks.pop(req.request_id, None) is not None or req.num_preemptions:
+            self._finished_ids.append(req.request_id)
         self.kv.free(req)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) - self._num_finished_running
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) - self._num_finished_running
+
+    def _drop_finished_running(self) -> None:
+        if self._num_finished_running:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self._num_finished_running = 0
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        self._drop_finished_running()
         budget = self.max_num_tokens
         scheduled: dict[Request, int] = {}
+        preempted: list[Request] = []
+        allocate_slots = self.kv.allocate_slots
 
         # 1. Running requests, oldest first; preempt the least important when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            num_new = len(req._all_token_ids) + req.num_placeholders - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or len(req.output_token_ids) + req.num_placeholders >= req.max_tokens:
+                i += 1  # its last token is being sampled: nothing left to compute
+                continue
+            while not allocate_slots(req, num_new):
                 victim = max(self.running, key=lambda r: r.priority_key)
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted.append(victim)
                 if victim in scheduled:
                     budget += scheduled.pop(victim)
                     i -= 1
@@ -115,12 +132,13 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting requests, unless this step already had to preempt (admitting more would thrash).
-        if not out.preempted:
-            for req in list(self.waiting):
-                if budget <= 0 or len(self.running) >= self.max_batch_size:
+        new_reqs: list[Request] = []
+        if not preempted:
+            for req in self.waiting:
+                if budget <= 0 or self.num_running >= self.max_batch_size:
                     break
-                if req.follows is not None and not self._prompt_ready(req.follows):
-                    continue
+                if req.num_placeholders or (req.follows is not None and not self._prompt_ready(req.follows)):
+                    continue  # a preempted request whose last step's token is not known yet; an n > 1 sibling
                 hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - hit.num_tokens
                 if num_new > budget:
@@ -129,22 +147,87 @@ class Scheduler:
                     num_new = budget
                 if not self.kv.allocate_slots(req, num_new, hit):
                     break
-                self.waiting.remove(req)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = hit.num_tokens
                 req.num_computed_tokens = hit.num_tokens
                 req.follows = None
                 req.status = RequestStatus.RUNNING
+                req.first_scheduled_time = req.first_scheduled_time or time.time()  # queue-time metric
                 self.running.append(req)
                 scheduled[req] = num_new
+                new_reqs.append(req)
                 budget -= num_new
+            if new_reqs:  # one pass, not one list.remove per admitted request
+                admitted = set(new_reqs)
+                self.waiting = [r for r in self.waiting if r not in admitted]
+        return self._build_output(scheduled, new_reqs, preempted)
 
-        out.scheduled = [ScheduledRequest(r, n) for r, n in scheduled.items()]
-        return out
+    def _build_output(
+        self, scheduled: dict[Request, int], new_reqs: list[Request], preempted: list[Request]
+    ) -> SchedulerOutput:
+        new_data = []
+        cached = CachedRequestData([], [])
+        sampled: list[str] = []
+        needs_logprobs = False
+        sent = self._num_sent_blocks
+        for req in new_reqs:
+            tables = self.kv.tables[req.request_id]
+            new_data.append(
+                NewRequestData(
+                    req.request_id,
+                    list(req.all_token_ids),
+                    req.params,
+                    req.params.seed,
+                    [list(t) for t in tables],
+                    req.num_computed_tokens,
+                    len(req.output_token_ids),
+                    resumed=req.num_preemptions > 0,
+                )
+            )
+            sent[req.request_id] = len(tables[0])
+        new_ids = {r.request_id for r in new_reqs}
+        num_scheduled = {}
+        total = 0
+        for req, n in scheduled.items():
+            rid = req.request_id
+            num_scheduled[rid] = n
+            total += n
+            if rid not in new_ids:
+                tables = self.kv.tables[rid]
+                have = sent[rid]
+                if len(tables[0]) > have:
+                    cached.req_ids.append(rid)
+                    cached.new_block_ids.append([t[have:] for t in tables])
+                    sent[rid] = len(tables[0])
+            # Advance now (the step is in flight); the sampled token is a placeholder until its output arrives.
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+                req.num_placeholders += 1
+                sampled.append(rid)
+                if req.params.logprobs is not None:
+                    needs_logprobs = True
+        for req in preempted:
+            sent.pop(req.request_id, None)
+        self._preempted_ids.extend(r.request_id for r in preempted)
+        if not total:  # a step that runs nothing: the runner hears of these with the next one that runs
+            return SchedulerOutput()
+        finished, self._finished_ids = self._finished_ids, []
+        preempted_ids, self._preempted_ids = self._preempted_ids, []
+        return SchedulerOutput(
+            new_requests=new_data,
+            cached_requests=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            sampled_req_ids=sampled,
+            needs_logprobs=needs_logprobs,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted_ids,
+        )
 
     @staticmethod
     def _prompt_ready(leader: Request) -> bool:
-        return leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens
+        # Its first token is taken only after its prompt's blocks were computed and indexed for prefix hits.
+        return leader.is_finished or bool(leader.output_token_ids)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -152,22 +235,44 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(req)
+        self._enqueue(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[TokenOutput]:
-        """Advance each scheduled request by what was computed and append its sampled token."""
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[TokenOutput]:
+        """Take a step's sampled tokens: append each to its request, check stops, index newly full blocks."""
         results = []
-        for s in out.scheduled:
-            req = s.request
-            if req.is_finished:  # aborted while the step ran
-                continue
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
-            if req not in sampled:
-                continue  # a prefill chunk that is not the last
-            req.append_output(sampled[req])
+        requests = self.requests
+        kv = self.kv
+        if kv.enable_prefix_caching:
+            failed = set(output.failed_req_ids)  # their (suspect) KV is never offered to another request
+            bs, num_cached = kv.block_size, kv.num_cached_blocks
+            running = RequestStatus.RUNNING
+            for rid in sched.num_scheduled_tokens:
+                req = requests.get(rid)
+                if req is None or req.status is not running or rid in failed:
+                    continue
+                # Full blocks whose tokens are all known; their KV is written by this step or by one in flight,
+                # which runs before any step that could read them through a prefix hit.
+                known = req.num_computed_tokens
+                if known > len(req._all_token_ids):
+                    known = len(req._all_token_ids)
+                if known // bs > num_cached.get(rid, 0):
+                    kv.cache_full_blocks(req, known)
+        for row, (rid, token) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
+            req = requests.get(rid)
+            if req is None:
+                continue  # finished (or aborted) while the step ran: its token is dropped
+            req.num_placeholders -= 1
+            req.output_token_ids.append(token)
+            req._all_token_ids.append(token)
             done = req.check_stop()
             if done:
-                self._finish(req, req.finish_reason or "stop")
-            results.append(TokenOutput(req, [req.output_token_ids[-1]], done))
+                self._finish(req, FinishReason.STOP)
+            results.append(TokenOutput(req, [token], done, row))
+        for rid in output.failed_req_ids:
+            req = requests.get(rid)
+            if req is not None:
+                # Its token is dropped and its (suspect) KV blocks are not cached.
+                req.num_placeholders -= 1
+                self._finish(req, FinishReason.ERROR)
+                results.append(TokenOutput(req, [], True))
         return results

@@ -1,0 +1,111 @@
+"""The runner's persistent batch: one row per running request, kept between steps and changed incrementally.
+
+A request gets a row when it is first scheduled (or resumes after a preemption) and loses it when it finishes
+or is preempted; the last row then moves into the hole (condense), so rows 0..num_rows-1 are always in use.
+Per-row state lives in preallocated arrays (numpy on the host, where the step's index arithmetic is vectorised,
+plus one device tensor: the token each row sampled last), so a decode step costs a few array operations
+whatever the batch, not a Python list per token.
+
+Where a step's input tokens come from: a row's `host_token_ids` (the prompt; a resumed request's prompt and
+outputs) for positions below `num_host_tokens`, and the row's last sampled token on the device for the one
+position after them that a decode step computes. The runner never waits for a sampled token to reach the host
+before the next step (overlap scheduling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from brisk.sampling_params import SamplingParams
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. To a GPU through pinned memory, asynchronously: the host goes on preparing (the
+    pinned copy stays alive until the transfer is done) and never waits for the step in flight. On a CPU, no copy."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of a request, also while it is preempted (its generator must go on where it was)."""
+
+    req_id: str
+    host_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    num_prompt_tokens: int
+    # Outputs kept on the host only for rows whose sampling depends on them (penalties, min_tokens).
+    needs_history: bool
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class InputBatch:
+    def __init__(self, max_rows: int, max_blocks_per_row: int, num_kv_groups: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.req_ids: list[str] = []  # row -> request id
+        self.states: list[RequestState] = []  # row -> state
+        self.row_of: dict[str, int] = {}
+        self.num_computed = np.zeros(max_rows, dtype=np.int64)
+        self.num_host_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.block_tables = [np.zeros((max_rows, max_blocks_per_row), dtype=np.int32) for _ in range(num_kv_groups)]
+        self.last_sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        # Bumped whenever rows join, leave or move: the sampler's per-row tensors are rebuilt only then.
+        self.version = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, state: RequestState, block_ids: list[list[int]], num_computed: int) -> int:
+        row = len(self.req_ids)
+        if row >= self.max_rows:
+            raise RuntimeError(f"the batch holds {self.max_rows} rows; the scheduler admitted more")
+        self.req_ids.append(state.req_id)
+        self.states.append(state)
+        self.row_of[state.req_id] = row
+        self.num_computed[row] = num_computed
+        self.num_host_tokens[row] = len(state.host_token_ids)
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.version += 1
+        return row
+
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        if not block_ids or not block_ids[0]:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids[0])
+        for table, ids in zip(self.block_tables, block_ids):
+            table[row, start:end] = ids
+        self.num_blocks[row] = end
+
+    def remove(self, req_ids: list[str]) -> None:
+        """Drop these requests' rows (unknown ids are ignored), moving the last rows into the holes."""
+        for rid in req_ids:
+            row = self.row_of.pop(rid, None)
+            if row is None:
+                continue
+            last = len(self.req_ids) - 1
+            if row != last:
+                moved = self.req_ids[last]
+                self.req_ids[row] = moved
+                self.states[row] = self.states[last]
+                self.row_of[moved] = row
+                for arr in (self.num_computed, self.num_host_tokens, self.num_blocks):
+                    arr[row] = arr[last]
+                width = int(self.num_blocks[last])
+                for table in self.block_tables:
+                    table[row, :width] = table[last, :width]
+                self.last_sampled[row] = self.last_sampled[last]
+            self.req_ids.pop()
+            self.states.pop()
+            self.version += 1

@@ -1,0 +1,91 @@
+"""The seam between the engine core and the model side: what a step asks for, and what it produced.
+
+`SchedulerOutput` carries everything a model runner needs and nothing it can derive itself: a request's prompt,
+sampling parameters and block ids the first time it is scheduled, and afterwards only what changed (new block ids,
+how many tokens to compute, whether it resumes after a preemption). Every rank (tensor, expert, attention-data
+parallel) receives the same message and keeps its own persistent batch from it. `ModelRunnerOutput` comes back:
+the token sampled for each request whose known tokens the step reached, their logprobs, and the requests whose
+logits were not finite. Both are msgspec structs: they cross the process boundary to the other ranks unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from brisk.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a completion ended; the OpenAI API's strings ("error": the model produced non-finite logits). A str,
+    so it compares, prints and serialises as that string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request scheduled for the first time (or again after a preemption: then `token_ids` holds its outputs
+    too, and `resumed` is set)."""
+
+    req_id: str
+    token_ids: list[int]  # every token known now: the prompt, plus the outputs of a resumed request
+    params: SamplingParams
+    seed: int | None  # the request's own generator; None: the shared one
+    block_ids: list[list[int]]  # per KV group
+    num_computed_tokens: int  # a prefix-cache hit
+    num_output_tokens: int = 0  # outputs already produced (a resumed request): min_tokens counts them
+    resumed: bool = False  # back after a preemption: the runner kept its generator
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Scheduled requests the runner already holds and whose block tables grew; the runner advances every
+    request's computed tokens itself, by what it computes."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[list[int]]] = []  # per request, per KV group: blocks appended since the last step
+
+
+class SchedulerOutput(msgspec.Struct):
+    new_requests: list[NewRequestData] = []
+    cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = {}  # tokens to compute this step, per scheduled request
+    total_num_scheduled_tokens: int = 0
+    # The requests whose known tokens this step reaches, so it samples their next one (in scheduling order).
+    sampled_req_ids: list[str] = []
+    needs_logprobs: bool = False  # some sampled request asked for logprobs (attention DP gathers them)
+    # Requests the runner forgets (finished, aborted) or drops from its batch until they resume (preempted).
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+
+    def __bool__(self) -> bool:
+        return self.total_num_scheduled_tokens > 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.total_num_scheduled_tokens
+
+    @property
+    def num_sampled_requests(self) -> int:
+        return len(self.sampled_req_ids)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # the top-k alternatives, best first
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    req_ids: list[str] = []  # the requests that sampled, in row order
+    sampled_token_ids: list[int] = []
+    logprobs: list[TokenLogprobs | None] | None = None  # per row when some row asked for logprobs
+    failed_req_ids: list[str] = []  # non-finite logits: their token is dropped, the request ends with "error"
+
+
+EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
