@@ -1,22 +1,20 @@
 """The Ray half of tests/test_ray_serve.py, run in its own process so that pytest never imports Ray.
 
-    PYTHONPATH=REPO:RAY_SITE python -m tests.ray_serve_driver WORKDIR
+    PYTHONPATH=REPO:RAY_SITE python -m tests.ray_serve_driver WORKDIR RAY_TEMP_DIR
 
 RAY_SITE is where `make test` installs `ray[serve]` (outside the venv's site-packages: Ray brings uvloop and
 httptools, which would switch uvicorn's event loop and HTTP parser under every other server test). This starts a
-local Ray cluster (2 CPUs, small object store), deploys deploy/ray/serve_brisk.py with 2 replicas of a tiny model,
-runs the workload and writes what it observed to WORKDIR/result.json; tests/test_ray_serve.py asserts on it.
-Nothing here asserts on the outcome: a request that fails is recorded (status, error) so that the test can say which one.
+local Ray cluster (2 CPUs, small object store, its files under RAY_TEMP_DIR), deploys deploy/ray/serve_brisk.py
+with 2 replicas of a tiny model, runs the workload and writes what it observed to WORKDIR/result.json, which
+tests/test_ray_serve.py asserts on. Nothing here asserts on the outcome: a request that fails is recorded
+(status, error) so that the test can say which one.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import signal
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -148,12 +146,8 @@ def _kill_and_resend(served_by: dict[str, list[str]], base: str) -> dict[str, An
     return outcome
 
 
-def main(workdir: Path) -> None:
-    # The test ends this process with SIGTERM on its timeout: exit through the `finally` so Ray shuts down.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def main(workdir: Path, ray_temp: str) -> None:
     serve_brisk = _load_serve_brisk()
-    # Ray's Unix sockets live under its temp dir; a short path keeps them under the 107-byte limit.
-    ray_temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     try:
         cluster = Cluster(workdir, ray_temp)
         round_robin, _ = _hit_rate_run(cluster, serve_brisk, "round_robin")
@@ -167,8 +161,7 @@ def main(workdir: Path) -> None:
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
-        shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])
