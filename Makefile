@@ -13,7 +13,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,clients]"
 	touch $@
 
-install: $(VENV)/.installed
+# ray[serve] (the `ray` extra's range) goes into its own directory, not the venv: it brings uvloop and httptools,
+# which would switch uvicorn's event loop and HTTP parser under every other server test. tests/test_ray_serve.py
+# runs Ray in a subprocess with this directory on PYTHONPATH. The stamp holds the spec installed, so only a
+# change of the `ray` extra reinstalls it; the install goes to a .tmp directory first, so a failed one leaves none.
+RAY_SITE := $(VENV)/ray-site
+RAY_SPEC := $(shell sed -n 's/^ray = \["\(.*\)"\]$$/\1/p' pyproject.toml)
+
+$(RAY_SITE)/.installed: pyproject.toml $(VENV)/.installed
+	@test -n '$(RAY_SPEC)' || { echo 'Makefile: no `ray = [...]` extra found in pyproject.toml'; exit 1; }
+	if [ "$$(cat $@ 2>/dev/null)" != '$(RAY_SPEC)' ]; then \
+		set -e; rm -rf $(RAY_SITE).tmp; \
+		$(PY) -m pip install -q --target $(RAY_SITE).tmp '$(RAY_SPEC)'; \
+		echo '$(RAY_SPEC)' > $(RAY_SITE).tmp/.installed; \
+		rm -rf $(RAY_SITE); mv $(RAY_SITE).tmp $(RAY_SITE); \
+	fi
+	touch $@
+
+install: $(VENV)/.installed $(RAY_SITE)/.installed
 
 lint: install
 	$(VENV)/bin/ruff check .
