@@ -88,10 +88,12 @@ class GrammarCompiler:
         try:
             return future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
-            raise InvalidRequest(
-                spec.param,
-                f"the grammar took longer than {self.compile_timeout_s:g} s to compile; simplify the schema.",
-            ) from None
+            raise self.timeout_error(spec) from None
+
+    def timeout_error(self, spec: StructuredOutputs) -> InvalidRequest:
+        return InvalidRequest(
+            spec.param, f"the grammar took longer than {self.compile_timeout_s:g} s to compile; simplify the schema."
+        )
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
         return Matcher(compiled)
