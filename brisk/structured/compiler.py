@@ -37,7 +37,9 @@ class GrammarCompiler:
     harmony: the model speaks harmony (gpt-oss): reasoning stays free, the constraint starts at the final
     channel or a strict tool's call header. compile_timeout_s: a grammar not compiled within it is a 400 (the
     compile itself cannot be interrupted; it finishes in its worker and its result is cached). cache_size:
-    compiled grammars kept (least recently used dropped)."""
+    compiled grammars kept (least recently used dropped). max_json_whitespace: the longest whitespace run
+    JSON output may hold (indentation included); bounded so that a model cannot loop on whitespace until
+    max_tokens (a known failure of unbounded JSON grammars), None for unbounded."""
 
     def __init__(
         self,
@@ -49,12 +51,14 @@ class GrammarCompiler:
         compile_timeout_s: float = 10.0,
         max_workers: int = 2,
         cache_size: int = 256,
+        max_json_whitespace: int | None = 32,
     ) -> None:
         if harmony and stop_token_ids is None:
             stop_token_ids = [int(tokenizer.convert_tokens_to_ids(token)) for token in HARMONY_STOP_TOKENS]
         self.harmony = harmony
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        self.max_json_whitespace = max_json_whitespace
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
@@ -69,7 +73,7 @@ class GrammarCompiler:
         """The compiled grammar's future (cached by the spec's hash). Shape errors found before compiling
         (unsupported keywords, bad JSON text) raise InvalidRequest here; compiler errors come from the future
         as InvalidRequest."""
-        tag = structural_tag(spec, self.harmony)  # cheap checks, synchronous
+        tag = structural_tag(spec, self.harmony, self.max_json_whitespace)  # cheap checks, synchronous
         key = spec.key()
         with self._lock:
             future = self._cache.get(key)

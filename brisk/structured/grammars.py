@@ -89,18 +89,19 @@ def check_keywords(schema: Any, param: str, path: str = "#") -> None:
             check_keywords(sub, param, f"{path}/items/{index}")
 
 
-def _json_format(schema: dict[str, Any] | str, param: str) -> JSONSchemaFormat:
+def _json_format(schema: dict[str, Any] | str, param: str, max_whitespace: int | None) -> JSONSchemaFormat:
     loaded = load_schema(schema, param)
     check_keywords(loaded, param)
-    return JSONSchemaFormat(json_schema=loaded)
+    return JSONSchemaFormat(json_schema=loaded, max_whitespace_cnt=max_whitespace)
 
 
-def answer_format(spec: StructuredOutputs) -> Any:
-    """The xgrammar format of the answer constraint, or None when only tools are constrained."""
+def answer_format(spec: StructuredOutputs, max_whitespace: int | None = None) -> Any:
+    """The xgrammar format of the answer constraint, or None when only tools are constrained.
+    max_whitespace: the longest whitespace run JSON may hold (None: unbounded)."""
     if spec.json is not None:
-        return _json_format(spec.json, spec.param)
+        return _json_format(spec.json, spec.param, max_whitespace)
     if spec.json_object:
-        return JSONSchemaFormat(json_schema={"type": "object"})
+        return JSONSchemaFormat(json_schema={"type": "object"}, max_whitespace_cnt=max_whitespace)
     if spec.regex is not None:
         return RegexFormat(pattern=spec.regex)
     if spec.choice is not None:
@@ -112,12 +113,12 @@ def answer_format(spec: StructuredOutputs) -> Any:
     return None
 
 
-def _tool_rules(spec: StructuredOutputs) -> list[tuple[str, Any]]:
+def _tool_rules(spec: StructuredOutputs, max_whitespace: int | None) -> list[tuple[str, Any]]:
     rules: list[tuple[str, Any]] = []
     for tool in spec.tools:
         if not re.fullmatch(r"[A-Za-z0-9_\-.]+", tool.name):
             raise InvalidRequest("tools", f"strict tool name {tool.name!r} must be letters, digits, '_', '-', '.'.")
-        arguments = _json_format(tool.parameters, "tools")
+        arguments = _json_format(tool.parameters, "tools", max_whitespace)
         # the two header orders harmony allows: recipient after the channel, or in the role part before it
         rules.append(
             (
@@ -136,10 +137,10 @@ def _tool_rules(spec: StructuredOutputs) -> list[tuple[str, Any]]:
     return rules
 
 
-def structural_tag(spec: StructuredOutputs, harmony: bool) -> StructuralTag:
+def structural_tag(spec: StructuredOutputs, harmony: bool, max_whitespace: int | None = None) -> StructuralTag:
     """The grammar for `spec` on a harmony model (constraint after the channel headers) or any other model
     (the whole output)."""
-    answer = answer_format(spec)
+    answer = answer_format(spec, max_whitespace)
     if not harmony:
         if spec.tools:
             raise InvalidRequest(
@@ -147,5 +148,5 @@ def structural_tag(spec: StructuredOutputs, harmony: bool) -> StructuralTag:
             )
         return StructuralTag(format=answer)
     rules = [(FINAL_CHANNEL, answer)] if answer is not None else []
-    rules += _tool_rules(spec)
+    rules += _tool_rules(spec, max_whitespace)
     return StructuralTag(format=DispatchFormat(rules=rules, loop=False))
