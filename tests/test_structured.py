@@ -8,9 +8,11 @@ import re
 from concurrent.futures import Future
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
+from brisk.engine.messages import EngineCoreRequest
 from brisk.sampling_params import InvalidRequest, SamplingParams
 from brisk.structured import StrictTool, StructuredOutputs
 from brisk.structured.compiler import GrammarCompiler
@@ -73,8 +75,10 @@ def test_spec_shape_errors():
     assert StructuredOutputs(json=SCHEMA).key() == StructuredOutputs(json=dict(reversed(SCHEMA.items()))).key()
     assert StructuredOutputs(json=SCHEMA).key() != StructuredOutputs(json_object=True).key()
     # SamplingParams carries it and it survives the engine's msgspec boundary
-    params = SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+"))
-    assert params.structured_outputs is not None and params.structured_outputs.regex == "[ab]+"
+    params = SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA, tools=(WEATHER,), param="tools"))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(EngineCoreRequest("r", [1], params)), type=EngineCoreRequest)
+    assert wire.params.structured_outputs == params.structured_outputs
+    assert wire.params.structured_outputs.key() == params.structured_outputs.key()
 
 
 @pytest.mark.parametrize(
