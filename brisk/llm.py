@@ -17,7 +17,8 @@ from brisk.engine.output_processor import OutputProcessor
 from brisk.harmony.chat import is_harmony_model, render_chat
 from brisk.model_runner.loader import resolve_model_path
 from brisk.outputs import RequestOutput
-from brisk.sampling_params import SamplingParams
+from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.structured.compiler import GrammarCompiler
 
 # A prompt is text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = str | list[int] | dict[str, Any]
@@ -40,6 +41,7 @@ class LLM:
         self._release = weakref.finalize(self, self._engine.shutdown)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
 
     @property
     def engine(self) -> EngineCore:
@@ -89,6 +91,7 @@ class LLM:
         for (_, token_ids), params in zip(tokenized, params_list):
             params.validate()
             params.check_for_model(token_ids, vocab_size, max_seq_len)
+            self._check_structured_outputs(params)
         order: list[str] = []
         try:
             for (text, token_ids), params in zip(tokenized, params_list):
@@ -119,6 +122,23 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the grammar (InvalidRequest naming the problem), then refuse it while the engine does not
+        apply grammar masks: the same rule as the server's (EngineInfo.structured_outputs there)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if self._grammar_compiler is None:
+            is_harmony = is_harmony_model(self.engine.model_config.hf_config.model_type, self.tokenizer)
+            vocab_size = self.engine.model_config.vocab_size
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size, harmony=is_harmony)
+        self._grammar_compiler.compile(spec)
+        # the engine integration (issue 18) sets EngineCore.enforces_structured_outputs = True
+        if not getattr(self.engine, "enforces_structured_outputs", False):
+            raise InvalidRequest(
+                spec.param, f"{spec.param}: structured outputs are checked but not yet enforced by this engine."
+            )
 
     def render_chat(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None) -> list[int]:
         """The prompt ids of a conversation, rendered as the server renders it (harmony for gpt-oss).

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from brisk.structured.spec import StructuredOutputs
+
 # Integers cross the process boundary as msgpack int64/uint64; these bounds keep every field encodable.
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**64 - 1  # torch generators take uint64 seeds; the API caps seeds lower so seed + i fits
@@ -41,6 +43,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token (0: sampled token only)
     skip_special_tokens: bool = True
     priority: int = 0  # lower value is served first
+    # output constrained by a grammar (JSON schema, regex, choice, grammar, strict tools); see brisk.structured
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -56,6 +56,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     state.check_model(req.model)
     state.admit()
     params = state.sampling_params(req)
+    await state.check_structured_outputs(params, req.field_names())
     plan = plan_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
     prompt_ids = state.render_chat(
         req.messages, plan.tools, req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt

@@ -74,6 +74,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     single = isinstance(req.prompt, str) or all(isinstance(p, int) for p in req.prompt)
     state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
     params = state.sampling_params(req)
+    await state.check_structured_outputs(params, req.field_names())
     prompts = _prompts(state, req.prompt)
     for _, ids in prompts:
         state.check_prompt(ids, params, req.field_names())

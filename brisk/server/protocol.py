@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.structured.spec import StrictTool, StructuredOutputs
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -138,6 +139,58 @@ class _GenerationFields(_Body):
         )
 
 
+GUIDED_REMOVED = "guided_* fields were removed in vLLM 0.12; use structured_outputs: {json, regex, choice, grammar}."
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    def spec(self) -> StructuredOutputs:
+        return StructuredOutputs(
+            json=self.json_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            param="structured_outputs",
+        )
+
+
+def combine_structured(answer: StructuredOutputs | None, tools: tuple[StrictTool, ...]) -> StructuredOutputs | None:
+    """One spec from the answer constraint (response_format / text.format / structured_outputs) and the strict
+    tools; None when neither is asked for."""
+    if not tools:
+        return answer
+    if answer is None:
+        return StructuredOutputs(tools=tools, param="tools")
+    return StructuredOutputs(
+        json=answer.json,
+        json_object=answer.json_object,
+        regex=answer.regex,
+        choice=answer.choice,
+        grammar=answer.grammar,
+        tools=tools,
+        param=answer.param,
+    )
+
+
+def strict_tools(tools: list[tuple[str, dict[str, Any] | None, bool | None]]) -> tuple[StrictTool, ...]:
+    """The (name, parameters, strict) tools whose arguments must validate: those with strict true."""
+    return tuple(
+        StrictTool(name, parameters if parameters is not None else {"type": "object"})
+        for name, parameters, strict in tools
+        if strict
+    )
+
+
 class _SamplingFields(_GenerationFields):
     """Chat completions' and completions' further sampling fields: OpenAI's plus vLLM's extensions."""
 
@@ -152,6 +205,15 @@ class _SamplingFields(_GenerationFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Annotated[Any, refused(GUIDED_REMOVED)] = None
+    guided_regex: Annotated[Any, refused(GUIDED_REMOVED)] = None
+    guided_choice: Annotated[Any, refused(GUIDED_REMOVED)] = None
+    guided_grammar: Annotated[Any, refused(GUIDED_REMOVED)] = None
+    guided_decoding_backend: Annotated[Any, refused(GUIDED_REMOVED)] = None
+
+    def _vllm_structured_outputs(self) -> StructuredOutputs | None:
+        return self.structured_outputs.spec() if self.structured_outputs is not None else None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
@@ -172,6 +234,7 @@ class _SamplingFields(_GenerationFields):
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=extra.pop("structured_outputs", None) or self._vllm_structured_outputs(),
             **extra,
         )
 
@@ -197,8 +260,33 @@ class NamedToolChoice(_Request):
     function: NamedToolChoiceFunction
 
 
+class JSONSchemaSpec(_Request):
+    """response_format.json_schema (chat) — Responses' text.format carries the same fields flat."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaSpec | None = None
+
+    def spec(self, param: str = "response_format") -> StructuredOutputs | None:
+        """The answer constraint, None for plain text. `strict: false` still constrains: brisk has one mode, and
+        a schema the output may break is a schema the client does not get."""
+        if self.type == "text":
+            if self.json_schema is not None:
+                raise InvalidRequest(param, "json_schema needs type: json_schema.")
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True, param=param)
+        if self.json_schema is None:
+            raise InvalidRequest(param, "type json_schema needs json_schema: {name, schema}.")
+        return StructuredOutputs(json=self.json_schema.schema_ or {"type": "object"}, param=param)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -228,7 +316,17 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, defaults)
+        answer = self.response_format.spec() if self.response_format is not None else None
+        if answer is not None and self.structured_outputs is not None:
+            raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
+        answer = answer or self._vllm_structured_outputs()
+        tools = strict_tools([(t.function.name, t.function.parameters, t.function.strict) for t in self.tools or []])
+        return self.sampling_params(
+            self.max_completion_tokens or self.max_tokens,
+            logprobs,
+            defaults,
+            structured_outputs=combine_structured(answer, tools),
+        )
 
     def field_names(self) -> dict[str, str]:
         max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -277,7 +375,23 @@ class ResponsesReasoning(_Request):
 
 
 class ResponsesTextFormat(_Request):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(None, min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    def spec(self) -> StructuredOutputs | None:
+        param = "text.format"
+        if self.type == "json_schema":
+            if self.name is None or self.schema_ is None:
+                raise InvalidRequest(param, "text.format of type json_schema needs name and schema.")
+            return StructuredOutputs(json=self.schema_, param=param)
+        if self.name is not None or self.schema_ is not None or self.strict is not None:
+            raise InvalidRequest(param, f"name, schema and strict belong to type json_schema, not {self.type}.")
+        return StructuredOutputs(json_object=True, param=param) if self.type == "json_object" else None
 
 
 class ResponsesText(_Request):
@@ -347,4 +461,8 @@ class ResponsesRequest(_GenerationFields):
         return {"prompt": "input", "max_tokens": "max_output_tokens"}
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        return self.sampling_params(self.max_output_tokens, None, defaults)
+        answer = self.text.format.spec() if self.text is not None and self.text.format is not None else None
+        tools = strict_tools([(t.name, t.parameters, t.strict) for t in self.tools or []])
+        return self.sampling_params(
+            self.max_output_tokens, None, defaults, structured_outputs=combine_structured(answer, tools)
+        )

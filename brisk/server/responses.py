@@ -93,6 +93,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
         history = previous.conversation()
     state.admit()
     params = state.sampling_params(req)
+    await state.check_structured_outputs(params, req.field_names())
     offered = [] if req.max_tool_calls == 0 else req.tools or []  # no call allowed: no tool offered
     plan = plan_tools(
         state,

@@ -8,6 +8,7 @@ Order of checks for a generation request (each answers before any work is done):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from brisk.server.metrics import RequestTiming, ServerMetrics
 from brisk.server.response_run import BackgroundRuns
 from brisk.server.response_store import ResponseStore
 from brisk.server.tracing import ObservabilityConfig
+from brisk.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("brisk.server")
 
@@ -50,6 +52,9 @@ class ServerState:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # traces, logs, profiling
     metrics: ServerMetrics = field(init=False)
     background_runs: BackgroundRuns = field(init=False)
+    grammar_compile_timeout_s: float = 10.0  # a structured-output grammar slower to compile is a 400
+    _grammar_compiler: GrammarCompiler | None = field(init=False, default=None)
+    _grammar_compiler_lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -124,6 +129,44 @@ class ServerState:
             params.check_for_model(prompt_ids, info.vocab_size, info.max_seq_len)
         except InvalidRequest as exc:
             raise invalid_request_error(exc, field_names) from None
+
+    async def grammar_compiler(self) -> GrammarCompiler:
+        """The model's GrammarCompiler, built on first use (its tokenizer table takes seconds for a 200k
+        vocabulary, so it is built in a thread and only when a structured request comes)."""
+        async with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = await asyncio.to_thread(
+                    GrammarCompiler,
+                    self.tokenizer,
+                    self.info.vocab_size,
+                    harmony=self.is_harmony,
+                    compile_timeout_s=self.grammar_compile_timeout_s,
+                )
+            return self._grammar_compiler
+
+    async def check_structured_outputs(self, params: SamplingParams, field_names: dict[str, str] | None = None) -> None:
+        """Compile the request's grammar now (cached), so that an invalid schema, regex or grammar, an unsupported
+        keyword or a compile over the time limit is a 400 naming the problem; then refuse what the engine does not
+        enforce (EngineInfo.structured_outputs), rather than accept it and ignore it."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        compiler = await self.grammar_compiler()
+        try:
+            future = compiler.submit(spec)
+            # shield: a timeout here must not cancel the shared (cached) compile
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), compiler.compile_timeout_s)
+        except InvalidRequest as exc:
+            raise invalid_request_error(exc, field_names) from None
+        except TimeoutError:
+            raise invalid_request_error(compiler.timeout_error(spec), field_names) from None
+        if not self.info.structured_outputs:
+            raise APIError(
+                400,
+                f"{spec.param}: structured outputs are checked but not yet enforced by this engine, so the request "
+                "is refused rather than answered unconstrained.",
+                param=spec.param,
+            )
 
     def render_chat(
         self,

@@ -1,0 +1,235 @@
+"""brisk.structured at the matcher level: specs, compiler errors and cache, masks, and harmony (gpt-oss) with the
+real o200k_harmony vocabulary: reasoning free, the final answer and strict tool arguments constrained."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from brisk.engine.messages import EngineCoreRequest
+from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.structured import StrictTool, StructuredOutputs
+from brisk.structured.compiler import GrammarCompiler
+from brisk.structured.matcher import allocate_bitmask, apply_token_bitmask
+from tests.harmony_tokenizer import TIKTOKEN_FILE, VOCAB_SIZE, make_gpt_oss_tokenizer
+
+pytestmark = pytest.mark.skipif(not TIKTOKEN_FILE.exists(), reason="needs ../shared/tokenizers/o200k_base.tiktoken")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER = StrictTool(
+    "get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return make_gpt_oss_tokenizer(tmp_path_factory.mktemp("o200k_harmony"))
+
+
+@pytest.fixture(scope="module")
+def harmony(tokenizer) -> GrammarCompiler:
+    compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, harmony=True)
+    yield compiler
+    compiler.close()
+
+
+@pytest.fixture(scope="module")
+def plain(tokenizer) -> GrammarCompiler:
+    compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, harmony=False)
+    yield compiler
+    compiler.close()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def allowed(matcher, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
+    """The token ids the matcher allows next, read through the batch mask application."""
+    bitmask = allocate_bitmask(2, vocab_size)
+    matcher.fill_bitmask(bitmask, 1)
+    logits = torch.zeros(2, vocab_size)
+    apply_token_bitmask(logits, bitmask, [1])
+    assert torch.all(logits[0] == 0)  # rows not named are untouched
+    return torch.isfinite(logits[1]).nonzero().flatten()
+
+
+def test_spec_shape_errors():
+    with pytest.raises(InvalidRequest, match="json and regex"):
+        StructuredOutputs(json=SCHEMA, regex="a+")
+    with pytest.raises(InvalidRequest, match="need one of"):
+        StructuredOutputs()
+    with pytest.raises(InvalidRequest, match="choice"):
+        StructuredOutputs(choice=[])
+    assert StructuredOutputs(json=SCHEMA).key() == StructuredOutputs(json=dict(reversed(SCHEMA.items()))).key()
+    assert StructuredOutputs(json=SCHEMA).key() != StructuredOutputs(json_object=True).key()
+    # SamplingParams carries it and it survives the engine's msgspec boundary
+    params = SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA, tools=(WEATHER,), param="tools"))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(EngineCoreRequest("r", [1], params)), type=EngineCoreRequest)
+    assert wire.params.structured_outputs == params.structured_outputs
+    assert wire.params.structured_outputs.key() == params.structured_outputs.key()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutputs(json={"type": "objec"}), "Unsupported type"),
+        (StructuredOutputs(json="{not json"), "not valid JSON"),
+        (StructuredOutputs(regex="(ab"), "parenthesis"),
+        (StructuredOutputs(grammar="root ::= foo"), 'Rule "foo" is not defined'),
+        (StructuredOutputs(json={"type": "array", "uniqueItems": True}), "'uniqueItems' at #"),
+        (StructuredOutputs(json={"type": "object", "properties": {"a": {"not": {}}}}), "'not' at #/properties/a"),
+        (StructuredOutputs(json={"allOf": [{"type": "integer"}, {"minimum": 3}]}), "'allOf'"),
+    ],
+)
+def test_invalid_specs_name_the_problem(plain, spec, message):
+    with pytest.raises(InvalidRequest) as error:
+        plain.compile(spec)
+    assert message in error.value.message
+    assert "/project/" not in error.value.message  # the C++ source location is stripped
+
+
+def test_compile_cache_and_timeout(tokenizer, plain):
+    spec = StructuredOutputs(json=SCHEMA)
+    first = plain.submit(spec)
+    assert isinstance(first, Future) and plain.submit(StructuredOutputs(json=dict(SCHEMA))) is first
+    plain.compile(spec)
+    slow = GrammarCompiler(tokenizer, VOCAB_SIZE, compile_timeout_s=0.0)
+    try:
+        with pytest.raises(InvalidRequest, match="longer than 0 s to compile"):
+            slow.compile(StructuredOutputs(regex="[a-z]{1,40}@[a-z]{1,40}\\.(com|org)"))
+    finally:
+        slow.close()
+
+
+def test_plain_model_whole_output_constrained(tokenizer, plain):
+    matcher = plain.matcher(plain.compile(StructuredOutputs(choice=["yes", "no"])))
+    first = {tokenizer.decode([t]) for t in allowed(matcher).tolist()}
+    assert first and all("yes".startswith(s) or "no".startswith(s) for s in first)
+    assert matcher.accept_tokens(ids(tokenizer, "yes")) == len(ids(tokenizer, "yes"))
+    assert matcher.accept_token(200002) and matcher.is_terminated()  # <|return|> is a stop token
+
+    matcher = plain.matcher(plain.compile(StructuredOutputs(regex="[0-9]{3}")))
+    assert not matcher.accept_token(ids(tokenizer, "a")[0])
+    assert matcher.accept_tokens(ids(tokenizer, "123")) == len(ids(tokenizer, "123"))
+    assert allowed(matcher).tolist() == [200002]  # only a stop token after a complete match
+
+
+def test_rollback_and_fork(tokenizer, plain):
+    matcher = plain.matcher(plain.compile(StructuredOutputs(json=SCHEMA)))
+    prefix = ids(tokenizer, '{"city": "Rome", "days": ')
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    before = allowed(matcher)
+    sibling = matcher.fork()
+    assert matcher.accept_tokens(ids(tokenizer, "3}")) == 2
+    assert allowed(matcher).tolist() == [200002]
+    matcher.rollback(2)
+    assert torch.equal(allowed(matcher), before) and torch.equal(allowed(sibling), before)
+
+
+def test_batch_mask_rows(tokenizer, plain):
+    digits = plain.matcher(plain.compile(StructuredOutputs(regex="[0-9]+")))
+    letters = plain.matcher(plain.compile(StructuredOutputs(regex="[a-z]+")))
+    bitmask = allocate_bitmask(3, VOCAB_SIZE)
+    digits.fill_bitmask(bitmask, 0)
+    letters.fill_bitmask(bitmask, 2)
+    logits = torch.randn(3, VOCAB_SIZE)
+    free = logits[1].clone()
+    apply_token_bitmask(logits, bitmask, [0, 2])
+    assert torch.equal(logits[1], free)  # an unconstrained row in the same batch is untouched
+    for row, pattern in ((0, r"[0-9]+"), (2, r"[a-z]+")):
+        top = int(logits[row].argmax())
+        assert re.fullmatch(pattern, tokenizer.decode([top]))
+
+
+def harmony_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)  # the saved tokenizer splits specials to their ids
+
+
+REASONING = "<|channel|>analysis<|message|>The user wants {json-ish: [unbalanced. Think <|channel|> freely.<|end|>"
+
+
+def test_harmony_reasoning_free_final_constrained(tokenizer, harmony):
+    matcher = harmony.matcher(harmony.compile(StructuredOutputs(json=SCHEMA)))
+    assert allowed(matcher).numel() == VOCAB_SIZE  # before the final channel every token is allowed
+    reasoning = harmony_ids(tokenizer, REASONING + "<|start|>assistant")
+    assert matcher.accept_tokens(reasoning) == len(reasoning)
+    assert allowed(matcher).numel() == VOCAB_SIZE
+    header = harmony_ids(tokenizer, "<|channel|>final<|message|>")
+    assert matcher.accept_tokens(header) == len(header)
+    first = [tokenizer.decode([t]) for t in allowed(matcher).tolist()]
+    assert first and all(text.lstrip().startswith("{") for text in first)  # invalid tokens masked
+    assert not matcher.accept_token(harmony_ids(tokenizer, "Sure")[0])
+    answer = harmony_ids(tokenizer, '{"city": "Rome", "days": 3}')
+    assert matcher.accept_tokens(answer) == len(answer)
+    assert allowed(matcher).tolist() == [200002, 200012]  # <|return|> (or <|call|>): nothing after the JSON
+    assert matcher.accept_token(200002) and matcher.is_terminated()
+
+
+def test_harmony_json_violations_masked(tokenizer, harmony):
+    matcher = harmony.matcher(harmony.compile(StructuredOutputs(json=SCHEMA)))
+    matcher.accept_tokens(harmony_ids(tokenizer, "<|channel|>final<|message|>"))
+    prefix = harmony_ids(tokenizer, '{"city": "Rome", "days": ')
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    for bad in ("0", '"3"', "-1", "true"):
+        assert not matcher.accept_token(harmony_ids(tokenizer, bad)[0]), bad
+    extra = harmony_ids(tokenizer, '7, "extra": 1}')
+    assert matcher.accept_tokens(extra) == 1  # additionalProperties: false refuses the comma's key
+
+
+def test_harmony_strict_tool_arguments(tokenizer, harmony):
+    spec = StructuredOutputs(tools=(WEATHER,))
+    for header in (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+        " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>",
+    ):
+        matcher = harmony.matcher(harmony.compile(spec))
+        text = REASONING + "<|start|>assistant" + header
+        tokens = harmony_ids(tokenizer, text)
+        assert matcher.accept_tokens(tokens) == len(tokens), header
+        assert not matcher.accept_token(harmony_ids(tokenizer, "city")[0])
+        arguments = harmony_ids(tokenizer, '{"city": "Oslo"}')
+        assert matcher.accept_tokens(arguments) == len(arguments)
+        assert matcher.accept_token(200012) and matcher.is_terminated()  # <|call|>
+    # the header must go on to <|constrain|>json once the strict tool is named
+    matcher = harmony.matcher(harmony.compile(spec))
+    tokens = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather ")
+    assert matcher.accept_tokens(tokens) == len(tokens)
+    assert not matcher.accept_token(harmony_ids(tokenizer, "<|message|>")[0])
+    # a non-strict tool's call stays free
+    free = harmony.matcher(harmony.compile(spec))
+    other = harmony_ids(tokenizer, "<|channel|>commentary to=functions.other <|constrain|>json<|message|>not json")
+    assert free.accept_tokens(other) == len(other)
+
+
+def test_harmony_response_format_and_tools_together(tokenizer, harmony):
+    spec = StructuredOutputs(json=SCHEMA, tools=(WEATHER,))
+    final = harmony.matcher(harmony.compile(spec))
+    tokens = harmony_ids(tokenizer, "<|channel|>final<|message|>" + json.dumps({"city": "Rome", "days": 2}))
+    assert final.accept_tokens(tokens) == len(tokens) and final.accept_token(200002)
+    call = harmony.matcher(harmony.compile(spec))
+    tokens = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    assert call.accept_tokens(tokens) == len(tokens)
+    wrong = harmony_ids(tokenizer, '{"days": 2}')  # the answer's schema, not the tool's
+    assert call.accept_tokens(wrong) < len(wrong)
+
+
+def test_strict_tools_need_harmony(plain):
+    with pytest.raises(InvalidRequest, match="harmony"):
+        plain.compile(StructuredOutputs(tools=(WEATHER,)))
+
+
+def test_real_vocab_size_covers_reserved_ids(harmony):
+    assert harmony.tokenizer_info.vocab_size == VOCAB_SIZE
+    assert Path(TIKTOKEN_FILE).exists()

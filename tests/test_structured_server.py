@@ -1,0 +1,154 @@
+"""The structured-output request surface through `brisk serve` and the offline LLM (issue 18): every form is
+parsed, compiled at validation (bad input: a 400 naming the problem) and, while the engine applies no grammar
+masks (EngineInfo.structured_outputs false), refused with a 400 rather than answered unconstrained."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+import brisk
+from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.server.errors import APIError
+from brisk.server.state import ServerState
+from brisk.structured import StructuredOutputs
+from brisk.structured.compiler import GrammarCompiler
+from tests.server_utils import RunningServer
+
+DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+COMPLETIONS = ("/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+RESPONSES = ("/v1/responses", {"input": "Hi", "max_output_tokens": 4})
+NOT_ENFORCED = "not yet enforced"
+
+VALID = [
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
+        "response_format",
+    ),
+    (CHAT, {"structured_outputs": {"json": SCHEMA}}, "structured_outputs"),
+    (CHAT, {"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    (CHAT, {"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
+    (CHAT, {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, "structured_outputs"),
+    (COMPLETIONS, {"structured_outputs": {"json_object": True}}, "structured_outputs"),
+    (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}}}, "text.format"),
+    (RESPONSES, {"text": {"format": {"type": "json_object"}}}, "text.format"),
+    (
+        CHAT,
+        {"tools": [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": SCHEMA}}]},
+        "tools",
+    ),
+    (
+        RESPONSES,
+        {"tools": [{"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}]},
+        "tools",
+    ),
+]
+INVALID = [
+    (CHAT, {"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "parenthesis is not closed"),
+    (CHAT, {"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs", 'Rule "foo" is not defined'),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "objec"}}}},
+        "response_format",
+        'Unsupported type "objec"',
+    ),
+    (
+        RESPONSES,
+        {"text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "array", "uniqueItems": True}}}},
+        "text.format",
+        "'uniqueItems'",
+    ),
+    (CHAT, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "regex and choice"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+        "not both",
+    ),
+    (CHAT, {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+    (CHAT, {"guided_json": SCHEMA}, "guided_json", "use structured_outputs"),
+    (RESPONSES, {"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format", "needs name"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RunningServer(str(DEMO_MODEL), "--served-model-name", "brisk-demo", "--max_batch_size", "4")
+    yield srv
+    srv.stop()
+
+
+def post(server, endpoint: tuple[str, dict], extra: dict) -> httpx.Response:
+    path, base = endpoint
+    return httpx.post(f"{server.url}{path}", json={**base, **extra}, timeout=120)
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "param"), VALID)
+def test_valid_structured_request_is_refused_until_enforced(server, endpoint, extra, param):
+    r = post(server, endpoint, extra)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and NOT_ENFORCED in error["message"], error
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "param", "message"), INVALID)
+def test_invalid_structured_request_names_the_problem(server, endpoint, extra, param, message):
+    r = post(server, endpoint, extra)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and NOT_ENFORCED not in error["message"], error
+    assert (error["param"] or "").startswith(param.split(".")[0]), error
+
+
+def test_plain_text_formats_still_generate(server):
+    assert post(server, CHAT, {"response_format": {"type": "text"}}).status_code == 200
+    assert post(server, RESPONSES, {"text": {"format": {"type": "text"}}}).status_code == 200
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": False, "parameters": SCHEMA}}]
+    assert post(server, CHAT, {"tools": tools}).status_code == 200
+
+
+def test_engine_capability_is_the_one_switch(tmp_path):
+    """With EngineInfo.structured_outputs true, the same check lets a valid request through and still refuses a
+    bad one: the integration flips the capability and nothing else."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), harmony=True)
+
+    async def grammar_compiler():
+        return compiler
+
+    def state(enforced: bool):
+        return SimpleNamespace(grammar_compiler=grammar_compiler, info=SimpleNamespace(structured_outputs=enforced))
+
+    def check(enforced: bool, spec: StructuredOutputs) -> None:
+        params = SamplingParams(structured_outputs=spec)
+        asyncio.run(ServerState.check_structured_outputs(state(enforced), params))  # type: ignore[arg-type]
+
+    try:
+        check(True, StructuredOutputs(json=SCHEMA))
+        with pytest.raises(APIError, match=NOT_ENFORCED):
+            check(False, StructuredOutputs(json=SCHEMA))
+        with pytest.raises(APIError, match="parenthesis"):
+            check(True, StructuredOutputs(regex="(ab"))
+    finally:
+        compiler.close()
+
+
+def test_offline_llm_checks_then_refuses():
+    from brisk.llm import LLM
+
+    with LLM(str(DEMO_MODEL), max_batch_size=2) as llm:
+        with pytest.raises(InvalidRequest, match="parenthesis"):
+            llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs(regex="(ab")))
+        with pytest.raises(InvalidRequest, match=NOT_ENFORCED):
+            llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs(choice=["a", "b"])))
+        assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # plain still runs
