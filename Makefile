@@ -35,6 +35,7 @@ install: $(VENV)/.installed $(RAY_SITE)/.installed
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q -x tests

@@ -183,7 +183,10 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # one token-id prompt
-    return prompts
+    items = list(prompts)  # any iterable, read once
+    token_ids = [p for p in items if isinstance(p, int)]
+    if not token_ids:
+        return [p for p in items if not isinstance(p, int)]  # every item
+    if len(token_ids) == len(items):
+        return [token_ids]  # one token-id prompt
+    raise TypeError("prompts mixes token ids with other prompts: pass one list[int] or a list of prompts")

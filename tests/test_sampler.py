@@ -209,10 +209,10 @@ def test_logits_are_not_modified() -> None:
 def test_unused_processing_steps_build_nothing() -> None:
     batch = SamplingBatch.build([SamplingParams()] * 2, [[1], [2]], [[3], [4]], [None, None], [{0}, {0}], 10, "cpu")
     unused = [
-        batch.greedy_rows, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.logit_bias_rows,
-        batch.masked_stop_rows, batch.seen_token_mask, batch.output_token_counts,
+        batch.greedy_rows, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.logit_bias,
+        batch.masked_stops, batch.repetition, batch.output_penalties,
     ]  # fmt: skip
-    assert all(tensor is None for tensor in unused)
+    assert all(step is None for step in unused)
     assert batch.max_num_logprobs is None
 
 

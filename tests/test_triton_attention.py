@@ -125,12 +125,13 @@ def test_backend_reuses_plan_per_step_and_rebuilds_on_change() -> None:
     backend = backend_for(TINY, 16)
     a = make_case(TINY, TINY_SPECS, seed=4)
     assert_close(a.run(backend, False)[0], a.reference(False))
-    plan = backend._plan
+    plans = a.meta.plan_for(backend)  # the step's plans (per block_q), kept on its metadata
+    (plan,) = plans.values()
     assert_close(a.run(backend, True)[0], a.reference(True))  # next layer, same step
-    assert backend._plan is plan
+    assert a.meta.plan_for(backend) is plans and next(iter(plans.values())) is plan
     b = make_case(TINY, [(2, 12), (1, 20)], seed=5)
     assert_close(b.run(backend, True)[0], b.reference(True))
-    assert backend._plan is not plan
+    assert next(iter(b.meta.plan_for(backend).values())) is not plan
 
 
 def test_backend_64bit_cache_offsets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ class StepChannel:
                 os.chmod(self._ipc_dir, 0o700)
                 endpoint = f"ipc://{self._ipc_dir}/steps"
                 self._socket.bind(endpoint)
-        endpoint = broadcast_bytes(endpoint.encode() if rank == 0 else None, cpu_group).decode()
+        endpoint = broadcast_bytes(endpoint.encode() if endpoint is not None else None, cpu_group).decode()
         if rank != 0:
             self._socket = self._ctx.socket(zmq.SUB)
             self._socket.setsockopt(zmq.RCVHWM, 0)

@@ -60,21 +60,23 @@ class DistributedExecutor:
         self.device = resolve_device(config.device, place.local_rank)
         self._stopping = threading.Event()
         self._in_step = False
-        self._workers: list[subprocess.Popen] = []
+        self._workers: list[subprocess.Popen[bytes]] = []
         if not place.launched_externally:
             # Every rank must run the same steps: the cuda_graph_config in effect, as if given explicitly.
             rank_config = config.model_copy(update={"cuda_graph_config": effective_graph_config(config, self.device)})
-            spec = dict(
-                config_json=rank_config.model_dump_json(), world_size=place.world_size, init_method=place.init_method
-            )
+            config_json = rank_config.model_dump_json()
             for rank in range(1, place.world_size):
-                self._spawn(WorkerSpec(rank=rank, **spec))
+                spec = WorkerSpec(
+                    config_json=config_json, rank=rank, world_size=place.world_size, init_method=place.init_method
+                )
+                self._spawn(spec)
         self.runner, self.channel = join_world(config, place, self.device, model_config, max_seq_len)
         self._encoder = msgspec.msgpack.Encoder()
         logger.info("%d ranks ready (%s)", place.world_size, self.runner.parallel)
 
     def _spawn(self, spec: WorkerSpec) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "brisk.distributed.worker"], stdin=subprocess.PIPE)
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.write(msgspec.json.encode(spec) + b"\n")
         proc.stdin.flush()  # the pipe stays open: the worker exits when it closes
         self._workers.append(proc)
@@ -82,7 +84,7 @@ class DistributedExecutor:
             target=self._watch, args=(spec.rank, proc), daemon=True, name=f"brisk-watch-rank{spec.rank}"
         ).start()
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         if not self._stopping.is_set():
             # Rank 0 may be blocked in a collective that can never complete now (NCCL waits forever):
@@ -117,7 +119,8 @@ class DistributedExecutor:
                 proc.wait(timeout=WORKER_EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            proc.stdin.close()
+            if proc.stdin is not None:  # always (stdin=PIPE); the check is for the type checker
+                proc.stdin.close()
         self.channel.close()
         dist.destroy_process_group()
 

@@ -100,10 +100,11 @@ class DeltaBuffer:
         return self._items.popleft()
 
     def _coalesce(self) -> None:
-        if not all(isinstance(item, CompletionDelta) for item in self._items):
+        deltas = [item for item in self._items if isinstance(item, CompletionDelta)]
+        if len(deltas) < len(self._items):
             return  # an error is pending: the consumer stops there anyway
         merged: dict[int, CompletionDelta] = {}  # per completion index, in order of first appearance
-        for delta in self._items:
+        for delta in deltas:
             merged[delta.index] = merge_deltas(merged[delta.index], delta) if delta.index in merged else delta
         self.num_coalesced += len(self._items) - len(merged)
         self._items = deque(merged.values())

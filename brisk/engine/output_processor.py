@@ -77,6 +77,7 @@ class OutputProcessor:
             if eo.logprobs is not None and comp.logprobs is not None:
                 new_logprobs = [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in eo.logprobs]
                 comp.logprobs.extend(new_logprobs)
+                assert comp.cumulative_logprob is not None  # add_request sets it together with comp.logprobs
                 comp.cumulative_logprob += sum(lp.logprob for lp in eo.logprobs)
             text = detok.update(eo.new_token_ids).text_delta
             if eo.finished:

@@ -86,9 +86,14 @@ class KVCacheManager:
                 limit = min(limit, next((i for i, b in enumerate(found[g]) if b is None), max_blocks))
         self.prefix_queries += req.num_tokens
         for n in range(limit, 0, -1):
-            starts = [self._first_needed_block(spec, n * bs) for spec in self.groups]
-            if all(b is not None for g, s in enumerate(starts) for b in found[g][s:n]):
-                blocks = [[NULL_BLOCK] * s + found[g][s:n] for g, s in enumerate(starts)]
+            blocks: list[list[int]] = []
+            for g, spec in enumerate(self.groups):
+                start = self._first_needed_block(spec, n * bs)
+                needed = [b for b in found[g][start:n] if b is not None]
+                if len(needed) < n - start:
+                    break  # a block this group still reads is not cached: try a shorter prefix
+                blocks.append([NULL_BLOCK] * start + needed)
+            else:
                 self.prefix_hits += n * bs
                 return PrefixHit(n * bs, blocks)
         return empty

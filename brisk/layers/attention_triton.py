@@ -47,14 +47,14 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
         return _StepPlan(block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, decode, empty, empty, bound)
     qsl, lens = list(meta.query_start_loc), list(meta.seq_lens)
     n_new = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
-    decode = [i for i, n in enumerate(n_new) if n == 1]
+    decode_rows = [i for i, n in enumerate(n_new) if n == 1]
     prefill = [i for i, n in enumerate(n_new) if n > 1]  # n == 0: nothing to compute
     tile_seqs, tile_starts = prefill_tiles(qsl, lens, block_q, prefill)
     # One host-to-device copy for everything, sliced into views.
-    flat = torch.tensor(qsl + lens + decode + tile_seqs + tile_starts, dtype=torch.int32, device=device)
-    cuts = [len(qsl), len(lens), len(decode), len(tile_seqs), len(tile_starts)]
+    flat = torch.tensor(qsl + lens + decode_rows + tile_seqs + tile_starts, dtype=torch.int32, device=device)
+    cuts = [len(qsl), len(lens), len(decode_rows), len(tile_seqs), len(tile_starts)]
     cu, sl, dec, ts, tst = torch.split(flat, cuts)
-    return _StepPlan(block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode), default=0))
+    return _StepPlan(block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode_rows), default=0))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -106,7 +106,6 @@ class TritonAttentionBackend(AttentionBackend):
         plan = self._step_plan(meta, block_q, q.device)
         block_table = meta.block_tables[g]
         out = torch.empty_like(q)
-        common = dict(sliding_window=layer.sliding_window, sinks=sinks, out=out)
         if plan.decode_seqs.numel():
             paged_decode_attention(
                 q,
@@ -120,7 +119,9 @@ class TritonAttentionBackend(AttentionBackend):
                 max_seq_len=plan.max_decode_len,
                 block_n=self.decode_block_n,
                 partition_size=self.decode_partition_size,
-                **common,
+                sliding_window=layer.sliding_window,
+                sinks=sinks,
+                out=out,
             )
         if plan.tile_seqs.numel():
             paged_prefill_attention(
@@ -135,6 +136,8 @@ class TritonAttentionBackend(AttentionBackend):
                 tile_starts=plan.tile_starts,
                 block_q=block_q,
                 block_n=self.prefill_block_n,
-                **common,
+                sliding_window=layer.sliding_window,
+                sinks=sinks,
+                out=out,
             )
         return out

@@ -31,7 +31,7 @@ from torch import nn
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from brisk.kernels.cpu_kernels import CpuKernels
-from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight
+from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight, set_weight_loader
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
 
@@ -156,6 +156,19 @@ def make_moe_backend(name: str) -> MoEBackend:
 
 
 class FusedMoE(nn.Module):
+    # Parameters registered by `_add` (by name, so nn.Module's __getattr__ finds them): declared for type checkers.
+    # Unquantized experts:
+    gate_up_proj: nn.Parameter  # [E, 2I, H]
+    down_proj: nn.Parameter  # [E, H, I]
+    # MXFP4 experts (quantization="mxfp4"): packed blocks of two 4-bit values a byte, and their scales
+    gate_up_proj_blocks: nn.Parameter  # [E, 2I, H / 32, 16] uint8
+    gate_up_proj_scales: nn.Parameter  # [E, 2I, H / 32] uint8
+    down_proj_blocks: nn.Parameter  # [E, H, I / 32, 16] uint8
+    down_proj_scales: nn.Parameter  # [E, H, I / 32] uint8
+    # Both:
+    gate_up_proj_bias: nn.Parameter  # [E, 2I]
+    down_proj_bias: nn.Parameter  # [E, H]
+
     def __init__(
         self,
         num_experts: int,
@@ -218,7 +231,7 @@ class FusedMoE(nn.Module):
         self, name: str, shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype | None, transpose: bool = False
     ) -> None:
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-        param.weight_loader = partial(self._load, name=name, tp_dim=tp_dim, transpose=transpose)
+        set_weight_loader(param, partial(self._load, name=name, tp_dim=tp_dim, transpose=transpose))
         self.register_parameter(name, param)
 
     def _load(
@@ -282,12 +295,13 @@ class FusedMoE(nn.Module):
             return 0
         rows = 2 * self.intermediate_size
         halves = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(self.gate_up_proj.device)
-        packed = [
-            (prepack_cpu_weight(self.gate_up_proj[e][halves]), prepack_cpu_weight(self.down_proj[e]))
-            for e in range(self.num_local_experts)
-        ]
-        if any(g is None for g, _ in packed):
-            return 0
+        packed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for e in range(self.num_local_experts):
+            gate_up = prepack_cpu_weight(self.gate_up_proj[e][halves])
+            down = prepack_cpu_weight(self.down_proj[e])
+            if gate_up is None or down is None:
+                return 0  # not a bf16 CPU weight, or no oneDNN: the same for every expert
+            packed.append((gate_up, down))
         self.packed_experts = packed
         self.gate_up_proj.data = self.gate_up_proj.data[:, halves].contiguous()
         self.gate_up_proj_bias.data = self.gate_up_proj_bias.data[:, halves].contiguous()
@@ -299,9 +313,12 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H]. dp_num_tokens: every DP rank's T (attention DP)."""
         p = self.parallel
+        dp_tokens = None  # every DP rank's T when this layer gathers their tokens (attention DP)
         if p.dp_size > 1:
-            hidden = all_gather_rows(hidden, dp_num_tokens)
-            router_logits = all_gather_rows(router_logits, dp_num_tokens)
+            assert dp_num_tokens is not None  # the model passes it whenever dp_size > 1
+            dp_tokens = dp_num_tokens
+            hidden = all_gather_rows(hidden, dp_tokens)
+            router_logits = all_gather_rows(router_logits, dp_tokens)
         topk_ids, topk_weights = select_experts(router_logits, self.top_k)
         if p.ep_size > 1:
             local = topk_ids - self.first_expert
@@ -309,6 +326,6 @@ class FusedMoE(nn.Module):
             topk_ids = torch.where(here, local, -1)
             topk_weights = topk_weights * here
         out = self.backend.forward(self, hidden, topk_ids, topk_weights)
-        if p.dp_size > 1:
-            return reduce_scatter_rows(out, dp_num_tokens, p.dp_rank)
+        if dp_tokens is not None:
+            return reduce_scatter_rows(out, dp_tokens, p.dp_rank)
         return all_reduce(out) if p.world_size > 1 else out

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig, ParallelConfig
-from brisk.models.registry import get_model_class
+from brisk.models.registry import BriskModel, get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt")
@@ -116,7 +116,7 @@ def load_model(
     device: torch.device | str,
     moe_backend: str = "auto",
     parallel: ParallelConfig = ParallelConfig(),
-) -> nn.Module:
+) -> BriskModel:
     """Build the model in model_config.dtype on `device` and fill its weights (or random ones for 'dummy')."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format '{load_format}'; choose one of: {', '.join(LOAD_FORMATS)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig
 from brisk.distributed.comm import agree_min, all_gather_rows
-from brisk.kernels.cpu_kernels import load_cpu_kernels
+from brisk.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention, AttentionMetadata, make_attention_backend
 from brisk.layers.linear import prepack_weights
@@ -31,6 +32,13 @@ from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
+
+
+@runtime_checkable
+class UsesCpuKernels(Protocol):
+    """A module that calls brisk's CPU kernels when the runner binds them (linears, LM head, norms, MoE)."""
+
+    cpu_kernels: CpuKernels | None
 
 
 def kv_groups_for(model_config: ModelConfig) -> list[KVGroupSpec]:
@@ -109,7 +117,7 @@ class ModelRunner:
                 prepack_weights(self.model)
             self.cpu_kernels = load_cpu_kernels(config.cpu_kernels)
             for module in self.model.modules():  # linears, LM head, norms, MoE layers
-                if hasattr(module, "cpu_kernels"):
+                if isinstance(module, UsesCpuKernels):
                     module.cpu_kernels = self.cpu_kernels
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attention_backend = make_attention_backend(config.attn_backend, device, self.cpu_kernels)

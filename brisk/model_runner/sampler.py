@@ -28,8 +28,41 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass
+class LogitBias:
+    """logits[rows[i], token_ids[i]] += values[i]: the requests' logit_bias entries, flattened."""
+
+    rows: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+
+@dataclass
+class MaskedStopTokens:
+    """Stop ids banned (logit -inf) while a row is shorter than its min_tokens, flattened."""
+
+    rows: torch.Tensor  # [M] int64
+    token_ids: torch.Tensor  # [M] int64
+
+
+@dataclass
+class RepetitionPenalty:
+    penalty: torch.Tensor  # [B, 1]; 1.0 where disabled
+    seen_token_mask: torch.Tensor  # [B, V] bool: token occurs in the prompt or the output
+
+
+@dataclass
+class OutputPenalties:
+    """OpenAI presence and frequency penalties, over output tokens only."""
+
+    presence: torch.Tensor  # [B, 1]
+    frequency: torch.Tensor  # [B, 1]
+    output_token_counts: torch.Tensor  # [B, V] float32: occurrences of each token in the output
+
+
+@dataclass
 class SamplingBatch:
-    """How to sample each row of one step's logits. A tensor is None when no row needs that processing step."""
+    """How to sample each row of one step's logits. A tensor (or group of tensors) is None when no row needs that
+    processing step."""
 
     batch_size: int
     vocab_size: int
@@ -40,16 +73,10 @@ class SamplingBatch:
     max_top_k: int  # largest enabled top_k, kept on the host so that applying top_k needs no device sync
     top_p: torch.Tensor | None  # [B]; inf where disabled, so float rounding of cumulative sums never cuts there
     min_p: torch.Tensor | None  # [B, 1]; 0.0 where disabled
-    logit_bias_rows: torch.Tensor | None  # [N] int64, with logit_bias_token_ids and logit_bias_values
-    logit_bias_token_ids: torch.Tensor | None  # [N] int64
-    logit_bias_values: torch.Tensor | None  # [N] float32
-    masked_stop_rows: torch.Tensor | None  # [M] int64: stop ids banned while a row is shorter than min_tokens
-    masked_stop_token_ids: torch.Tensor | None  # [M] int64
-    repetition_penalty: torch.Tensor | None  # [B, 1]; 1.0 where disabled
-    seen_token_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt or the output
-    presence_penalty: torch.Tensor | None  # [B, 1]; set together with frequency_penalty and output_token_counts
-    frequency_penalty: torch.Tensor | None  # [B, 1]
-    output_token_counts: torch.Tensor | None  # [B, V] float32: occurrences of each token in the output
+    logit_bias: LogitBias | None
+    masked_stops: MaskedStopTokens | None
+    repetition: RepetitionPenalty | None
+    output_penalties: OutputPenalties | None
     generators: list[torch.Generator | None]  # per row; only used on sampled (non-greedy) rows
     num_logprobs: list[int | None]  # per row: params.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
@@ -126,10 +153,19 @@ class SamplingBatch:
             ]
             output_token_counts = _token_occurrences(counted, vocab_size, device)
 
+        logit_bias = None
+        if bias_rows:
+            rows, token_ids = row_tensor(bias_rows, torch.int64), row_tensor(bias_token_ids, torch.int64)
+            logit_bias = LogitBias(rows, token_ids, row_tensor(bias_values, torch.float32))
+        masked_stops = None
+        if stop_rows:
+            masked_stops = MaskedStopTokens(row_tensor(stop_rows, torch.int64), row_tensor(stop_token_ids, torch.int64))
+        output_penalties = None
+        if output_token_counts is not None:
+            presence, frequency = column(presence_penalties), column(frequency_penalties)
+            output_penalties = OutputPenalties(presence, frequency, output_token_counts)
         num_logprobs = [p.logprobs for p in params]
         requested_logprobs = [n for n in num_logprobs if n is not None]
-        has_bias, has_stop_mask = bool(bias_rows), bool(stop_rows)
-        has_output_penalties = output_token_counts is not None
         return cls(
             batch_size=batch_size,
             vocab_size=vocab_size,
@@ -140,16 +176,12 @@ class SamplingBatch:
             max_top_k=max(enabled_top_ks, default=vocab_size),
             top_p=row_tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
             min_p=column(min_ps) if any(min_ps) else None,
-            logit_bias_rows=row_tensor(bias_rows, torch.int64) if has_bias else None,
-            logit_bias_token_ids=row_tensor(bias_token_ids, torch.int64) if has_bias else None,
-            logit_bias_values=row_tensor(bias_values, torch.float32) if has_bias else None,
-            masked_stop_rows=row_tensor(stop_rows, torch.int64) if has_stop_mask else None,
-            masked_stop_token_ids=row_tensor(stop_token_ids, torch.int64) if has_stop_mask else None,
-            repetition_penalty=column(repetition_penalties) if seen_token_mask is not None else None,
-            seen_token_mask=seen_token_mask,
-            presence_penalty=column(presence_penalties) if has_output_penalties else None,
-            frequency_penalty=column(frequency_penalties) if has_output_penalties else None,
-            output_token_counts=output_token_counts,
+            logit_bias=logit_bias,
+            masked_stops=masked_stops,
+            repetition=RepetitionPenalty(column(repetition_penalties), seen_token_mask)
+            if seen_token_mask is not None
+            else None,
+            output_penalties=output_penalties,
             generators=[g if s else None for g, s in zip(generators, sampled)],
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
@@ -205,10 +237,11 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy_argmax(logits)
         else:
-            greedy_token_ids = greedy_argmax(logits) if batch.greedy_rows is not None else None
+            greedy_rows = batch.greedy_rows
+            greedy_token_ids = greedy_argmax(logits) if greedy_rows is not None else None  # before _sample overwrites
             token_ids = _sample(logits, batch, self.cpu_kernels)
-            if greedy_token_ids is not None:
-                token_ids = torch.where(batch.greedy_rows, greedy_token_ids, token_ids)
+            if greedy_rows is not None and greedy_token_ids is not None:
+                token_ids = torch.where(greedy_rows, greedy_token_ids, token_ids)
         return token_ids, raw_logprobs
 
     @staticmethod
@@ -217,10 +250,7 @@ class Sampler:
 
 
 def _processes_logits(batch: SamplingBatch) -> bool:
-    return any(
-        t is not None
-        for t in (batch.logit_bias_rows, batch.masked_stop_rows, batch.seen_token_mask, batch.output_token_counts)
-    )
+    return any(t is not None for t in (batch.logit_bias, batch.masked_stops, batch.repetition, batch.output_penalties))
 
 
 # Columns per block of the CPU argmax: a multiple of the vocabularies brisk serves (gpt-oss: 201,088 = 64 x 3,142).
@@ -252,28 +282,32 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    if batch.logit_bias_rows is not None:
-        logits.index_put_((batch.logit_bias_rows, batch.logit_bias_token_ids), batch.logit_bias_values, accumulate=True)
+    bias = batch.logit_bias
+    if bias is not None:
+        logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    if batch.masked_stop_rows is not None:
-        logits[batch.masked_stop_rows, batch.masked_stop_token_ids] = float("-inf")
+    stops = batch.masked_stops
+    if stops is not None:
+        logits[stops.rows, stops.token_ids] = float("-inf")
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> None:
     # HF semantics: seen tokens get less likely whatever the sign of their logit.
-    if batch.seen_token_mask is not None:
-        penalty = batch.repetition_penalty
+    repetition = batch.repetition
+    if repetition is not None:
+        penalty = repetition.penalty
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits.copy_(torch.where(batch.seen_token_mask, penalized, logits))
+        logits.copy_(torch.where(repetition.seen_token_mask, penalized, logits))
 
 
 def _apply_presence_frequency_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     # OpenAI semantics: logit -= frequency * count + presence * (count > 0), over output tokens only.
-    if batch.output_token_counts is not None:
-        counts = batch.output_token_counts
-        logits -= batch.frequency_penalty * counts + batch.presence_penalty * (counts > 0)
+    penalties = batch.output_penalties
+    if penalties is not None:
+        counts = penalties.output_token_counts
+        logits -= penalties.frequency * counts + penalties.presence * (counts > 0)
 
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch, cpu_kernels: CpuKernels | None) -> torch.Tensor:
