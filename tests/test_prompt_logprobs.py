@@ -55,7 +55,11 @@ def _run(llm: LLM, prompts, max_tokens: int = 0):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_tokens": 5, "tokens_per_block": 4}], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_tokens": 5, "tokens_per_block": 4}, {"max_num_tokens": 7, "disable_overlap_scheduler": False}],
+    ids=["whole", "chunked", "chunked-overlap"],
+)
 def test_prompt_logprobs_match_transformers(tiny, options):
     path, hf = tiny
     llm = LLM(path, seed=0, **options)

@@ -230,10 +230,10 @@ class EngineCore:
                 )
                 if finished:
                     self._forget_if_done(req.parent_id)
-            for req, lp in prompt_logprobs.items():  # a prompt chunk that sampled nothing yet
+            for req, chunk in prompt_logprobs.items():  # a prompt chunk that sampled nothing yet
                 outputs.append(
                     EngineCoreOutput(
-                        req.parent_id, req.index, [], num_prompt_tokens=req.num_prompt_tokens, prompt_logprobs=lp
+                        req.parent_id, req.index, [], num_prompt_tokens=req.num_prompt_tokens, prompt_logprobs=chunk
                     )
                 )
         if self.config.check_kv_invariants:

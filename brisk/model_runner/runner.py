@@ -271,15 +271,15 @@ class ModelRunner:
         if p.dp_size > 1:  # what each rank runs (the MoE layers gather them): padded where a rank pads
             step.dp_num_tokens = [self._num_tokens_run(s) for s in scheds]
         hidden = self._forward(step)
-        prompt_logprobs = None
+        mine_prompt_logprobs = None
         if sched.needs_prompt_logprobs:  # only steps that compute prompt positions some request asked about
-            prompt_logprobs = self._prompt_logprobs(step, hidden)
+            mine_prompt_logprobs = self._prompt_logprobs(step, hidden)
+        prompt_logprobs: list[dict[str, PromptLogprobs] | None] | None = None  # per DP rank
         if p.dp_size > 1 and any(s.needs_prompt_logprobs for s in scheds):
-            dp_prompt_logprobs = [None] * p.dp_size if p.rank == 0 else None
-            dist.gather_object(prompt_logprobs, dp_prompt_logprobs, dst=0, group=self.cpu_group)
-            prompt_logprobs = dp_prompt_logprobs
-        elif prompt_logprobs is not None:
-            prompt_logprobs = [prompt_logprobs]
+            prompt_logprobs = [None] * p.dp_size if p.rank == 0 else None
+            dist.gather_object(mine_prompt_logprobs, prompt_logprobs, dst=0, group=self.cpu_group)
+        elif mine_prompt_logprobs is not None:
+            prompt_logprobs = [mine_prompt_logprobs]
         num_sampled_all = [s.num_sampled_requests for s in scheds]
         token_ids, bad, logprobs = None, None, None
         samples_here = p.dp_size > 1 or p.rank == 0  # attention DP: every rank samples its own rows
