@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    """A prompt token's logprob and its rank in the distribution (1: the most likely), as vLLM reports them."""
+
+    logprob: float
+    rank: int
 
 
 @dataclass
@@ -28,6 +36,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # prompt_logprobs: per prompt token, None for the first (nothing predicts it), then {token id: Logprob} holding
+    # the prompt token and the top-k alternatives (ranks 1..k). None unless asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     scheduled_time: float = 0.0  # time.time() when the engine first scheduled it (0: not yet); for metrics
 
     @property

@@ -38,9 +38,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to max_seq_len
+    max_tokens: int | None = 16  # None: up to max_seq_len; 0: prefill only (e.g. for prompt_logprobs)
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per output token (0: sampled token only)
+    # Top logprobs per prompt token (0: the prompt token's own only); the prompt is then computed in full (no
+    # prefix-cache hit), as its logits are needed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower value is served first
     # output constrained by a grammar (JSON schema, regex, choice, grammar, strict tools); see brisk.structured
@@ -70,8 +73,8 @@ class SamplingParams:
         ):
             if not low <= getattr(self, name) <= high:
                 raise bad(name, f"must be in [{low}, {high}]")
-        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
-            raise bad("max_tokens", f"must be in [1, {MAX_INT32}]")
+        if self.max_tokens is not None and not 0 <= self.max_tokens <= MAX_INT32:
+            raise bad("max_tokens", f"must be in [0, {MAX_INT32}]")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise bad("seed", f"must be in [0, {MAX_SEED}]")
         if self.temperature < 0:
@@ -90,6 +93,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must be non-empty strings.")
         if any(not -MAX_INT32 <= t <= MAX_INT32 for t in self.stop_token_ids):

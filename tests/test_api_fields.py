@@ -126,6 +126,50 @@ def test_completions_echo_leads_with_the_prompt(server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_completions_echo_with_logprobs_leads_with_the_prompt_tokens(server):
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": "ROMEO: Hark!", "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    alone = httpx.post(url, json={**body, "echo": True, "max_tokens": 0}).json()["choices"][0]
+    lps = alone["logprobs"]
+    num_prompt = len(lps["tokens"])
+    assert alone["text"] == "ROMEO: Hark!" and alone["finish_reason"] == "length"
+    assert "".join(lps["tokens"]) == "ROMEO: Hark!" and num_prompt > 2
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(lp <= 0 for lp in lps["token_logprobs"][1:])
+    assert lps["text_offset"] == [len("".join(lps["tokens"][:i])) for i in range(num_prompt)]
+    # each prompt token's entry: the token itself plus its top 2
+    assert all(tok in top and 2 <= len(top) <= 3 for tok, top in zip(lps["tokens"][1:], lps["top_logprobs"][1:]))
+    # with generation: the prompt's logprobs, then the generated tokens' (as without echo)
+    both = httpx.post(url, json={**body, "echo": True, "max_tokens": 3}).json()["choices"][0]["logprobs"]
+    plain = httpx.post(url, json={**body, "max_tokens": 3}).json()["choices"][0]["logprobs"]
+    assert both["tokens"] == lps["tokens"] + plain["tokens"]
+    assert both["token_logprobs"][1:num_prompt] == pytest.approx(lps["token_logprobs"][1:], abs=1e-5)
+    assert both["token_logprobs"][num_prompt:] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+    streamed = httpx.post(url, json={**body, "echo": True, "max_tokens": 3, "stream": True}).text
+    chunks = [json.loads(x[6:])["choices"][0] for x in streamed.splitlines() if x.startswith("data: {")]
+    assert sum((c["logprobs"]["tokens"] for c in chunks), []) == both["tokens"]
+    # vLLM's prompt_logprobs: the same values, keyed by token id, with ranks
+    vllm = httpx.post(url, json={**body, "prompt_logprobs": 1, "max_tokens": 0}).json()["choices"][0]
+    entries = vllm["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == num_prompt
+    for entry, lp in zip(entries[1:], lps["token_logprobs"][1:]):
+        assert any(e["logprob"] == pytest.approx(lp, abs=1e-5) for e in entry.values())
+        assert any(e["rank"] == 1 for e in entry.values())
+    assert "prompt_logprobs" not in httpx.post(url, json={**body, "max_tokens": 1}).json()["choices"][0]
+
+
+def test_chat_prompt_logprobs(server):
+    url = f"{server.url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    out = httpx.post(url, json=body).json()
+    entries = out["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == out["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
+    refused = httpx.post(url, json={**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    assert "prompt_logprobs" not in httpx.post(url, json={**body, "prompt_logprobs": None}).json()
+
+
 def test_responses_truncation_auto_drops_the_oldest_items(server):
     long_turn = "To be, or not to be, that is the question. " * 30
     history = [{"role": "user" if i % 2 == 0 else "assistant", "content": long_turn} for i in range(6)]

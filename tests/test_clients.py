@@ -131,3 +131,47 @@ def test_lm_eval_local_completions_generate_until(server, tmp_path):
     scores = results["results"]["brisk_tiny_gen"]
     assert 0.0 <= scores["exact_match,none"] <= 1.0  # a score was computed over the 5 documents
     assert results["n-samples"]["brisk_tiny_gen"]["effective"] == 5
+
+
+def test_lm_eval_local_completions_multiple_choice(server, tmp_path):
+    # loglikelihood requests: /v1/completions with echo, logprobs and max_tokens 0 (the prompt tokens' logprobs).
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the `clients` extra")
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "data.jsonl"
+    lines = [
+        {"question": f"ROMEO: {q}\nJULIET:", "choices": [" O Romeo", " Good night", " Away"], "label": i % 3}
+        for i, q in enumerate(("Hark!", "Speak!", "Lady!", "Fair!", "Stay!", "Now!"))
+    ]
+    data.write_text("\n".join(json.dumps(line) for line in lines))
+    (tmp_path / "brisk_tiny_mc.yaml").write_text(
+        "\n".join(
+            [
+                "task: brisk_tiny_mc",
+                "dataset_path: json",
+                "dataset_kwargs:",
+                "  data_files:",
+                f"    test: {data}",
+                "test_split: test",
+                "output_type: multiple_choice",
+                'doc_to_text: "{{question}}"',
+                'doc_to_choice: "{{choices}}"',
+                'doc_to_target: "{{label}}"',
+                "metric_list:",
+                "  - metric: acc",
+            ]
+        )
+    )
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(
+            f"model=brisk-demo,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={DEMO_MODEL},tokenized_requests=False,num_concurrent=1,max_retries=1"
+        ),
+        tasks=["brisk_tiny_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        limit=5,
+    )
+    scores = results["results"]["brisk_tiny_mc"]
+    assert isinstance(scores["acc,none"], float) and 0.0 <= scores["acc,none"] <= 1.0
+    assert results["n-samples"]["brisk_tiny_mc"]["effective"] == 5

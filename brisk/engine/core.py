@@ -20,7 +20,7 @@ from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, Scheduler
 from brisk.host import resolve_device
 from brisk.kv_cache.manager import KVCacheManager
 from brisk.model_runner.runner import StepHandle
-from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from brisk.scheduler.output import FinishReason, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from brisk.scheduler.request import Request
 from brisk.scheduler.scheduler import Scheduler
 
@@ -126,7 +126,10 @@ class EngineCore:
                     # The engine's own id, unique for its lifetime (parent_id and index say whose it is).
                     request_id=str(arrival),
                     prompt_token_ids=list(prompt),
-                    params=params if params.n == 1 else replace(params, n=1, seed=seed),
+                    # The prompt's logprobs are the request's, not each completion's: the first one computes them.
+                    params=params
+                    if params.n == 1
+                    else replace(params, n=1, seed=seed, prompt_logprobs=None if i else params.prompt_logprobs),
                     max_tokens=max_tokens,
                     stop_token_ids=frozenset(stop_ids),
                     arrival_seq=arrival,
@@ -156,7 +159,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({self.max_seq_len})"
             )
-        total = len(prompt) + (params.max_tokens or self.max_seq_len - len(prompt))
+        total = len(prompt) + (self.max_seq_len - len(prompt) if params.max_tokens is None else params.max_tokens)
         if self.kv.max_blocks_per_request(total) > self.kv.pool.num_usable:
             raise InvalidRequestError(
                 f"a request of {total} tokens needs more KV blocks than the whole cache holds "
@@ -197,13 +200,17 @@ class EngineCore:
         outputs = []
         for scheduler, sched, result in zip(self.schedulers, scheds, results):
             logprobs = result.logprobs
+            prompt_logprobs: dict[Request, PromptLogprobs] = {}
+            if result.prompt_logprobs:  # looked up before the update, which may finish the request
+                requests = scheduler.requests
+                prompt_logprobs = {requests[r]: lp for r, lp in result.prompt_logprobs.items() if r in requests}
             for req, new_ids, finished, row in scheduler.update_from_output(sched, result):
                 token_logprobs = None
                 if logprobs is not None and row >= 0 and req.params.logprobs is not None:
                     lp = logprobs[row]
                     if lp is not None:
                         token_logprobs = [TokenLogprob(new_ids[0], lp.logprob, lp.top)]
-                elif not new_ids:
+                elif not new_ids and req.finish_reason is FinishReason.ERROR:
                     logger.error(
                         "request %s: the model produced non-finite logits; it ends with an error", req.parent_id
                     )
@@ -218,10 +225,17 @@ class EngineCore:
                         req.num_prompt_tokens,
                         req.num_cached_tokens,
                         req.first_scheduled_time,
+                        prompt_logprobs.pop(req, None) if prompt_logprobs else None,
                     )
                 )
                 if finished:
                     self._forget_if_done(req.parent_id)
+            for req, chunk in prompt_logprobs.items():  # a prompt chunk that sampled nothing yet
+                outputs.append(
+                    EngineCoreOutput(
+                        req.parent_id, req.index, [], num_prompt_tokens=req.num_prompt_tokens, prompt_logprobs=chunk
+                    )
+                )
         if self.config.check_kv_invariants:
             for kv in self.kv_managers:
                 kv.check_invariants()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from brisk.sampling_params import SamplingParams
-from brisk.scheduler.output import FinishReason
+from brisk.scheduler.output import FinishReason, PromptLogprobs
 
 
 class EngineCoreRequest(msgspec.Struct):
@@ -33,6 +33,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     scheduled_time: float = 0.0  # time.time() of the first step that scheduled it (0: not yet)
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt positions the step computed (prompt_logprobs)
 
     @property
     def finished(self) -> bool:

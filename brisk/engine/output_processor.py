@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from brisk.detokenizer import IncrementalDetokenizer
 from brisk.engine.messages import EngineCoreOutput
-from brisk.outputs import CompletionOutput, RequestOutput
+from brisk.outputs import CompletionOutput, Logprob, RequestOutput
 from brisk.sampling_params import SamplingParams
 
 
@@ -54,8 +54,11 @@ class OutputProcessor:
             )
             for i in range(params.n)
         ]
+        output = RequestOutput(request_id, prompt, list(prompt_token_ids), outputs)
+        if params.prompt_logprobs is not None:
+            output.prompt_logprobs = [None]
         self.states[request_id] = _RequestState(
-            RequestOutput(request_id, prompt, list(prompt_token_ids), outputs),
+            output,
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)],
         )
 
@@ -71,6 +74,10 @@ class OutputProcessor:
             comp = state.output.outputs[eo.index]
             if comp.finished:
                 continue
+            if eo.prompt_logprobs is not None and state.output.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state.output, eo)
+                if not eo.new_token_ids and not eo.finished:
+                    continue  # a prompt chunk: nothing for the completion yet
             detok = state.detokenizers[eo.index]
             comp.token_ids.extend(eo.new_token_ids)
             new_logprobs = None
@@ -107,6 +114,16 @@ class OutputProcessor:
                 result.finished.append(state.output)
                 del self.states[eo.request_id]
         return result
+
+    @staticmethod
+    def _add_prompt_logprobs(output: RequestOutput, eo: EngineCoreOutput) -> None:
+        lps = eo.prompt_logprobs
+        assert lps is not None and output.prompt_logprobs is not None
+        prompt = output.prompt_token_ids
+        for i, (lp, rank, top) in enumerate(zip(lps.logprobs, lps.ranks, lps.top)):
+            entry = {t: Logprob(v, r) for r, (t, v) in enumerate(top, start=1)}
+            entry[prompt[lps.start + i + 1]] = Logprob(lp, rank)
+            output.prompt_logprobs.append(entry)
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -44,6 +44,9 @@ class RequestState:
     # Outputs kept on the host only for rows whose sampling depends on them (penalties, min_tokens).
     needs_history: bool
     output_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs: the prompt positions whose logprobs were reported (kept across a preemption: a resumed
+    # request recomputes its prompt, and those are not reported twice).
+    num_prompt_logprobs_done: int = 0
 
 
 class InputBatch:
@@ -56,6 +59,9 @@ class InputBatch:
         self.num_computed = np.zeros(max_rows, dtype=np.int64)
         self.num_host_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        # Rows of prefill-only requests (max_tokens 0): they never sample. Counted, so steps without any skip the mask.
+        self.prefill_only = np.zeros(max_rows, dtype=bool)
+        self.num_prefill_only = 0
         self.block_tables = [np.zeros((max_rows, max_blocks_per_row), dtype=np.int32) for _ in range(num_kv_groups)]
         self.last_sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)
         # Bumped whenever rows join, leave or move: the sampler's per-row tensors are rebuilt only then.
@@ -75,6 +81,8 @@ class InputBatch:
         self.num_computed[row] = num_computed
         self.num_host_tokens[row] = len(state.host_token_ids)
         self.num_blocks[row] = 0
+        self.prefill_only[row] = state.params.max_tokens == 0
+        self.num_prefill_only += int(self.prefill_only[row])
         self.append_blocks(row, block_ids)
         self.version += 1
         return row
@@ -95,12 +103,13 @@ class InputBatch:
             if row is None:
                 continue
             last = len(self.req_ids) - 1
+            self.num_prefill_only -= int(self.prefill_only[row])
             if row != last:
                 moved = self.req_ids[last]
                 self.req_ids[row] = moved
                 self.states[row] = self.states[last]
                 self.row_of[moved] = row
-                for arr in (self.num_computed, self.num_host_tokens, self.num_blocks):
+                for arr in (self.num_computed, self.num_host_tokens, self.num_blocks, self.prefill_only):
                     arr[row] = arr[last]
                 width = int(self.num_blocks[last])
                 for table in self.block_tables:

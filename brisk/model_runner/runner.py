@@ -29,9 +29,10 @@ from brisk.model_runner.loader import load_model
 from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
 from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
 from brisk.sampling_params import SamplingParams
-from brisk.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from brisk.scheduler.output import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput, TokenLogprobs
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
+PROMPT_LOGITS_ROWS = 1024  # prompt_logprobs: positions whose full-vocabulary logits are held at once
 
 
 @runtime_checkable
@@ -278,6 +279,15 @@ class ModelRunner:
         if p.dp_size > 1:  # what each rank runs (the MoE layers gather them): padded where a rank pads
             step.dp_num_tokens = [self._num_tokens_run(s) for s in scheds]
         hidden = self._forward(step)
+        mine_prompt_logprobs = None
+        if sched.needs_prompt_logprobs:  # only steps that compute prompt positions some request asked about
+            mine_prompt_logprobs = self._prompt_logprobs(step, hidden)
+        prompt_logprobs: list[dict[str, PromptLogprobs] | None] | None = None  # per DP rank
+        if p.dp_size > 1 and any(s.needs_prompt_logprobs for s in scheds):
+            prompt_logprobs = [None] * p.dp_size if p.rank == 0 else None
+            dist.gather_object(mine_prompt_logprobs, prompt_logprobs, dst=0, group=self.cpu_group)
+        elif mine_prompt_logprobs is not None:
+            prompt_logprobs = [mine_prompt_logprobs]
         num_sampled_all = [s.num_sampled_requests for s in scheds]
         token_ids, bad, logprobs = None, None, None
         samples_here = p.dp_size > 1 or p.rank == 0  # attention DP: every rank samples its own rows
@@ -300,7 +310,7 @@ class ModelRunner:
             # Each attention-DP rank sampled (and took the logprobs of) its own rows: rank 0 reports them all.
             dp_logprobs = [None] * p.dp_size if p.rank == 0 else None
             dist.gather_object(logprobs, dp_logprobs, dst=0, group=self.cpu_group)
-        handle = StepHandle(self, scheds, step, token_ids, bad, logprobs, p.rank == 0, dp_logprobs)
+        handle = StepHandle(self, scheds, step, token_ids, bad, logprobs, p.rank == 0, dp_logprobs, prompt_logprobs)
         self._last_handle = handle
         return handle
 
@@ -334,6 +344,7 @@ class ModelRunner:
                 or bool(params.presence_penalty)
                 or bool(params.frequency_penalty)
             )
+            done = state.num_prompt_logprobs_done if state is not None else 0
             state = RequestState(
                 new.req_id,
                 new.token_ids,
@@ -343,6 +354,7 @@ class ModelRunner:
                 num_prompt,
                 needs_history,
                 output_token_ids=list(new.token_ids[num_prompt:]),
+                num_prompt_logprobs_done=done,
             )
             self.states[new.req_id] = state
             batch.add(state, new.block_ids, new.num_computed_tokens)
@@ -373,6 +385,8 @@ class ModelRunner:
             token_rows = np.repeat(rows, counts)
             positions = np.repeat(computed - qsl[:-1], counts) + np.arange(num_tokens)
         samples = seq_lens >= host_len
+        if batch.num_prefill_only:
+            samples &= ~batch.prefill_only[rows]
         sample_idx = np.flatnonzero(samples)
         # Tokens the host knows (prompts, resumed requests) vs the row's last sampled token (on the device).
         from_host = positions < batch.num_host_tokens[token_rows]
@@ -432,6 +446,61 @@ class ModelRunner:
         meta.attn_plan = self.attention_backend.prepare(meta)
         step.meta = meta
         return self.model(input_ids, to_device(step.positions, dev), meta)
+
+    def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """For each request that asked for prompt_logprobs: the logprob (fp32 log_softmax), rank and top-k of
+        every prompt token this step's positions predict (position p's logits predict prompt token p + 1).
+        Every TP rank takes part (the LM head is vocab-parallel); the host copy happens here, in the few steps
+        that compute such positions."""
+        batch = self.batch
+        counts = np.diff(step.query_start_loc)
+        starts = step.seq_lens - counts
+        spans = []  # (state, first position, end position, first token index)
+        for i, row in enumerate(step.rows.tolist()):
+            state = batch.states[row]
+            if state.params.prompt_logprobs is None:
+                continue
+            lo = max(int(starts[i]), state.num_prompt_logprobs_done)
+            hi = min(int(step.seq_lens[i]), state.num_prompt_tokens - 1)
+            if lo < hi:
+                spans.append((state, lo, hi, int(step.query_start_loc[i]) + lo - int(starts[i])))
+        if not spans:
+            return {}
+        index = np.concatenate([np.arange(t, t + hi - lo) for _, lo, hi, t in spans])
+        targets = np.concatenate(
+            [np.asarray(st.host_token_ids[lo + 1 : hi + 1], dtype=np.int64) for st, lo, hi, _ in spans]
+        )
+        k = max(st.params.prompt_logprobs or 0 for st, *_ in spans)
+        token_lps, ranks, top_lps, top_ids = [], [], [], []
+        for a in range(0, len(index), PROMPT_LOGITS_ROWS):
+            idx = to_device(index[a : a + PROMPT_LOGITS_ROWS], self.device)
+            tgt = to_device(targets[a : a + PROMPT_LOGITS_ROWS], self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
+            own = logprobs.gather(1, tgt[:, None])
+            token_lps.append(own[:, 0])
+            ranks.append((logprobs > own).sum(dim=1) + 1)
+            if k:
+                values, ids = logprobs.topk(k, dim=-1)
+                top_lps.append(values)
+                top_ids.append(ids)
+        lp_host = torch.cat(token_lps).tolist()
+        rank_host = torch.cat(ranks).tolist()
+        top_v = torch.cat(top_lps).tolist() if k else None
+        top_i = torch.cat(top_ids).tolist() if k else None
+        out: dict[str, PromptLogprobs] = {}
+        a = 0
+        for state, lo, hi, _ in spans:
+            b = a + hi - lo
+            n = state.params.prompt_logprobs or 0
+            top = (
+                [list(zip(ids[:n], vals[:n])) for ids, vals in zip(top_i[a:b], top_v[a:b])]
+                if top_i is not None and top_v is not None and n
+                else [[] for _ in range(b - a)]
+            )
+            out[state.req_id] = PromptLogprobs(lo, lp_host[a:b], rank_host[a:b], top)
+            state.num_prompt_logprobs_done = hi
+            a = b
+        return out
 
     def _sampling_batch(self, step: StepBatch, vocab_size: int) -> SamplingBatch:
         """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order
@@ -531,7 +600,16 @@ class StepHandle:
     non-finite flags) in one copy, then the ModelRunnerOutput of every DP rank (on rank 0)."""
 
     def __init__(
-        self, runner: ModelRunner, scheds, step: StepBatch, token_ids, bad, logprobs, is_rank0: bool, dp_logprobs=None
+        self,
+        runner: ModelRunner,
+        scheds,
+        step: StepBatch,
+        token_ids,
+        bad,
+        logprobs,
+        is_rank0: bool,
+        dp_logprobs=None,
+        prompt_logprobs: list[dict[str, PromptLogprobs] | None] | None = None,
     ):
         self._runner = runner
         self._scheds = scheds
@@ -541,6 +619,7 @@ class StepHandle:
         self._logprobs = logprobs
         self._dp_logprobs = dp_logprobs  # attention DP: every DP rank's logprobs, on rank 0
         self._is_rank0 = is_rank0
+        self._prompt_logprobs = prompt_logprobs  # per DP rank (on rank 0), when some request asked for them
         self._host: tuple[list[int], list[int]] | None = None
         self._history_done = False
         self._outputs: list[ModelRunnerOutput] | None = None
@@ -600,5 +679,8 @@ class StepHandle:
                         row_logprobs.append(lp)
                 offset += n
                 outputs.append(out)
+            if self._prompt_logprobs is not None:
+                for out, prompt_logprobs in zip(outputs, self._prompt_logprobs):
+                    out.prompt_logprobs = prompt_logprobs or None
         self._outputs = outputs
         return outputs

@@ -60,6 +60,11 @@ class SchedulerOutput(msgspec.Struct):
     # The requests whose known tokens this step reaches, so it samples their next one (in scheduling order).
     sampled_req_ids: list[str] = []
     needs_logprobs: bool = False  # some sampled request asked for logprobs (attention DP gathers them)
+    # Some request computes prompt positions whose logprobs it asked for (prompt_logprobs): the runner takes the
+    # logits of those positions too. False: the step costs nothing more.
+    needs_prompt_logprobs: bool = False
+    # Prefill-only requests (max_tokens 0) whose prompt this step completes: they end after it, sampling nothing.
+    prefill_done_req_ids: list[str] = []
     # Requests the runner forgets (finished, aborted) or drops from its batch until they resume (preempted).
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
@@ -81,11 +86,22 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]  # the top-k alternatives, best first
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """One step's prompt logprobs of one request: entry i is prompt token `start + i + 1`'s, given the tokens
+    before it (prompt token 0 has none). Chunked prefill: each chunk's entries follow the last one's."""
+
+    start: int
+    logprobs: list[float]  # of the prompt token itself
+    ranks: list[int]  # its rank in the distribution (1: the most likely)
+    top: list[list[tuple[int, float]]]  # the top-k alternatives, best first
+
+
 class ModelRunnerOutput(msgspec.Struct):
     req_ids: list[str] = []  # the requests that sampled, in row order
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] | None = None  # per row when some row asked for logprobs
     failed_req_ids: list[str] = []  # non-finite logits: their token is dropped, the request ends with "error"
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None  # per request whose prompt positions this step computed
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()

@@ -19,7 +19,7 @@ import bisect
 import time
 from typing import NamedTuple
 
-from brisk.kv_cache.manager import KVCacheManager
+from brisk.kv_cache.manager import KVCacheManager, PrefixHit
 from brisk.scheduler.output import (
     CachedRequestData,
     FinishReason,
@@ -114,8 +114,8 @@ class Scheduler:
             num_new = len(req._all_token_ids) + req.num_placeholders - req.num_computed_tokens
             if num_new > budget:
                 num_new = budget
-            if num_new <= 0 or len(req.output_token_ids) + req.num_placeholders >= req.max_tokens:
-                i += 1  # its last token is being sampled: nothing left to compute
+            if num_new <= 0 or (req.max_tokens and len(req.output_token_ids) + req.num_placeholders >= req.max_tokens):
+                i += 1  # its last token is being sampled (or its prompt is computed, max_tokens 0): nothing to do
                 continue
             while not allocate_slots(req, num_new):
                 victim = max(self.running, key=lambda r: r.priority_key)
@@ -139,7 +139,10 @@ class Scheduler:
                     break
                 if req.num_placeholders or (req.follows is not None and not self._prompt_ready(req.follows)):
                     continue  # a preempted request whose last step's token is not known yet; an n > 1 sibling
-                hit = self.kv.get_computed_blocks(req)
+                if req.params.prompt_logprobs is None:
+                    hit = self.kv.get_computed_blocks(req)
+                else:  # its prompt's logits are wanted: every position is computed
+                    hit = PrefixHit(0, [[] for _ in self.kv.groups])
                 num_new = req.num_tokens - hit.num_tokens
                 if num_new > budget:
                     if not self.enable_chunked_prefill:
@@ -168,7 +171,8 @@ class Scheduler:
         new_data = []
         cached = CachedRequestData([], [])
         sampled: list[str] = []
-        needs_logprobs = False
+        needs_logprobs = needs_prompt_logprobs = False
+        prefill_done: list[str] = []
         sent = self._num_sent_blocks
         for req in new_reqs:
             tables = self.kv.tables[req.request_id]
@@ -199,9 +203,14 @@ class Scheduler:
                     cached.req_ids.append(rid)
                     cached.new_block_ids.append([t[have:] for t in tables])
                     sent[rid] = len(tables[0])
+            if req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens - 1:
+                needs_prompt_logprobs = True
             # Advance now (the step is in flight); the sampled token is a placeholder until its output arrives.
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+            if not req.max_tokens:  # prefill only: it samples nothing, and ends once its prompt is computed
+                if req.num_computed_tokens == req.num_tokens:
+                    prefill_done.append(rid)
+            elif req.num_computed_tokens == req.num_tokens + req.num_placeholders:
                 req.num_placeholders += 1
                 sampled.append(rid)
                 if req.params.logprobs is not None:
@@ -220,6 +229,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             sampled_req_ids=sampled,
             needs_logprobs=needs_logprobs,
+            needs_prompt_logprobs=needs_prompt_logprobs,
+            prefill_done_req_ids=prefill_done,
             finished_req_ids=finished,
             preempted_req_ids=preempted_ids,
         )
@@ -268,6 +279,11 @@ class Scheduler:
             if done:
                 self._finish(req, FinishReason.STOP)
             results.append(TokenOutput(req, [token], done, row))
+        for rid in sched.prefill_done_req_ids:
+            req = requests.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.LENGTH)
+                results.append(TokenOutput(req, [], True))
         for rid in output.failed_req_ids:
             req = requests.get(rid)
             if req is not None:

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from brisk.server.completions import prompt_logprobs_body
+from brisk.server.errors import APIError
 from brisk.server.output_parsers import make_choice_parser, merge_delta_fields
 from brisk.server.protocol import ChatCompletionRequest
 from brisk.server.schemas import (
@@ -54,6 +56,8 @@ def logprob_entries(
 )
 async def chat_completions(req: ChatCompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
     state.check_model(req.model)
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not available with stream: true.", param="prompt_logprobs")
     state.admit()
     params = state.sampling_params(req)
     await state.check_structured_outputs(params, req.field_names())
@@ -93,7 +97,9 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         reasons: list[str | None] = [None] * params.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
         num_cached = 0
+        output = None
         async for delta in deltas:
+            output = delta.output
             parser = parsers[delta.index]
             if parser.stopped:
                 continue  # the stop string ended this choice; the rest is not reported
@@ -117,7 +123,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                     finish_reason=finish_reason(parser, reasons[i]),
                 )
             )
-        return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(num_cached))
+        body = ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(num_cached))
+        if req.prompt_logprobs is not None and output is not None:
+            body.prompt_logprobs = prompt_logprobs_body(state, output, req.prompt_logprobs)
+        return body
 
     if not req.stream:
         return await until_disconnected(raw, whole_response())

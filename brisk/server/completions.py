@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from brisk.outputs import Logprob, RequestOutput
 from brisk.server.errors import APIError
 from brisk.server.protocol import CompletionRequest
 from brisk.server.schemas import (
@@ -18,6 +19,8 @@ from brisk.server.schemas import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     Usage,
     event_stream_response,
 )
@@ -41,18 +44,58 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     raise APIError(400, "prompt must be a string, a list of strings, or token ids.", param="prompt")
 
 
-def _logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int, float]], offset: int):
-    tokens = [state.tokenizer.decode([t]) for t in token_ids]
+def _logprobs(
+    state: ServerState,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]],
+    offset: int,
+    prompt: RequestOutput | None = None,
+    top_n: int = 0,
+) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs of `token_ids`; with `prompt` (echo), the prompt tokens' lead them (the first
+    one's is null: nothing predicts it), each with the prompt token and its top `top_n` alternatives."""
+    decode = state.tokenizer.decode
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    ids: list[int] = []
+    if prompt is not None and prompt.prompt_logprobs is not None:
+        ids = list(prompt.prompt_token_ids)
+        for token, entry in zip(ids, prompt.prompt_logprobs):
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(entry[token].logprob)
+            top_logprobs.append({decode([t]): lp.logprob for t, lp in entry.items() if lp.rank <= top_n or t == token})
+    ids += token_ids
+    token_logprobs += [lp[t] for t, lp in zip(token_ids, logprobs)]
+    top_logprobs += [{decode([k]): v for k, v in lp.items()} for lp in logprobs]
+    tokens = [decode([t]) for t in ids]
     offsets, pos = [], offset
     for text in tokens:
         offsets.append(pos)
         pos += len(text)
     return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=[lp[t] for t, lp in zip(token_ids, logprobs)],
-        top_logprobs=[{state.tokenizer.decode([k]): v for k, v in lp.items()} for lp in logprobs],
-        text_offset=offsets,
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets
     )
+
+
+def prompt_logprobs_body(state: ServerState, output: RequestOutput, top_n: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, then {token id: logprob, rank, decoded
+    token} for the prompt token and its top `top_n` alternatives."""
+    decode = state.tokenizer.decode
+
+    def entry(token: int, lps: dict[int, Logprob]) -> dict[str, PromptLogprob]:
+        return {
+            str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=decode([t]))
+            for t, lp in lps.items()
+            if lp.rank <= top_n or t == token
+        }
+
+    return [
+        None if lps is None else entry(token, lps)
+        for token, lps in zip(output.prompt_token_ids, output.prompt_logprobs or [])
+    ]
 
 
 @router.post(
@@ -65,12 +108,12 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     state.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of other than n is not supported.", param="best_of")
-    if req.max_tokens == 0 and not req.echo:
-        raise APIError(400, "max_tokens 0 generates nothing; it needs echo: true.", param="max_tokens")
-    if req.echo and req.logprobs is not None:
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
         raise APIError(
-            400, "echo with logprobs needs the prompt's logprobs, which brisk does not compute.", param="echo"
+            400, "max_tokens 0 generates nothing; it needs echo: true (or prompt_logprobs).", param="max_tokens"
         )
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not available with stream: true.", param="prompt_logprobs")
     single = isinstance(req.prompt, str) or all(isinstance(p, int) for p in req.prompt)
     state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
     params = state.sampling_params(req)
@@ -83,7 +126,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     # echo: each choice's text starts with its prompt
     echoed = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts]
 
-    if req.max_tokens == 0:  # echo of the prompts alone: nothing to generate
+    if req.max_tokens == 0 and params.prompt_logprobs is None:  # echo of the prompts alone: nothing to compute
         choices = [
             CompletionChoice(index=p * n + i, text=echoed[p], logprobs=None, finish_reason="length", stop_reason=None)
             for p in range(len(prompts))
@@ -99,6 +142,11 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
 
         return StreamingResponse(stream_with_errors(echo_chunks()), media_type="text/event-stream")
 
+    def choice_logprobs(output: RequestOutput, token_ids: list[int], logprobs, offset: int = 0) -> CompletionLogprobs:
+        if req.echoes_logprobs:  # the prompt's tokens lead, from the choice's first chunk
+            return _logprobs(state, token_ids, logprobs or [], offset, output, req.logprobs or 0)
+        return _logprobs(state, token_ids, logprobs or [], offset)
+
     if not req.stream:
 
         async def run(text, ids):
@@ -111,15 +159,16 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         choices = []
         for p, final in enumerate(finals):
             for out in final.outputs:
-                choices.append(
-                    CompletionChoice(
-                        index=p * n + out.index,
-                        text=echoed[p] + out.text,
-                        finish_reason=out.finish_reason,
-                        logprobs=_logprobs(state, out.token_ids, out.logprobs, 0) if req.logprobs is not None else None,
-                        stop_reason=out.stop_reason,
-                    )
+                choice = CompletionChoice(
+                    index=p * n + out.index,
+                    text=echoed[p] + out.text,
+                    finish_reason=out.finish_reason,
+                    logprobs=choice_logprobs(final, out.token_ids, out.logprobs) if req.logprobs is not None else None,
+                    stop_reason=out.stop_reason,
                 )
+                if req.prompt_logprobs is not None:
+                    choice.prompt_logprobs = prompt_logprobs_body(state, final, req.prompt_logprobs)
+                choices.append(choice)
         completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         cached = sum(f.num_cached_tokens for f in finals)
@@ -171,7 +220,11 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
                     continue
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = _logprobs(state, pending.token_ids, pending.logprobs, text_offset.get(index, 0))
+                    if index in text_offset:
+                        offset = text_offset[index] + (len(echoed[p]) if req.echo else 0)
+                        logprobs = _logprobs(state, pending.token_ids, pending.logprobs, offset)
+                    else:
+                        logprobs = choice_logprobs(delta.output, pending.token_ids, pending.logprobs)
                 text = pending.text
                 if index not in text_offset:  # the choice's first chunk
                     text = echoed[p] + text

@@ -205,6 +205,7 @@ class _SamplingFields(_GenerationFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: top logprobs of each prompt token
     structured_outputs: StructuredOutputsField | None = None
     guided_json: Annotated[Any, refused(GUIDED_REMOVED)] = None
     guided_regex: Annotated[Any, refused(GUIDED_REMOVED)] = None
@@ -235,7 +236,7 @@ class _SamplingFields(_GenerationFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=extra.pop("structured_outputs", None) or self._vllm_structured_outputs(),
-            **extra,
+            **{"prompt_logprobs": self.prompt_logprobs, **extra},
         )
 
 
@@ -341,10 +342,17 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: Annotated[Any, refused("suffix (fill-in-the-middle) is not supported by brisk's models.")] = None
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """echo with logprobs: the prompt tokens' logprobs lead each choice's (lm-eval's loglikelihood)."""
+        return self.echo and self.logprobs is not None
+
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        # max_tokens 0 generates nothing (the route answers from the prompt); the rest is still checked
-        max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
-        return self.sampling_params(max_tokens, self.logprobs, defaults)
+        # max_tokens 0 (with echo) is a prefill-only request: nothing is sampled
+        prompt_logprobs = self.prompt_logprobs
+        if self.echoes_logprobs:
+            prompt_logprobs = max(self.logprobs or 0, prompt_logprobs or 0)
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs=prompt_logprobs)
 
 
 class TokenizeRequest(_Body):

@@ -96,6 +96,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
@@ -110,6 +121,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with `prompt_logprobs` asked
 
 
 class FunctionCallDelta(BaseModel):
@@ -163,6 +175,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with `prompt_logprobs` asked
 
 
 class Completion(BaseModel):

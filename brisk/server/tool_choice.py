@@ -100,7 +100,9 @@ async def _pick_tool(state, names: list[str], prompt_ids: list[int], params: Sam
         allowed = {spelled[n][step] for n in candidates}
         if len(allowed) > 1:
             bias = {**(params.logit_bias or {}), **dict.fromkeys(allowed, FORCE_BIAS)}
-            one = replace(params, n=1, max_tokens=1, min_tokens=0, stop=[], logit_bias=bias, logprobs=None)
+            one = replace(
+                params, n=1, max_tokens=1, min_tokens=0, stop=[], logit_bias=bias, logprobs=None, prompt_logprobs=None
+            )
             sampled: int | None = None
             async for delta in state.generate(prompt_ids + header + chosen, one, timeout=timeout):
                 sampled = next(iter(delta.token_ids), sampled)
