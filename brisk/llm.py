@@ -135,7 +135,11 @@ class LLM:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size, harmony=is_harmony)
         self._grammar_compiler.compile(spec)
         # the engine integration (issue 18) sets EngineCore.enforces_structured_outputs = True
-        if not getattr(self.engine, "enforces_structured_outputs", False):
+        enforced = getattr(self.engine, "enforces_structured_outputs", False)
+        if not enforced and not spec.answer_kinds():  # strict tools only: accepted, not yet enforced (as served)
+            params.structured_outputs = None
+            return
+        if not enforced:
             raise InvalidRequest(
                 spec.param, f"{spec.param}: structured outputs are checked but not yet enforced by this engine."
             )

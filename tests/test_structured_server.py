@@ -15,7 +15,7 @@ import brisk
 from brisk.sampling_params import InvalidRequest, SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.state import ServerState
-from brisk.structured import StructuredOutputs
+from brisk.structured import StrictTool, StructuredOutputs
 from brisk.structured.compiler import GrammarCompiler
 from tests.server_utils import RunningServer
 
@@ -40,16 +40,15 @@ VALID = [
     (COMPLETIONS, {"structured_outputs": {"json_object": True}}, "structured_outputs"),
     (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}}}, "text.format"),
     (RESPONSES, {"text": {"format": {"type": "json_object"}}}, "text.format"),
+]
+# Strict function tools alone: their schemas are checked, then accepted unconstrained until the engine enforces
+# (clients such as openai-agents mark every function tool strict; refusing them would break every agent).
+STRICT_TOOLS = [
     (
         CHAT,
         {"tools": [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": SCHEMA}}]},
-        "tools",
     ),
-    (
-        RESPONSES,
-        {"tools": [{"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}]},
-        "tools",
-    ),
+    (RESPONSES, {"tools": [{"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}]}),
 ]
 INVALID = [
     (CHAT, {"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "parenthesis is not closed"),
@@ -76,6 +75,12 @@ INVALID = [
     (CHAT, {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
     (CHAT, {"guided_json": SCHEMA}, "guided_json", "use structured_outputs"),
     (RESPONSES, {"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format", "needs name"),
+    (
+        CHAT,
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "objec"}}}]},
+        "tools",
+        'Unsupported type "objec"',
+    ),
 ]
 
 
@@ -97,6 +102,12 @@ def test_valid_structured_request_is_refused_until_enforced(server, endpoint, ex
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and NOT_ENFORCED in error["message"], error
+
+
+@pytest.mark.parametrize(("endpoint", "extra"), STRICT_TOOLS)
+def test_strict_tools_are_checked_then_served_unconstrained_until_enforced(server, endpoint, extra):
+    r = post(server, endpoint, extra)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(("endpoint", "extra", "param", "message"), INVALID)
@@ -139,6 +150,13 @@ def test_engine_capability_is_the_one_switch(tmp_path):
             check(False, StructuredOutputs(json=SCHEMA))
         with pytest.raises(APIError, match="parenthesis"):
             check(True, StructuredOutputs(regex="(ab"))
+        # strict tools alone pass unenforced (the constraint is dropped); with an answer kind they are refused
+        tools = (StrictTool("get_weather", SCHEMA),)
+        params = SamplingParams(structured_outputs=StructuredOutputs(tools=tools, param="tools"))
+        asyncio.run(ServerState.check_structured_outputs(state(False), params))  # type: ignore[arg-type]
+        assert params.structured_outputs is None
+        with pytest.raises(APIError, match=NOT_ENFORCED):
+            check(False, StructuredOutputs(json=SCHEMA, tools=tools))
     finally:
         compiler.close()
 
@@ -152,3 +170,6 @@ def test_offline_llm_checks_then_refuses():
         with pytest.raises(InvalidRequest, match=NOT_ENFORCED):
             llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs(choice=["a", "b"])))
         assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # plain still runs
+        strict_tool = StructuredOutputs(tools=(StrictTool("get_weather", SCHEMA),), param="tools")
+        params = SamplingParams(max_tokens=2, structured_outputs=strict_tool)
+        assert llm.generate("Hi", params)[0].outputs[0].token_ids  # strict tools alone: checked, not yet enforced

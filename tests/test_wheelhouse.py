@@ -5,8 +5,9 @@ to install them into a fresh venv and run brisk there, ~10 s for a second, small
 where pip cannot reach it.
 
 The fresh venv stands for the air-gapped GPU box, which has torch preinstalled and nothing else of brisk's: it sees
-torch through a .pth file naming a folder of links to this environment's torch and the packages torch itself needs
-that brisk does not (sympy, mpmath, networkx), so the wheelhouse need not (and must not) hold torch, and every other
+torch and triton through a .pth file naming a folder of links to this environment's torch, the packages torch itself
+needs that brisk does not (sympy, mpmath, networkx), and triton, so the wheelhouse need not (and must not) hold
+them, and every other
 package brisk imports must come from the wheelhouse.
 """
 
@@ -23,7 +24,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tools", "wheelhouse.sh")
-TORCH_ONLY = ("torch", "functorch", "torchgen", "sympy", "mpmath", "networkx")  # what the GPU box has beside torch
+# what the GPU box has: torch (with the packages it needs and brisk does not) and triton (xgrammar needs it)
+TORCH_ONLY = ("torch", "functorch", "torchgen", "sympy", "mpmath", "networkx", "triton")
 LIMIT_MB = 60
 
 

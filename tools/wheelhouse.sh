@@ -116,10 +116,18 @@ echo "wheelhouse: CPython $py_version, manylinux x86-64, into $out"
 
 # A dependency of a dependency may still pull one of the skipped packages: take it out and list it.
 shopt -s nullglob
+torch_pulled=("$out"/torch-*.whl)
 for wheel in "$out"/torch-*.whl "$out"/triton-*.whl "$out"/nvidia_*.whl; do
     echo "$(basename "$wheel") (pulled in by a dependency)" >>"$skipped_file"
     rm -f "$wheel"
 done
+# xgrammar requires torch, and pip then brings torch's own dependencies: the target's torch has them already.
+if ((${#torch_pulled[@]})); then
+    for wheel in "$out"/sympy-*.whl "$out"/mpmath-*.whl "$out"/networkx-*.whl; do
+        echo "$(basename "$wheel") (torch's dependency: the target's torch has it)" >>"$skipped_file"
+        rm -f "$wheel"
+    done
+fi
 
 # Wheels of projects the target already has (--skip-file): pip there keeps its own copies.
 if [[ -n $skip_file ]]; then

@@ -160,6 +160,12 @@ class ServerState:
             raise invalid_request_error(exc, field_names) from None
         except TimeoutError:
             raise invalid_request_error(compiler.timeout_error(spec), field_names) from None
+        if not self.info.structured_outputs and not spec.answer_kinds():
+            # Only `strict: true` function tools: clients such as openai-agents mark every function tool strict, so
+            # refusing them would break every agent. Their schemas were checked above; the arguments are not yet
+            # constrained (docs/api.md says so) until the engine applies grammar masks.
+            params.structured_outputs = None
+            return
         if not self.info.structured_outputs:
             raise APIError(
                 400,
