@@ -145,6 +145,7 @@ def test_padding_rows_never_write_a_requests_blocks(model):
     prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(n)]} for n in (3, 6, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     caches, outputs = [], []
+    per_row_exact = True
     for poison in (False, True):
         options = _options(model, False, {"batch_sizes": [4, 8], "enable_padding": True})
         options["enable_chunked_prefill"] = True
@@ -164,7 +165,15 @@ def test_padding_rows_never_write_a_requests_blocks(model):
             outs = llm.generate(prompts, params)
             assert sum(padded_steps) > 0, "no step ran with padding rows"
             outputs.append([o.outputs[0].token_ids for o in outs])
+            per_row_exact = runner.cpu_kernels is not None
             layer = runner.attn_layers[0]
             caches.append((layer.k_cache[1:].clone(), layer.v_cache[1:].clone()))  # every block but the null one
     assert outputs[0] == outputs[1]
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    if per_row_exact:  # brisk's C kernels compute each row alone: other rows' inputs change no bit of it
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    else:
+        # The PyTorch paths (no C compiler, cpu_kernels: torch) are not batch-invariant: the reference MoE groups
+        # rows by expert, so what the padding rows route to changes the matmul shapes of the real rows and their
+        # rounding (measured: at most 1.2e-6 here), which reaches the KV of the later layers sharing this slot
+        # tensor. A padding row writing a real block would put its own K/V there: differences of order one.
+        torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=1e-5)
