@@ -46,6 +46,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device")
     p.add_argument("--moe_backend", "--moe-backend", dest="moe_backend", choices=["auto", "torch", "triton"])
     p.add_argument("--attn_backend", "--attn-backend", dest="attn_backend", choices=["auto", "torch", "triton", "cpu"])
+    p.add_argument(
+        "--cpu_kernels",
+        "--cpu-kernels",
+        dest="cpu_kernels",
+        choices=["auto", "avx512", "avx2", "torch"],
+        help="CPU serving: which build of brisk's C kernels runs (auto: the best this CPU runs; torch: none)",
+    )
     p.add_argument("--max_num_waiting", "--max-num-waiting", dest="max_num_waiting", type=int)
     p.add_argument(
         "--speculative-config",

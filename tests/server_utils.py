@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from brisk.config import EngineConfig
+
 STARTUP_TIMEOUT_S = 180
 
 
@@ -30,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_kernels_args(launcher: list[str], args: tuple[str, ...]) -> list[str]:
+    """`pytest --cpu-kernels X` reaches a `brisk serve` subprocess as its `--cpu_kernels X` (conftest sets the
+    EngineConfig default of this run), unless the test chose one itself."""
+    choice = EngineConfig.model_fields["cpu_kernels"].default
+    if (
+        launcher[-1:] != ["serve"]
+        or choice == "auto"
+        or any(a.startswith(("--cpu_kernels", "--cpu-kernels")) for a in args)
+    ):
+        return []
+    return ["--cpu_kernels", choice]
+
+
 class RunningServer:
     def __init__(
         self,
@@ -44,6 +59,7 @@ class RunningServer:
         self.url = f"http://127.0.0.1:{self.port}"
         launcher = launcher or ([script] if script else ["-m", "brisk.cli", "serve"])
         cmd = [sys.executable, *launcher, model, "--port", str(self.port), *args]
+        cmd += _cpu_kernels_args(launcher, args)
         self.log_path = f"/tmp/brisk-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         # brisk serve keeps stored Responses under XDG_STATE_HOME unless --state-dir says otherwise: a test's own
