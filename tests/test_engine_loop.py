@@ -157,9 +157,9 @@ def test_padding_rows_never_write_a_requests_blocks(model):
             padded_steps = []
             run = graphs.run
 
-            def spy(r, step, padded, run=run, padded_steps=padded_steps):
-                padded_steps.append(padded - step.num_rows)
-                return run(r, step, padded)
+            def spy(r, step, shape, run=run, padded_steps=padded_steps):
+                padded_steps.append(shape[0] - step.num_rows)
+                return run(r, step, shape)
 
             graphs.run = spy
             outs = llm.generate(prompts, params)

@@ -39,6 +39,7 @@ class AttentionMetadata:
     query_start_loc_tensor: torch.Tensor | None = None  # [B+1] int32
     max_seq_len: int | None = None
     decode_only: bool = False  # every sequence has one new token
+    static_query_len: int = 0  # static-buffer steps: every sequence's new tokens (speculative verification: k + 1)
     # The backend's per-step metadata, built once by `AttentionBackend.prepare` and read by every layer.
     attn_plan: Any = field(default=None, repr=False)
     attn_plan_backend: Any = field(default=None, repr=False)  # the backend that built attn_plan

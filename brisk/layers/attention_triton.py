@@ -45,6 +45,13 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
         decode = torch.arange(n, dtype=torch.int32, device=device)
         bound = meta.max_seq_len or max(meta.seq_lens, default=0)
         return _StepPlan(block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, decode, empty, empty, bound)
+    if meta.static_query_len > 1 and meta.seq_lens_tensor is not None and meta.query_start_loc_tensor is not None:
+        # A static-buffer verification step (k + 1 tokens per sequence): its tiles follow from the shape alone.
+        n, per = meta.seq_lens_tensor.shape[0], -(-meta.static_query_len // block_q)
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        tiles = torch.arange(n * per, dtype=torch.int32, device=device)
+        tile_seqs, tile_starts = tiles // per, (tiles % per) * block_q
+        return _StepPlan(block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, empty, tile_seqs, tile_starts, 0)
     qsl, lens = list(meta.query_start_loc), list(meta.seq_lens)
     n_new = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     decode_rows = [i for i, n in enumerate(n_new) if n == 1]

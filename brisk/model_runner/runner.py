@@ -160,7 +160,8 @@ class ModelRunner:
                 # rows): their steps run on the padded buffers uncaptured.
                 # Capture needs backends without host syncs (the Triton ones); others run the buffers uncaptured.
                 capture = device.type == "cuda" and parallel.dp_size == 1 and self._graph_safe()
-                self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture=capture)
+                verify_len = 1 + config.speculative_config.max_draft_len if self.spec is not None else 1
+                self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture, verify_len)
                 self.graphs.capture_all(self)
 
     def _graph_safe(self) -> bool:
@@ -307,6 +308,11 @@ class ModelRunner:
             prompt_logprobs = [mine_prompt_logprobs]
         if self.spec is not None:  # verification, the host sync, drafts for the next step (spec_decode/runner.py)
             outputs = self.spec.sample_and_propose(scheds, step, hidden)
+            if outputs is not None and self.graphs is not None:  # next step: a verification of the static shape
+                for out in outputs:
+                    if out.spec_token_ids is not None:
+                        last = [tokens[-1] for tokens in out.sampled_token_ids]
+                        out.spec_token_ids = self.graphs.pad_drafts(out.spec_token_ids, last)
             if outputs is not None and prompt_logprobs is not None:
                 for out, chunk in zip(outputs, prompt_logprobs):
                     out.prompt_logprobs = chunk or None
@@ -345,9 +351,9 @@ class ModelRunner:
     def _num_tokens_run(self, sched: SchedulerOutput) -> int:
         n = sched.total_num_scheduled_tokens
         if self.graphs is not None:
-            padded = self.graphs.padded_size_of(len(sched.num_scheduled_tokens), n, sched.num_sampled_requests)
-            if padded is not None:
-                return padded
+            shape = self.graphs.padded_shape_of(list(sched.num_scheduled_tokens.values()), sched.num_sampled_requests)
+            if shape is not None:
+                return shape[0] * shape[1]
         return n
 
     def _update_batch(self, sched: SchedulerOutput) -> None:
@@ -472,9 +478,9 @@ class ModelRunner:
 
     def _forward(self, step: StepBatch) -> torch.Tensor:
         if self.graphs is not None:
-            padded = self.graphs.padded_size(step)
-            if padded is not None:
-                return self.graphs.run(self, step, padded)
+            shape = self.graphs.padded_shape(step)
+            if shape is not None:
+                return self.graphs.run(self, step, shape)
         dev = self.device
         input_ids = to_device(step.input_ids_host, dev)
         if len(step.placeholder_idx):
