@@ -121,6 +121,22 @@ def test_backend_odd_group_wide_head_small_tile(window: int | None) -> None:
     assert_close(case.run(backend_for(shape, 16), True)[0], case.reference(True))
 
 
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("query_len", [4, 9])
+def test_backend_static_verify_step(window: int | None, query_len: int) -> None:
+    # A speculative verify step on the CUDA-graph buffers: k + 1 new tokens per sequence, device tensors only, the
+    # tiles built from the static shape (no host lists); 8-token tiles, so 9 tokens take two. Contexts shorter and
+    # longer than a tile and the window.
+    specs = [(query_len, query_len + extra) for extra in (0, 5, 26, 9)]
+    case = make_case(TINY, specs, window, seed=9)
+    reference = case.reference(True)
+    cu, lens = device_lists(case)
+    case.meta.query_start_loc_tensor, case.meta.seq_lens_tensor, case.meta.static_query_len = cu, lens, query_len
+    case.meta.seq_lens, case.meta.query_start_loc = [], []  # the graph path never reads the host lists
+    backend = TritonAttentionBackend(prefill_block_m=16, prefill_block_n=TINY.block_n, decode_block_n=TINY.block_n)
+    assert_close(case.run(backend, True)[0], reference)
+
+
 def test_backend_reuses_plan_per_step_and_rebuilds_on_change() -> None:
     backend = backend_for(TINY, 16)
     a = make_case(TINY, TINY_SPECS, seed=4)

@@ -50,8 +50,9 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
         n, per = meta.seq_lens_tensor.shape[0], -(-meta.static_query_len // block_q)
         empty = torch.empty(0, dtype=torch.int32, device=device)
         tiles = torch.arange(n * per, dtype=torch.int32, device=device)
-        tile_seqs, tile_starts = tiles // per, (tiles % per) * block_q
-        return _StepPlan(block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, empty, tile_seqs, tile_starts, 0)
+        return _StepPlan(
+            block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, empty, tiles // per, (tiles % per) * block_q, 0
+        )
     qsl, lens = list(meta.query_start_loc), list(meta.seq_lens)
     n_new = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     decode_rows = [i for i, n in enumerate(n_new) if n == 1]
