@@ -63,6 +63,37 @@ def test_cuda_graphs_generate_what_eager_steps_do(tmp_path, batch):
     assert outputs["graphs"] == outputs["eager"]
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+def test_cuda_graphs_replay_speculative_verify_steps(tmp_path, batch):
+    """n-gram verify steps (k + 1 tokens a request) replayed from their own CUDA graphs equal eager decoding
+    without speculation; copy-heavy prompts so that drafts are accepted."""
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)
+    make_tiny_tokenizer(path)
+    rng = random.Random(batch)
+    prompts = []
+    for _ in range(batch):
+        passage = [rng.randrange(1, 512) for _ in range(rng.randrange(5, 20))]
+        prompts.append({"prompt_token_ids": passage + passage + passage[:3]})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ngram = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}
+    outputs = {}
+    for name, options in (
+        ("eager", {}),
+        ("graphs", {"speculative_config": ngram, "cuda_graph_config": {"batch_sizes": [1, 2, 4, 8]}}),
+    ):
+        llm = LLM(path, device="cuda", dtype="float32", max_batch_size=8, **options)
+        if options:
+            graphs = llm.engine.executor.runner.graphs
+            assert graphs is not None and graphs.capture and graphs.query_lens == [1, 4]
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if options:
+            assert llm.engine.stats().spec_num_accepted_tokens > 0
+        assert llm.engine.kv.pool.num_used == 0
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs["graphs"] == outputs["eager"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cuda_graphs_with_tensor_parallel_collectives(tmp_path):
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
