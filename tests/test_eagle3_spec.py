@@ -135,12 +135,28 @@ def reference_drafts(w, embed, tokens: list[int], aux: torch.Tensor, k: int) -> 
     return drafts
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
-def test_drafts_match_dense_reference(tiny, chunked):
+# graphs: decode and verify steps on the static (CUDA graph) buffers, three requests padded to four; the drafter reads
+# the step's own metadata and aux hidden states from them.
+LAYOUTS = {"whole": {}, "chunked": {"max_num_tokens": 8}, "graphs": {"cuda_graph_config": {"batch_sizes": [1, 2, 4]}}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_drafts_match_dense_reference(tiny, layout):
     """Chunked: the long prompt's first chunks sample nothing, yet the draft KV must cover them."""
     arch, path, head, weights, aux_ids = tiny
     spec = {"method": "eagle3", "num_speculative_tokens": K, "model": head}
-    llm = LLM(path, seed=0, speculative_config=spec, **({"max_num_tokens": 8} if chunked else {}))
+    llm = LLM(path, seed=0, speculative_config=spec, **LAYOUTS[layout])
+    graphs = llm.engine.executor.runner.graphs
+    assert (graphs is not None) == (layout == "graphs")
+    if graphs is not None:
+        shapes = []
+        run = graphs.run
+
+        def spy(runner, step, shape):
+            shapes.append((step.num_rows, *shape))
+            return run(runner, step, shape)
+
+        graphs.run = spy
     proposer = llm.engine.executor.runner.spec.proposer
     recorded: list[tuple[list[int], list[int]]] = []
     original = proposer.propose
@@ -153,9 +169,12 @@ def test_drafts_match_dense_reference(tiny, chunked):
 
     proposer.propose = recording
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = [_prompts()[-1]] if chunked else _prompts(2)  # chunked: 30 tokens alone; else two batched
+    # chunked: 30 tokens alone; else batched
+    prompts = [_prompts()[-1]] if layout == "chunked" else _prompts(3 if layout == "graphs" else 2)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert len(recorded) >= 4
+    if graphs is not None:
+        assert any(b == 3 and padded == 4 and t == K + 1 for b, padded, t in shapes), shapes
     hf = hf_reference(path)
     embed = hf.get_input_embeddings().weight.detach()
     with torch.no_grad():

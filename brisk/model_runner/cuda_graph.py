@@ -81,6 +81,7 @@ class DecodeGraphs:
         self.pad_position = 0
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self._graph_aux: dict[tuple[int, int], list[torch.Tensor]] = {}  # EAGLE3's aux hidden states, per graph
         self._graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
 
     def padded_shape(self, step: StepBatch) -> tuple[int, int] | None:
@@ -142,13 +143,23 @@ class DecodeGraphs:
             for g in range(len(self.slot_mappings)):
                 self.slot_mappings[g][n : padded * t] = 0  # slot 0 of the null block
                 self.block_tables[g][b:padded, :width] = 0
+        # What an EAGLE3 drafter reads of the step (its first pass runs over the step's own tokens): the metadata
+        # of the real requests as an eager step has it, on these buffers.
+        step.meta = AttentionMetadata(
+            query_start_loc=step.query_start_loc.tolist(),
+            seq_lens=step.seq_lens.tolist(),
+            block_tables=[table[:b, : step.block_tables[0].shape[1]] for table in self.block_tables],
+            slot_mappings=[s[:n] for s in self.slot_mappings],
+            block_size=runner.block_size,
+        )
         if self.capture:
             self._graphs[padded, t].replay()
+            if (padded, t) in self._graph_aux:  # the replay refilled the captured aux tensors
+                runner.model.model.aux_hidden_states = self._graph_aux[padded, t]
             return self._graph_hidden[padded, t][:n]
         meta = self._meta(runner, padded, t, width, step.dp_num_tokens)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
         meta.attn_plan = runner.attention_backend.prepare(meta)
-        step.meta = meta
         return runner.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]
 
     def pad_drafts(self, drafts: list[list[int]], last_tokens: list[int]) -> list[list[int]]:
@@ -185,6 +196,9 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._graph_hidden[size, t] = runner.model(*args)
             self._graphs[size, t] = graph
+            aux = getattr(getattr(runner.model, "model", None), "aux_hidden_states", None)
+            if aux:  # EAGLE3: the target's hidden states entering three layers, outputs of this graph too
+                self._graph_aux[size, t] = list(aux)
         torch.cuda.synchronize(runner.device)
         free_after, _ = torch.cuda.mem_get_info(runner.device)
         logger.info(

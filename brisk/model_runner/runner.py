@@ -149,10 +149,6 @@ class ModelRunner:
             self.num_blocks = agree_min(self.num_blocks, cpu_group)
         self._allocate_kv_cache()
         graph_config = effective_graph_config(config, device)
-        if self.spec is not None and getattr(self.spec.proposer, "needs_every_step", False):
-            graph_config = (
-                None  # EAGLE3 reads each step's aux hidden states and metadata: a graph replay leaves neither
-            )
         if graph_config is not None:
             sizes = graph_batch_sizes(graph_config, config.max_batch_size)
             if sizes:
