@@ -155,7 +155,9 @@ class DecodeGraphs:
         if self.capture:
             self._graphs[padded, t].replay()
             if (padded, t) in self._graph_aux:  # the replay refilled the captured aux tensors
-                setattr(runner.model.model, "aux_hidden_states", self._graph_aux[padded, t])
+                target = runner.model.model
+                assert isinstance(target, torch.nn.Module)
+                target.aux_hidden_states = self._graph_aux[padded, t]
             return self._graph_hidden[padded, t][:n]
         meta = self._meta(runner, padded, t, width, step.dp_num_tokens)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
