@@ -21,7 +21,7 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -155,8 +155,7 @@ class DecodeGraphs:
         if self.capture:
             self._graphs[padded, t].replay()
             if (padded, t) in self._graph_aux:  # the replay refilled the captured aux tensors
-                target = runner.model.model
-                assert isinstance(target, torch.nn.Module)
+                target: Any = runner.model.model  # llama.py's DecoderModel (EAGLE3 targets are CausalLMs)
                 target.aux_hidden_states = self._graph_aux[padded, t]
             return self._graph_hidden[padded, t][:n]
         meta = self._meta(runner, padded, t, width, step.dp_num_tokens)
