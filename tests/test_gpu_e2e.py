@@ -94,6 +94,38 @@ def test_cuda_graphs_replay_speculative_verify_steps(tmp_path, batch):
     assert outputs["graphs"] == outputs["eager"]
 
 
+def test_cuda_graphs_with_eagle3_generate_what_eager_steps_do(tmp_path):
+    """EAGLE3 (a random head) with the target's steps replayed from CUDA graphs: the same greedy tokens as eager
+    decoding without speculation (the aux hidden states come out of the graphs)."""
+    from brisk.config import ModelConfig
+    from tests.test_eagle3_model import head_config, head_weights, write_head
+
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)
+    make_tiny_tokenizer(path)
+    target = ModelConfig.from_pretrained(path, dtype="float32")
+    aux = [1, target.num_layers // 2, target.num_layers - 1]
+    head = write_head(
+        tmp_path / "head",
+        head_config(target, eagle_config={"eagle_aux_hidden_state_layer_ids": aux}),
+        head_weights(target, seed=5),
+    )
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 30))]} for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eagle = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}
+    outputs = {}
+    for name, options in (
+        ("eager", {}),
+        ("graphs", {"speculative_config": eagle, "cuda_graph_config": {"batch_sizes": [1, 2, 4, 8]}}),
+    ):
+        llm = LLM(path, device="cuda", dtype="float32", max_batch_size=8, **options)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.pool.num_used == 0
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs["graphs"] == outputs["eager"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cuda_graphs_with_tensor_parallel_collectives(tmp_path):
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
