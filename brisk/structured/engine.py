@@ -163,8 +163,13 @@ class StructuredOutputManager:
             if state.future.done():
                 error = state.future.exception()
                 if error is None:
-                    state.matcher = Matcher(state.future.result())
-                    continue
+                    try:  # harmony: the matcher takes up the assistant's turn where the prompt leaves it
+                        state.matcher = self.compiler().matcher(
+                            state.future.result(), req.params.structured_outputs, req.prompt_token_ids
+                        )
+                        continue
+                    except InvalidRequest as refused:
+                        error = refused
                 message = error.message if isinstance(error, InvalidRequest) else f"grammar compile failed: {error}"
                 failed.append((req, message))
             elif now > state.deadline:
