@@ -284,7 +284,7 @@ def test_gpt_oss_reasoning_free_final_answer_validates(gpt_oss):
     assert _all_blocks_free(llm.engine)
 
 
-HOT_SEEDS = 48
+HOT_SEEDS = 32
 
 
 @needs_o200k
