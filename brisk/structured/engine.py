@@ -190,8 +190,8 @@ class StructuredOutputManager:
     def fill_bitmasks(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Attach to `sched` the bitmask rows of its constrained sampled requests (in sampled order). A request with
         drafts (speculative decoding; the scheduler kept only drafts its grammar allows) has a row per verified
-        position: the matcher walks its drafts and is rolled back. A row whose grammar allows every token (harmony
-        reasoning) is left out: nothing to apply."""
+        position: the matcher walks its drafts and is rolled back. A row whose grammar allows every token is left
+        out: nothing to apply (harmony reasoning is not such a row: its special tokens are masked)."""
         drafts = sched.scheduled_spec_decode_tokens
         ids: list[str] = []
         num_rows = 0

@@ -45,7 +45,7 @@ class Matcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write this sequence's allowed next tokens into row `row` of a batch bitmask (allocate_bitmask).
-        False: every token is allowed (e.g. harmony reasoning), so the row need not be applied."""
+        False: every token is allowed, so the row need not be applied."""
         return bool(self._inner.fill_next_token_bitmask(bitmask, row))
 
     def fork(self) -> Matcher:
