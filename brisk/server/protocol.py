@@ -324,7 +324,8 @@ class ChatCompletionRequest(_SamplingFields):
         if answer is not None and self.structured_outputs is not None:
             raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
         answer = answer or self._vllm_structured_outputs()
-        tools = [(t.function.name, t.function.parameters, t.function.strict) for t in self.tools or []]
+        offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
+        tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]
         return self.sampling_params(
             self.max_completion_tokens or self.max_tokens,
             logprobs,
@@ -472,7 +473,9 @@ class ResponsesRequest(_GenerationFields):
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         answer = self.text.format.spec() if self.text is not None and self.text.format is not None else None
-        tools = [(t.name, t.parameters, t.strict) for t in self.tools or []]
+        # tool_choice "none" or max_tool_calls 0: the prompt offers no tools, so no call is allowed
+        offered = self.tools if self.tool_choice != "none" and self.max_tool_calls != 0 else None
+        tools = [(t.name, t.parameters, t.strict) for t in offered or []]
         logprobs = (self.top_logprobs or 0) if self.includes_logprobs else None
         return self.sampling_params(
             self.max_output_tokens, logprobs, defaults, structured_outputs=combine_structured(answer, tools)
