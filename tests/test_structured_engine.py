@@ -357,6 +357,18 @@ def test_gpt_oss_hot_sampling_never_leaves_the_answer_unconstrained(gpt_oss):
     assert _all_blocks_free(llm.engine)
 
 
+@needs_o200k
+def test_gpt_oss_prompt_the_turn_grammar_cannot_continue_is_refused(gpt_oss):
+    """A raw prompt that opened the assistant's message with a header harmony does not have: the request fails with
+    a 400-style error when its matcher is made, nothing leaks, and the engine goes on."""
+    opened = gpt_oss.tokenizer.encode("<|channel|>banter<|message|>", add_special_tokens=False)
+    prompt = gpt_oss.render_chat([{"role": "user", "content": "Hi"}]) + opened
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json=SCHEMAS["enum"]))
+    with pytest.raises(InvalidRequest, match="cannot continue"):
+        gpt_oss.generate([{"prompt_token_ids": prompt}], params)
+    assert _all_blocks_free(gpt_oss.engine)
+
+
 def test_bitmask_rows_follow_the_sampled_order():
     """The runner's apply: bitmask rows for some sampled requests (in any order), the others untouched; ids past
     the bitmask (an LM head wider than the vocabulary) are masked on the constrained rows."""
