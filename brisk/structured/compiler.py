@@ -1,12 +1,14 @@
 """Grammar compilation off the step loop: a thread pool, a cache keyed by the spec's hash, a time limit.
 
 One GrammarCompiler per model (it holds the tokenizer's xgrammar TokenizerInfo, built once, with the model's
-vocab size, which may exceed the tokenizer's). On a harmony model the table marks every special token of the
-tokenizer as no text (xgrammar would otherwise match `<|end|>` as the five characters inside a JSON string or a
-reasoning body, where the harmony parser reads it as structure): such a token is spelled with a leading 0xFF
-byte, which no UTF-8 text contains, so only the grammar's `TokenFormat`s (by id) can produce it. The server compiles at request validation (`compile`, waits up to
+vocab size, which may exceed the tokenizer's). The server compiles at request validation (`compile`, waits up to
 the time limit, so a bad schema is a synchronous 400); the engine may instead `submit` and keep the request in a
 compiling state until the future is done, without blocking the step.
+
+On a harmony model the table spells every special token of the tokenizer as no text: xgrammar would otherwise
+match the token `<|end|>` as seven characters inside a JSON string or a reasoning body, where the harmony parser
+reads it as structure. Such a token's spelling starts with byte 0xFF, which no UTF-8 text contains, so only the
+grammar's `TokenFormat`s (by id) can produce it.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ class GrammarCompiler:
     """Compiles StructuredOutputs into xgrammar grammars for one tokenizer and model.
 
     harmony: the model speaks harmony (gpt-oss): the grammar is the assistant's turn, its message structure
-    constrained, reasoning free, the final answer and strict tools' arguments constrained (grammars.py). compile_timeout_s: a grammar not compiled within it is a 400 (the
-    compile itself cannot be interrupted; it finishes in its worker and its result is cached). cache_size:
-    compiled grammars kept (least recently used dropped). max_json_whitespace: the longest whitespace run
-    JSON output may hold (indentation included); bounded so that a model cannot loop on whitespace until
-    max_tokens (a known failure of unbounded JSON grammars), None for unbounded."""
+    constrained, reasoning free, the final answer and strict tools' arguments constrained (grammars.py).
+    compile_timeout_s: a grammar not compiled within it is a 400 (the compile itself cannot be interrupted; it
+    finishes in its worker and its result is cached). cache_size: compiled grammars kept (least recently used
+    dropped). max_json_whitespace: the longest whitespace run JSON output may hold (indentation included); bounded
+    so that a model cannot loop on whitespace until max_tokens (a known failure of unbounded JSON grammars), None
+    for unbounded. stop_token_ids (other models): the ids that end a grammar (None: the tokenizer's eos); a
+    harmony grammar ends with harmony's own terminators."""
 
     def __init__(
         self,

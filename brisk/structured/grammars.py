@@ -16,9 +16,13 @@ for a tool that is not strict. TEXT is any text without special tokens: the Gram
 makes every special token unmatchable as text, so harmony's structural tokens appear only where the grammar
 names them (`TokenFormat`, by id). The only ways to finish are an answer that satisfies the constraint followed
 by `<|return|>`, or a call followed by `<|call|>` (the matcher terminates there, without a further stop token);
-a request whose `max_tokens` runs out first ends with finish_reason "length". Preambles are routed to `content`
-by the harmony parser, so with a constrained answer they are not allowed (content holds only the answer).
-Built-in tools (browser, python) are not offered by brisk and are not allowed either.
+a request whose `max_tokens` runs out first ends with finish_reason "length".
+
+Known limits, by choice: preambles are routed to `content` by the harmony parser, so with a constrained answer
+they are not allowed (content holds only the answer); built-in tools (browser, python), which brisk does not
+offer, are not allowed; every special token, reserved ones included, is kept out of the text, reasoning
+included; a channel name or recipient may still be spelled with ordinary tokens in any split ("fin" + "al"), as
+the parser decodes header text; CT takes the three spellings gpt-oss and its chat template use.
 
 A forced tool call (`from_start`: the prompt ends with the call's header) is only its arguments then `<|call|>`.
 Other models: the whole output is the answer, ended by the model's stop token.

@@ -52,7 +52,7 @@ class Matcher:
         return Matcher(self._compiled, _inner=self._inner.fork())
 
     def reset(self) -> None:
-        """Back to the start (a preempted request that recomputes its output re-accepts it token by token)."""
+        """Back to the grammar's start (before any prompt tokens GrammarCompiler.matcher accepted)."""
         self._inner.reset()
 
 
