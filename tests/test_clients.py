@@ -371,15 +371,15 @@ def _responses_parameters(model: type[BaseModel]) -> dict:
 
 
 def test_openai_parse_response_format_chat_and_responses(sync_client):
-    # Greedy: the constraint starts at harmony's final-channel header (as vLLM's reasoning gate does), and the
-    # 2.85M-parameter demo model, sampled, once wrote no such header (free text, seen once in CI, not reproduced in
-    # 90 sampled tries); these tests are about the SDK's round trip, test_structured_engine about the sampled mask.
+    # Sampled: the grammar constrains the whole harmony turn (headers included), so even the 2.85M-parameter demo
+    # model always reaches a final answer that parses (it once wrote a malformed header in CI when only the final
+    # channel was constrained: 1 in 200 at temperature 1, 26 in 120 at 1.6; now none in either).
     question = [{"role": "user", "content": "Is it sunny in Verona?"}]
     chat = sync_client.chat.completions.parse(
-        model="brisk-demo", messages=question, response_format=Weather, max_tokens=400, temperature=0
+        model="brisk-demo", messages=question, response_format=Weather, max_tokens=400, temperature=1.0
     )
     assert isinstance(chat.choices[0].message.parsed, Weather)
     response = sync_client.responses.parse(
-        model="brisk-demo", input="Is it sunny in Verona?", text_format=Weather, max_output_tokens=400, temperature=0
+        model="brisk-demo", input="Is it sunny in Verona?", text_format=Weather, max_output_tokens=400, temperature=1.0
     )
     assert isinstance(response.output_parsed, Weather)

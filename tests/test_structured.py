@@ -157,24 +157,44 @@ def harmony_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)  # the saved tokenizer splits specials to their ids
 
 
-REASONING = "<|channel|>analysis<|message|>The user wants {json-ish: [unbalanced. Think <|channel|> freely.<|end|>"
+RETURN, CALL, END = 200002, 200012, 200007
+CHANNEL, MESSAGE, START, CONSTRAIN = 200005, 200008, 200006, 200003
+STRUCTURAL = (RETURN, CALL, END, CHANNEL, MESSAGE, START, CONSTRAIN)
+ANALYSIS = "<|channel|>analysis<|message|>The user wants {json-ish: [unbalanced. Think freely.<|end|><|start|>assistant"
+ANSWER = json.dumps({"city": "Rome", "days": 3})
 
 
-def test_harmony_reasoning_free_final_constrained(tokenizer, harmony):
+def accepts_whole(tokenizer, compiler, spec, text: str, prompt: list[int] | None = None) -> bool:
+    """Whether the turn `text` is accepted token by token and ends the grammar."""
+    matcher = compiler.matcher(compiler.compile(spec), spec, prompt)
+    tokens = harmony_ids(tokenizer, text)
+    return matcher.accept_tokens(tokens) == len(tokens) and matcher.is_terminated()
+
+
+def test_harmony_turn_reasoning_free_final_constrained(tokenizer, harmony):
+    """The turn's structure is constrained from its first token: a channel header, reasoning free of special
+    tokens until <|end|>, the next message's <|start|>assistant, then the final answer and <|return|>."""
     matcher = harmony.matcher(harmony.compile(StructuredOutputs(json=SCHEMA)))
-    assert allowed(matcher).numel() == VOCAB_SIZE  # before the final channel every token is allowed
-    reasoning = harmony_ids(tokenizer, REASONING + "<|start|>assistant")
-    assert matcher.accept_tokens(reasoning) == len(reasoning)
-    assert allowed(matcher).numel() == VOCAB_SIZE
-    header = harmony_ids(tokenizer, "<|channel|>final<|message|>")
+    assert allowed(matcher).tolist() == [CHANNEL]  # no free text before a header (no tools: no recipient form)
+    header = harmony_ids(tokenizer, "<|channel|>analysis<|message|>")
     assert matcher.accept_tokens(header) == len(header)
+    body = set(allowed(matcher).tolist())
+    assert len(body) > 199_000 and END in body  # reasoning is any text...
+    assert not body & (set(STRUCTURAL) - {END}) and not {t for t in body if t >= 199_998} - {END}  # ...no specials
+    for special in set(STRUCTURAL) - {END}:
+        probe = matcher.fork()
+        assert not probe.accept_token(special), special  # e.g. <|return|> before any final channel
+    reasoning = harmony_ids(tokenizer, ANALYSIS[len("<|channel|>analysis<|message|>") :])
+    assert matcher.accept_tokens(reasoning) == len(reasoning)
+    assert allowed(matcher).tolist() == [CHANNEL]
+    final = harmony_ids(tokenizer, "<|channel|>final<|message|>")
+    assert matcher.accept_tokens(final) == len(final)
     first = [tokenizer.decode([t]) for t in allowed(matcher).tolist()]
     assert first and all(text.lstrip().startswith("{") for text in first)  # invalid tokens masked
-    assert not matcher.accept_token(harmony_ids(tokenizer, "Sure")[0])
-    answer = harmony_ids(tokenizer, '{"city": "Rome", "days": 3}')
+    answer = harmony_ids(tokenizer, ANSWER)
     assert matcher.accept_tokens(answer) == len(answer)
-    assert allowed(matcher).tolist() == [200002, 200012]  # <|return|> (or <|call|>): nothing after the JSON
-    assert matcher.accept_token(200002) and matcher.is_terminated()
+    assert allowed(matcher).tolist() == [RETURN]  # nothing after the JSON but <|return|> (not <|call|>, <|end|>)
+    assert matcher.accept_token(RETURN) and matcher.is_terminated()
 
 
 def test_harmony_json_violations_masked(tokenizer, harmony):
@@ -186,43 +206,118 @@ def test_harmony_json_violations_masked(tokenizer, harmony):
         assert not matcher.accept_token(harmony_ids(tokenizer, bad)[0]), bad
     extra = harmony_ids(tokenizer, '7, "extra": 1}')
     assert matcher.accept_tokens(extra) == 1  # additionalProperties: false refuses the comma's key
+    # harmony's special tokens are no text: not even inside a JSON string (the parser would read them as structure)
+    string = harmony.matcher(harmony.compile(StructuredOutputs(json=SCHEMA)))
+    string.accept_tokens(harmony_ids(tokenizer, '<|channel|>final<|message|>{"city": "R'))
+    assert not any(string.fork().accept_token(special) for special in STRUCTURAL)
+    assert all(t < 199_998 for t in allowed(string).tolist())
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "<|channel|>fin<|message|>" + ANSWER + "<|return|>",  # a channel harmony does not have
+        "<|channel|>analysis<|end|>",  # a header without <|message|>
+        "<|channel|>analysis<|message|>thinking<|return|>",  # the turn ended before any final channel
+        "<|return|>",
+        "<|channel|>final " + ANSWER + "<|return|>",
+        "<|channel|>final<|message|>" + ANSWER + "<|end|>",  # the answer ends the turn
+        "<|channel|>final<|message|>" + ANSWER + "<|call|>",
+        "<|channel|>commentary<|message|>Let me answer.<|end|><|start|>assistant<|channel|>final<|message|>"
+        + ANSWER
+        + "<|return|>",  # a preamble would be content before the JSON
+        "<|channel|>analysis<|message|>a<|end|><|channel|>final<|message|>" + ANSWER + "<|return|>",  # no <|start|>
+        "<|channel|>analysis<|message|>a<|end|><|start|>user<|message|>hi<|end|>",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}<|call|>",  # no tools offered
+        "Sure! " + ANSWER,
+    ],
+)
+def test_harmony_malformed_turns_refused(tokenizer, harmony, turn):
+    assert not accepts_whole(tokenizer, harmony, StructuredOutputs(json=SCHEMA), turn)
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "<|channel|>final<|message|>" + ANSWER + "<|return|>",
+        ANALYSIS + "<|channel|>final<|message|>" + ANSWER + "<|return|>",
+        ANALYSIS + ANALYSIS + "<|channel|>final<|message|>" + ANSWER + "<|return|>",
+        "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>" + ANSWER + "<|return|>",
+    ],
+)
+def test_harmony_well_formed_turns_accepted(tokenizer, harmony, turn):
+    assert accepts_whole(tokenizer, harmony, StructuredOutputs(json=SCHEMA), turn)
 
 
 def test_harmony_strict_tool_arguments(tokenizer, harmony):
-    spec = StructuredOutputs(tools=(WEATHER,))
+    spec = StructuredOutputs(tools=(WEATHER,), free_tools=("other",))
     for header in (
         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+        "<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>",
+        "<|channel|>commentary to=functions.get_weather json<|message|>",
         " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>",
+        " to=functions.get_weather<|channel|>commentary json<|message|>",
     ):
         matcher = harmony.matcher(harmony.compile(spec))
-        text = REASONING + "<|start|>assistant" + header
-        tokens = harmony_ids(tokenizer, text)
+        tokens = harmony_ids(tokenizer, ANALYSIS + header)
         assert matcher.accept_tokens(tokens) == len(tokens), header
         assert not matcher.accept_token(harmony_ids(tokenizer, "city")[0])
         arguments = harmony_ids(tokenizer, '{"city": "Oslo"}')
         assert matcher.accept_tokens(arguments) == len(arguments)
-        assert matcher.accept_token(200012) and matcher.is_terminated()  # <|call|>
-    # the header must go on to <|constrain|>json once the strict tool is named
+        assert allowed(matcher).tolist() == [CALL]  # a call ends with <|call|>
+        assert matcher.accept_token(CALL) and matcher.is_terminated()
+    # the header must go on to the content type once the strict tool is named
     matcher = harmony.matcher(harmony.compile(spec))
     tokens = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather ")
     assert matcher.accept_tokens(tokens) == len(tokens)
-    assert not matcher.accept_token(harmony_ids(tokenizer, "<|message|>")[0])
-    # a non-strict tool's call stays free
-    free = harmony.matcher(harmony.compile(spec))
-    other = harmony_ids(tokenizer, "<|channel|>commentary to=functions.other <|constrain|>json<|message|>not json")
-    assert free.accept_tokens(other) == len(other)
+    assert not matcher.accept_token(MESSAGE)
+    # the other (not strict) tool's call is free text; a tool the request does not offer is refused
+    assert accepts_whole(
+        tokenizer, harmony, spec, "<|channel|>commentary to=functions.other <|constrain|>json<|message|>x{<|call|>"
+    )
+    assert not accepts_whole(
+        tokenizer, harmony, spec, "<|channel|>commentary to=functions.nope json<|message|>{}<|call|>"
+    )
+    # only tools constrained: the final answer is free text, and a preamble (routed to content) is allowed
+    assert accepts_whole(
+        tokenizer,
+        harmony,
+        spec,
+        ANALYSIS + "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "It is sunny, {no json}.<|return|>",
+    )
 
 
 def test_harmony_response_format_and_tools_together(tokenizer, harmony):
     spec = StructuredOutputs(json=SCHEMA, tools=(WEATHER,))
-    final = harmony.matcher(harmony.compile(spec))
-    tokens = harmony_ids(tokenizer, "<|channel|>final<|message|>" + json.dumps({"city": "Rome", "days": 2}))
-    assert final.accept_tokens(tokens) == len(tokens) and final.accept_token(200002)
+    assert accepts_whole(tokenizer, harmony, spec, "<|channel|>final<|message|>" + ANSWER + "<|return|>")
     call = harmony.matcher(harmony.compile(spec))
     tokens = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
     assert call.accept_tokens(tokens) == len(tokens)
     wrong = harmony_ids(tokenizer, '{"days": 2}')  # the answer's schema, not the tool's
     assert call.accept_tokens(wrong) < len(wrong)
+
+
+def test_harmony_turn_taken_up_where_the_prompt_leaves_it(tokenizer, harmony):
+    """The grammar is the assistant's turn from `<|start|>assistant`: a prompt that already opened a message (as a
+    raw completions prompt may) is accepted first; one the grammar cannot continue is refused."""
+    spec = StructuredOutputs(json=SCHEMA)
+    chat = harmony_ids(tokenizer, "<|start|>user<|message|>Weather?<|end|><|start|>assistant")
+    rest = "<|channel|>final<|message|>" + ANSWER + "<|return|>"
+    assert accepts_whole(tokenizer, harmony, spec, rest, chat)
+    opened = chat + harmony_ids(tokenizer, "<|channel|>analysis<|message|>Hmm")
+    assert accepts_whole(tokenizer, harmony, spec, " ok<|end|><|start|>assistant" + rest, opened)
+    assert not accepts_whole(tokenizer, harmony, spec, rest, opened)  # inside the reasoning body: no header now
+    for bad in ("<|channel|>bogus<|message|>", "<|channel|>analysis<|message|>x<|return|>"):
+        with pytest.raises(InvalidRequest, match="cannot continue"):
+            harmony.matcher(harmony.compile(spec), spec, chat + harmony_ids(tokenizer, bad))
+    # a forced tool call (from_start): the prompt ends with the call's header; the arguments, then <|call|> only
+    forced = StructuredOutputs(json=WEATHER.parameters, from_start=True)
+    header = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    matcher = harmony.matcher(harmony.compile(forced), forced, chat + header)
+    arguments = harmony_ids(tokenizer, '{"city": "Oslo"}')
+    assert matcher.accept_tokens(arguments) == len(arguments)
+    assert allowed(matcher).tolist() == [CALL]
 
 
 def test_strict_tools_need_harmony(plain):

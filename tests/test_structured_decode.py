@@ -153,21 +153,25 @@ def test_greedy_regex_and_choice(tokenizer, model, compiler):
 
 @needs_o200k
 def test_harmony_reasoning_free_then_final_json(tmp_path):
-    """Rows first reason freely (sampled with no mask: every token allowed), then the model's final-channel
-    header starts the constraint; the answer after it validates."""
+    """Rows first reason freely (any text token; only harmony's special tokens other than <|end|> are masked),
+    then the final channel's header starts the answer's constraint; the answer after it validates."""
     tokenizer = make_gpt_oss_tokenizer(tmp_path)
     model = TinyLM(VOCAB_SIZE)
     harmony_compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, harmony=True)
     schema = SCHEMAS["nested"]
     compiled = harmony_compiler.compile(StructuredOutputs(json=schema))
     probe = harmony_compiler.matcher(compiled)
-    generator = torch.Generator().manual_seed(1)
-    reasoning = torch.randint(0, 199_998, (40,), generator=generator).tolist()  # ordinary text tokens, any
     analysis = tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
-    assert probe.accept_tokens(analysis + reasoning) == len(analysis) + len(reasoning)
+    assert probe.accept_tokens(analysis) == len(analysis)
+    generator = torch.Generator().manual_seed(1)
+    # random ordinary text tokens, those UTF-8 allows next (a lone continuation byte cannot start a character)
+    reasoning = [t for t in torch.randint(0, 199_998, (60,), generator=generator).tolist() if probe.accept_token(t)]
+    assert len(reasoning) > 40
     bitmask = allocate_bitmask(1, VOCAB_SIZE)
     probe.fill_bitmask(bitmask, 0)
-    assert torch.all(bitmask == -1)  # reasoning is never constrained
+    bits = ((bitmask[0].unsqueeze(1) >> torch.arange(32)) & 1).flatten()[:VOCAB_SIZE]
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert int(bits[:199_998].sum()) > 199_000 and bits[end] and int(bits[199_998:].sum()) == 1  # only <|end|>
     header = tokenizer.encode("<|end|><|start|>assistant<|channel|>final<|message|>", add_special_tokens=False)
     prefix = analysis + reasoning + header
     outputs = decode(model, harmony_compiler, StructuredOutputs(json=schema), [prefix] * 10, 1.0)

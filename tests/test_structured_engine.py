@@ -20,11 +20,12 @@ import pytest
 from brisk.config import EngineConfig
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
+from brisk.harmony.parser import HarmonyParser
+from brisk.harmony.results import HarmonyResult
 from brisk.llm import LLM
 from brisk.sampling_params import InvalidRequest, SamplingParams
-from brisk.structured import StructuredOutputs
+from brisk.structured import StrictTool, StructuredOutputs
 from brisk.structured.compiler import GrammarCompiler
-from brisk.structured.grammars import HARMONY_STOP_TOKENS
 from tests.harmony_tokenizer import SHARED_DIR, TIKTOKEN_FILE, VOCAB_SIZE, make_gpt_oss_tokenizer
 from tests.test_structured_decode import SCHEMAS
 from tests.tiny_models import make_tiny_model
@@ -222,49 +223,150 @@ def gpt_oss_path(tmp_path_factory) -> str:
     return str(path)
 
 
-@needs_o200k
-def test_gpt_oss_reasoning_free_final_answer_validates(gpt_oss_path):
-    """The real o200k_harmony vocabulary: every schema over 50 seeds in one generate call. The random model
-    reasons (the analysis channel, any token of the 201k) until it writes the final channel's header, which a
-    logit bias on its three tokens makes come soon; the answer after it must validate."""
+def _harmony_results(llm: LLM, outputs, opened: tuple[int, ...] = ()) -> list[tuple[str, HarmonyResult]]:
+    """(finish_reason, what the server's harmony parser makes of the turn) for each request's completion; `opened`:
+    the turn's tokens the prompt holds after its `<|start|>assistant`."""
+    return [
+        (
+            out.outputs[0].finish_reason,
+            HarmonyParser.from_tokenizer(llm.tokenizer).parse([*opened, *out.outputs[0].token_ids]),
+        )
+        for out in outputs
+    ]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(gpt_oss_path):
     with LLM(gpt_oss_path, max_batch_size=300, max_num_tokens=4096, **dict(ENGINE, max_seq_len=512)) as llm:
-        tokenizer = llm.tokenizer
-        header = tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
-        prompt = llm.render_chat([{"role": "user", "content": "Answer in JSON."}])
-        prompt += tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
-        bias = dict.fromkeys(header, 15.0)  # one token in a few is still any other of the 201k
-        names = list(SCHEMAS)
-        seeds = 50  # x 6 schemas, as one batch
-        params = [
-            SamplingParams(
-                temperature=1.0,
-                seed=seed,
-                max_tokens=400,
-                logit_bias=bias,
-                structured_outputs=StructuredOutputs(json=SCHEMAS[name]),
-            )
-            for name in names
-            for seed in range(seeds)
-        ]
-        outputs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params)
-        stops = {tokenizer.convert_tokens_to_ids(token) for token in HARMONY_STOP_TOKENS}  # <|return|>, <|call|>
-        reasoning_tokens: set[int] = set()
-        for i, out in enumerate(outputs):
-            ids = out.outputs[0].token_ids
-            assert out.outputs[0].finish_reason == "stop", out.outputs[0]
-            assert ids[-1] in stops  # the grammar ended the answer with harmony's stop token
-            start = next(k for k in range(len(ids)) if ids[k : k + 3] == header)
-            reasoning_tokens.update(ids[:start])
-            answer = [t for t in ids[start + 3 :] if t not in stops]
-            text = tokenizer.decode(answer)
-            try:
-                value = json.loads(text, strict=False)
-            except ValueError as error:
-                raise AssertionError(f"{names[i // seeds]} seed {i % seeds}: {text!r} {ids}") from error
-            jsonschema.validate(value, SCHEMAS[names[i // seeds]])
-        # the reasoning was sampled from the whole vocabulary, never from the JSON grammar
-        assert len(reasoning_tokens - set(header)) > 20
-        assert _all_blocks_free(llm.engine)
+        yield llm
+
+
+@needs_o200k
+def test_gpt_oss_reasoning_free_final_answer_validates(gpt_oss):
+    """The real o200k_harmony vocabulary: every schema over 50 seeds in one generate call. The prompt opens the
+    reasoning (the matcher takes up the turn there); the random model reasons (any text token of the 201k) until
+    it ends the message, and a logit bias on <|end|> and the final channel's name makes that come soon; the
+    answer in the final channel must validate, and it is all that `content` holds."""
+    llm = gpt_oss
+    tokenizer = llm.tokenizer
+    opened = tokenizer.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
+    prompt = llm.render_chat([{"role": "user", "content": "Answer in JSON."}]) + opened
+    end, final = tokenizer.encode("<|end|>final", add_special_tokens=False)
+    bias = {end: 12.0, final: 15.0}  # <|end|> about one token in two: reasoning of a few tokens
+    names = list(SCHEMAS)
+    seeds = 50  # x 6 schemas, as one batch
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=400,
+            logit_bias=bias,
+            structured_outputs=StructuredOutputs(json=SCHEMAS[name]),
+        )
+        for name in names
+        for seed in range(seeds)
+    ]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params)
+    ret = tokenizer.convert_tokens_to_ids("<|return|>")
+    reasoning_tokens: set[int] = set()
+    for i, ((finish, result), out) in enumerate(zip(_harmony_results(llm, outputs, tuple(opened)), outputs)):
+        ids = out.outputs[0].token_ids
+        assert finish == "stop" and ids[-1] == ret, out.outputs[0]  # the grammar ended the answer with <|return|>
+        reasoning_tokens.update(ids[: ids.index(tokenizer.convert_tokens_to_ids("<|end|>"))])
+        try:
+            value = json.loads(result.content, strict=False)
+        except ValueError as error:
+            raise AssertionError(f"{names[i // seeds]} seed {i % seeds}: {result} {ids}") from error
+        jsonschema.validate(value, SCHEMAS[names[i // seeds]])
+        assert not result.tool_calls
+    # the reasoning was sampled from the whole vocabulary, never from the JSON grammar
+    assert len(reasoning_tokens - set(bias)) > 20
+    assert _all_blocks_free(llm.engine)
+
+
+HOT_SEEDS = 32
+
+
+@needs_o200k
+def test_gpt_oss_hot_sampling_never_leaves_the_answer_unconstrained(gpt_oss):
+    """A hot random model pushed towards harmony's special tokens (a logit bias on all seven, and on the channel
+    names) writes malformed headers, <|return|> before any final channel, unknown channels... unless the grammar
+    constrains the turn's structure. Every completion that finishes must hold a final answer that validates
+    (before the fix about three in four did not); running out of max_tokens is the only other outcome, and a
+    request whose max_tokens is too small for any answer ends with "length", never hangs.
+
+    Strict tools under tool_choice auto in the same batch: the bias makes some seeds call the tool; every call's
+    arguments validate against its schema, and the other seeds' answers are free text."""
+    llm = gpt_oss
+    tokenizer = llm.tokenizer
+    specials = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+    words = tokenizer.encode("final commentary analysis", add_special_tokens=False)
+    words += tokenizer.encode("final", add_special_tokens=False) + tokenizer.encode(
+        "commentary", add_special_tokens=False
+    )
+    bias = dict.fromkeys([tokenizer.convert_tokens_to_ids(t) for t in specials] + words, 12.0)
+    schema = SCHEMAS["nested"]
+    question = [{"role": "user", "content": "Who is the admin? Answer in JSON."}]
+    answer = [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=120, logit_bias=bias, structured_outputs=StructuredOutputs(json=schema)
+        )
+        for s in range(HOT_SEEDS)
+    ]
+    short = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=3, logit_bias=bias, structured_outputs=StructuredOutputs(json=schema)
+    )
+    weather = SCHEMAS["bounds"]
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather, "strict": True}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+    ]
+    strict = StructuredOutputs(tools=(StrictTool("get_weather", weather),), free_tools=("get_time",))
+    # the call's header rather than a preamble's (its <|message|> unbiased)
+    named = tokenizer.encode(" to=functions.get_weather", add_special_tokens=False)
+    tool_bias = {**dict.fromkeys(named, 10.0), **bias}
+    tool_bias.pop(tokenizer.convert_tokens_to_ids("<|message|>"))
+    calls = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=120, logit_bias=tool_bias, structured_outputs=strict)
+        for s in range(HOT_SEEDS // 2)
+    ]
+    chat = {"prompt_token_ids": llm.render_chat(question)}
+    with_tools = {"prompt_token_ids": llm.render_chat(question, tools=tools)}
+    outputs = llm.generate([chat] * (HOT_SEEDS + 1) + [with_tools] * len(calls), [*answer, short, *calls])
+    results = _harmony_results(llm, outputs)
+
+    finished = 0
+    for finish, result in results[:HOT_SEEDS]:
+        assert finish in ("stop", "length"), finish
+        if finish == "stop":
+            finished += 1
+            jsonschema.validate(json.loads(result.content, strict=False), schema)
+            assert not result.tool_calls
+    assert finished >= HOT_SEEDS // 2  # most reach the answer: the check above is not vacuous
+    assert results[HOT_SEEDS][0] == "length" and len(outputs[HOT_SEEDS].outputs[0].token_ids) == 3
+
+    weather_calls = 0
+    for finish, result in results[HOT_SEEDS + 1 :]:
+        assert finish in ("stop", "length"), finish
+        for call in result.tool_calls:
+            assert call.name in ("get_weather", "get_time")
+            if call.name == "get_weather" and finish == "stop":
+                weather_calls += 1
+                jsonschema.validate(json.loads(call.arguments, strict=False), weather)
+    assert weather_calls >= HOT_SEEDS // 4
+    assert _all_blocks_free(llm.engine)
+
+
+@needs_o200k
+def test_gpt_oss_prompt_the_turn_grammar_cannot_continue_is_refused(gpt_oss):
+    """A raw prompt that opened the assistant's message with a header harmony does not have: the request fails with
+    a 400-style error when its matcher is made, nothing leaks, and the engine goes on."""
+    opened = gpt_oss.tokenizer.encode("<|channel|>banter<|message|>", add_special_tokens=False)
+    prompt = gpt_oss.render_chat([{"role": "user", "content": "Hi"}]) + opened
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json=SCHEMAS["enum"]))
+    with pytest.raises(InvalidRequest, match="cannot continue"):
+        gpt_oss.generate([{"prompt_token_ids": prompt}], params)
+    assert _all_blocks_free(gpt_oss.engine)
 
 
 def test_bitmask_rows_follow_the_sampled_order():

@@ -130,3 +130,36 @@ def test_offline_llm_checks_then_enforces():
         strict_tool = StructuredOutputs(tools=(StrictTool("get_weather", SCHEMA),), param="tools")
         params = SamplingParams(max_tokens=2, structured_outputs=strict_tool)
         assert llm.generate("Hi", params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_offered_tools_join_the_spec(choice):
+    """On gpt-oss the grammar is the whole turn, so every tool the prompt offers is named in the spec: strict ones
+    constrain their arguments, the others may still be called (free_tools); tool_choice none offers none."""
+    from brisk.server.protocol import ChatCompletionRequest, ResponsesRequest
+
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA, "strict": True}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+    ]
+    answer = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    chat = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "Hi"}], tools=tools, tool_choice=choice, response_format=answer
+    )
+    spec = chat.to_sampling_params({}).structured_outputs
+    assert spec is not None and spec.json == SCHEMA
+    responses = ResponsesRequest(
+        model="m",
+        input="Hi",
+        tools=[{"type": "function", **tool["function"]} for tool in tools],
+        tool_choice=choice,
+        text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}},
+    )
+    assert responses.to_sampling_params({}).structured_outputs.key() == spec.key()  # type: ignore[union-attr]
+    if choice == "auto":
+        assert spec.tools == (StrictTool("get_weather", SCHEMA),) and spec.free_tools == ("get_time",)
+    else:
+        assert spec.tools == () and spec.free_tools == ()
+    # tools that are not strict and no answer: nothing to constrain
+    plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], tools=tools[1:])
+    assert plain.to_sampling_params({}).structured_outputs is None

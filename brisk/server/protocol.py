@@ -164,30 +164,29 @@ class StructuredOutputsField(_Request):
         )
 
 
-def combine_structured(answer: StructuredOutputs | None, tools: tuple[StrictTool, ...]) -> StructuredOutputs | None:
-    """One spec from the answer constraint (response_format / text.format / structured_outputs) and the strict
-    tools; None when neither is asked for."""
-    if not tools:
-        return answer
+def combine_structured(
+    answer: StructuredOutputs | None, tools: list[tuple[str, dict[str, Any] | None, bool | None]]
+) -> StructuredOutputs | None:
+    """One spec from the answer constraint (response_format / text.format / structured_outputs) and the request's
+    (name, parameters, strict) function tools: strict ones have their arguments constrained, the others may still
+    be called (a harmony grammar is the whole turn); None when neither an answer nor a strict tool is constrained."""
+    strict = tuple(
+        StrictTool(name, parameters if parameters is not None else {"type": "object"})
+        for name, parameters, is_strict in tools
+        if is_strict
+    )
+    free = tuple(name for name, _, is_strict in tools if not is_strict)
     if answer is None:
-        return StructuredOutputs(tools=tools, param="tools")
+        return StructuredOutputs(tools=strict, free_tools=free, param="tools") if strict else None
     return StructuredOutputs(
         json=answer.json,
         json_object=answer.json_object,
         regex=answer.regex,
         choice=answer.choice,
         grammar=answer.grammar,
-        tools=tools,
+        tools=strict,
+        free_tools=free,
         param=answer.param,
-    )
-
-
-def strict_tools(tools: list[tuple[str, dict[str, Any] | None, bool | None]]) -> tuple[StrictTool, ...]:
-    """The (name, parameters, strict) tools whose arguments must validate: those with strict true."""
-    return tuple(
-        StrictTool(name, parameters if parameters is not None else {"type": "object"})
-        for name, parameters, strict in tools
-        if strict
     )
 
 
@@ -325,7 +324,8 @@ class ChatCompletionRequest(_SamplingFields):
         if answer is not None and self.structured_outputs is not None:
             raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
         answer = answer or self._vllm_structured_outputs()
-        tools = strict_tools([(t.function.name, t.function.parameters, t.function.strict) for t in self.tools or []])
+        offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
+        tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]
         return self.sampling_params(
             self.max_completion_tokens or self.max_tokens,
             logprobs,
@@ -473,7 +473,9 @@ class ResponsesRequest(_GenerationFields):
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         answer = self.text.format.spec() if self.text is not None and self.text.format is not None else None
-        tools = strict_tools([(t.name, t.parameters, t.strict) for t in self.tools or []])
+        # tool_choice "none" or max_tool_calls 0: the prompt offers no tools, so no call is allowed
+        offered = self.tools if self.tool_choice != "none" and self.max_tool_calls != 0 else None
+        tools = [(t.name, t.parameters, t.strict) for t in offered or []]
         logprobs = (self.top_logprobs or 0) if self.includes_logprobs else None
         return self.sampling_params(
             self.max_output_tokens, logprobs, defaults, structured_outputs=combine_structured(answer, tools)

@@ -163,8 +163,13 @@ class StructuredOutputManager:
             if state.future.done():
                 error = state.future.exception()
                 if error is None:
-                    state.matcher = Matcher(state.future.result())
-                    continue
+                    try:  # harmony: the matcher takes up the assistant's turn where the prompt leaves it
+                        state.matcher = self.compiler().matcher(
+                            state.future.result(), req.params.structured_outputs, req.prompt_token_ids
+                        )
+                        continue
+                    except InvalidRequest as refused:
+                        error = refused
                 message = error.message if isinstance(error, InvalidRequest) else f"grammar compile failed: {error}"
                 failed.append((req, message))
             elif now > state.deadline:
@@ -185,8 +190,8 @@ class StructuredOutputManager:
     def fill_bitmasks(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Attach to `sched` the bitmask rows of its constrained sampled requests (in sampled order). A request with
         drafts (speculative decoding; the scheduler kept only drafts its grammar allows) has a row per verified
-        position: the matcher walks its drafts and is rolled back. A row whose grammar allows every token (harmony
-        reasoning) is left out: nothing to apply."""
+        position: the matcher walks its drafts and is rolled back. A row whose grammar allows every token is left
+        out: nothing to apply (harmony reasoning is not such a row: its special tokens are masked)."""
         drafts = sched.scheduled_spec_decode_tokens
         ids: list[str] = []
         num_rows = 0

@@ -1,16 +1,31 @@
 """From a StructuredOutputs spec to an xgrammar structural tag, for harmony models and for the rest.
 
-Harmony (gpt-oss): the reasoning (analysis channel) and everything before the answer are free text; a
-`DispatchFormat` watches the text and, once `<|channel|>final<|message|>` appears, requires the answer
-constraint; once `to=functions.NAME` of a strict tool appears, it requires `<|constrain|>json<|message|>` and
-arguments that validate against the tool's parameters. After the constrained part only a stop token
-(`<|return|>`/`<|call|>`) may follow. Other models: the whole output is the answer.
+Harmony (gpt-oss): the grammar is the assistant's whole turn, from after the prompt's `<|start|>assistant`: a
+sequence of messages, each a channel header, `<|message|>`, a body and a terminator, where only the structure and
+the answer are constrained and reasoning stays free text:
 
-Known looseness, documented rather than hidden: the dispatch watches text, so the literal text
-`<|channel|>final<|message|>` or `to=functions.NAME ` written with ordinary tokens inside the reasoning would
-also start the constraint (the model writes these as special tokens, which is what the grammar sees either way);
-a harmony model may still end with `<|return|>` before it reaches the final channel (the constraint applies only
-to the final answer, never forces one).
+    (<|channel|>analysis<|message|>TEXT<|end|><|start|>assistant)*      reasoning, any number
+    (<|channel|>commentary<|message|>TEXT<|end|><|start|>assistant)*    preambles, when no answer is constrained
+    then one of
+    <|channel|>final<|message|>ANSWER<|return|>                         the answer (TEXT if none is constrained)
+    <|channel|>commentary to=functions.NAME CT<|message|>ARGS<|call|>   a call to a tool the request offers
+     to=functions.NAME<|channel|>commentary CT<|message|>ARGS<|call|>   the same, recipient before the channel
+
+CT is ` <|constrain|>json`, `<|constrain|>json` or ` json`; ARGS is the strict tool's parameters schema, or TEXT
+for a tool that is not strict. TEXT is any text without special tokens: the GrammarCompiler's tokenizer table
+makes every special token unmatchable as text, so harmony's structural tokens appear only where the grammar
+names them (`TokenFormat`, by id). The only ways to finish are an answer that satisfies the constraint followed
+by `<|return|>`, or a call followed by `<|call|>` (the matcher terminates there, without a further stop token);
+a request whose `max_tokens` runs out first ends with finish_reason "length".
+
+Known limits, by choice: preambles are routed to `content` by the harmony parser, so with a constrained answer
+they are not allowed (content holds only the answer); built-in tools (browser, python), which brisk does not
+offer, are not allowed; every special token, reserved ones included, is kept out of the text, reasoning
+included; a channel name or recipient may still be spelled with ordinary tokens in any split ("fin" + "al"), as
+the parser decodes header text; CT takes the three spellings gpt-oss and its chat template use.
+
+A forced tool call (`from_start`: the prompt ends with the call's header) is only its arguments then `<|call|>`.
+Other models: the whole output is the answer, ended by the model's stop token.
 """
 
 from __future__ import annotations
@@ -20,21 +35,21 @@ import re
 from typing import Any
 
 from xgrammar.structural_tag import (
+    AnyTextFormat,
     ConstStringFormat,
-    DispatchFormat,
     GrammarFormat,
     JSONSchemaFormat,
     OrFormat,
     RegexFormat,
     SequenceFormat,
+    StarFormat,
     StructuralTag,
+    TokenFormat,
 )
 
+from brisk.harmony.parser import HarmonySpecialTokens
 from brisk.sampling_params import InvalidRequest
 from brisk.structured.spec import StructuredOutputs
-
-FINAL_CHANNEL = "<|channel|>final<|message|>"
-HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")
 
 # JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked: an instance violating them is
 # accepted). Refused with a 400 naming the keyword rather than silently loosening the schema.
@@ -113,42 +128,70 @@ def answer_format(spec: StructuredOutputs, max_whitespace: int | None = None) ->
     return None
 
 
-def _tool_rules(spec: StructuredOutputs, max_whitespace: int | None) -> list[tuple[str, Any]]:
-    rules: list[tuple[str, Any]] = []
-    for tool in spec.tools:
-        if not re.fullmatch(r"[A-Za-z0-9_\-.]+", tool.name):
-            raise InvalidRequest("tools", f"strict tool name {tool.name!r} must be letters, digits, '_', '-', '.'.")
-        arguments = _json_format(tool.parameters, "tools", max_whitespace)
-        # the two header orders harmony allows: recipient after the channel, or in the role part before it
-        rules.append(
-            (
-                f"to=functions.{tool.name} ",
-                SequenceFormat(elements=[ConstStringFormat(value="<|constrain|>json<|message|>"), arguments]),
-            )
-        )
-        rules.append(
-            (
-                f"to=functions.{tool.name}<|channel|>",
-                SequenceFormat(
-                    elements=[ConstStringFormat(value="commentary <|constrain|>json<|message|>"), arguments]
-                ),
-            )
-        )
-    return rules
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]+")
 
 
-def structural_tag(spec: StructuredOutputs, harmony: bool, max_whitespace: int | None = None) -> StructuralTag:
-    """The grammar for `spec` on a harmony model (constraint after the channel headers) or any other model
-    (the whole output)."""
+def _tool_names(spec: StructuredOutputs) -> None:
+    for name in [tool.name for tool in spec.tools] + list(spec.free_tools):
+        if not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequest("tools", f"tool name {name!r} must be letters, digits, '_', '-', '.'.")
+
+
+def _seq(*elements: Any) -> SequenceFormat:
+    return SequenceFormat(elements=list(elements))
+
+
+def _or(*elements: Any) -> OrFormat:
+    return OrFormat(elements=list(elements))
+
+
+def _text(value: str) -> ConstStringFormat:
+    return ConstStringFormat(value=value)
+
+
+def harmony_format(spec: StructuredOutputs, ids: HarmonySpecialTokens, max_whitespace: int | None) -> Any:
+    """The assistant's turn as a sequence of harmony messages (see the module docstring)."""
+    _tool_names(spec)
+
+    def token(token_id: int) -> TokenFormat:
+        return TokenFormat(token=token_id)
+
+    free = AnyTextFormat()  # special tokens are no text (see GrammarCompiler): harmony's cannot appear in it
+    answer = answer_format(spec, max_whitespace)
+    next_message = (token(ids.end), token(ids.start), _text("assistant"))
+    continuing = [_seq(token(ids.channel), _text("analysis"), token(ids.message), free, *next_message)]
+    if answer is None:  # the final answer is free text; a preamble cannot spoil it
+        continuing.append(_seq(token(ids.channel), _text("commentary"), token(ids.message), free, *next_message))
+    final = _seq(
+        token(ids.channel), _text("final"), token(ids.message), free if answer is None else answer, token(ids.return_)
+    )
+    content_type = _or(
+        _seq(_text(" "), token(ids.constrain), _text("json")), _seq(token(ids.constrain), _text("json")), _text(" json")
+    )
+    calls: list[SequenceFormat] = []
+    tools = [(tool.name, _json_format(tool.parameters, "tools", max_whitespace)) for tool in spec.tools]
+    for name, arguments in tools + [(name, free) for name in spec.free_tools]:
+        body = (content_type, token(ids.message), arguments, token(ids.call))
+        # the two header orders harmony allows: the recipient after the channel, or in the role part before it
+        calls.append(_seq(token(ids.channel), _text(f"commentary to=functions.{name}"), *body))
+        calls.append(_seq(_text(f" to=functions.{name}"), token(ids.channel), _text("commentary"), *body))
+    return _seq(StarFormat(content=_or(*continuing)), _or(final, *calls) if calls else final)
+
+
+def structural_tag(
+    spec: StructuredOutputs, harmony: HarmonySpecialTokens | None, max_whitespace: int | None = None
+) -> StructuralTag:
+    """The grammar for `spec` on a harmony model (`harmony`: its structural token ids; the assistant's whole turn)
+    or any other model (the whole output is the answer)."""
     answer = answer_format(spec, max_whitespace)
     if spec.from_start:  # a forced tool call's arguments: the prompt ends with the call's header
-        return StructuralTag(format=answer)
-    if not harmony:
+        return StructuralTag(format=answer if harmony is None else _seq(answer, TokenFormat(token=harmony.call)))
+    if harmony is None:
         if spec.tools:
             raise InvalidRequest(
                 "tools", "strict function tools are enforced on harmony models (gpt-oss) only; omit strict."
             )
+        if spec.free_tools:
+            raise InvalidRequest("tools", "function tools are supported on harmony models (gpt-oss) only.")
         return StructuralTag(format=answer)
-    rules = [(FINAL_CHANNEL, answer)] if answer is not None else []
-    rules += _tool_rules(spec, max_whitespace)
-    return StructuralTag(format=DispatchFormat(rules=rules, loop=False))
+    return StructuralTag(format=harmony_format(spec, harmony, max_whitespace))

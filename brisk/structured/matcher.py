@@ -13,9 +13,17 @@ class Matcher:
     `accept_token` with the sampled token; `rollback` undoes accepted tokens (speculative decoding's rejected
     drafts; xgrammar keeps the whole history, so any number up to the tokens accepted); `fork` copies the state for n > 1 siblings."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, *, _inner: xgr.GrammarMatcher | None = None) -> None:
+    def __init__(
+        self,
+        compiled: xgr.CompiledGrammar,
+        *,
+        terminate_without_stop_token: bool = False,
+        _inner: xgr.GrammarMatcher | None = None,
+    ) -> None:
+        """terminate_without_stop_token: the grammar ends with its own terminator (harmony's `<|return|>` or
+        `<|call|>`), so the matcher terminates once the grammar is complete, without a stop token after it."""
         self._compiled = compiled
-        self._inner = _inner or xgr.GrammarMatcher(compiled)
+        self._inner = _inner or xgr.GrammarMatcher(compiled, terminate_without_stop_token=terminate_without_stop_token)
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar does not allow it."""
@@ -37,14 +45,14 @@ class Matcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write this sequence's allowed next tokens into row `row` of a batch bitmask (allocate_bitmask).
-        False: every token is allowed (e.g. harmony reasoning), so the row need not be applied."""
+        False: every token is allowed, so the row need not be applied."""
         return bool(self._inner.fill_next_token_bitmask(bitmask, row))
 
     def fork(self) -> Matcher:
         return Matcher(self._compiled, _inner=self._inner.fork())
 
     def reset(self) -> None:
-        """Back to the start (a preempted request that recomputes its output re-accepts it token by token)."""
+        """Back to the grammar's start (before any prompt tokens GrammarCompiler.matcher accepted)."""
         self._inner.reset()
 
 

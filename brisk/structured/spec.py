@@ -35,6 +35,9 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     choice: list[str] | None = None
     grammar: str | None = None
     tools: tuple[StrictTool, ...] = ()
+    # Harmony: the names of the other function tools the request offers (not strict). The grammar is the whole
+    # assistant turn, so a call is allowed only to a tool named here or in `tools`; these calls' arguments are free.
+    free_tools: tuple[str, ...] = ()
     # The answer starts at the first generated token even on a harmony model: a forced tool call (tool_choice
     # required or named) whose header `... to=functions.NAME <|constrain|>json<|message|>` ends the prompt.
     from_start: bool = False
@@ -50,7 +53,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
             raise InvalidRequest(
                 self.param, "structured outputs need one of json, json_object, regex, choice, grammar."
             )
-        if self.from_start and (self.tools or not kinds):
+        if self.from_start and (self.tools or self.free_tools or not kinds):
             raise InvalidRequest(self.param, "from_start constrains an answer kind, without strict tools.")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise InvalidRequest(self.param, "choice must be a non-empty list of strings.")
