@@ -203,7 +203,7 @@ def test_perfect_head_accepts_every_draft(perfect, options):
     assert stop_token not in expected[3][:stop_at]
     expected[3] = expected[3][: stop_at + 1]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop_token_ids=[stop_token] if i == 3 else None)
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop_token_ids=[stop_token] if i == 3 else [])
         for i, n in enumerate(max_tokens)
     ]
 
