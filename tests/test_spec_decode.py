@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from brisk import LLM, SamplingParams
-from brisk.spec_decode.ngram import ngram_drafts
+from brisk.spec_decode.ngram import ngram_draft
 from tests.spec_proposers import OracleProposer, RandomProposer, use_proposer
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -181,14 +181,13 @@ def test_ngram_drafts_match_brute_force():
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist() for _ in range(200)]
     rows += [[5], [5, 5], [1, 2, 3, 1, 2], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
-    w = max(map(len, rows))
-    padded = np.full((len(rows), w), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        padded[i, w - len(r) :] = r
-    for k, min_n, max_n in ((3, 1, 3), (4, 2, 2), (1, 1, 5)):
-        drafts, lengths = ngram_drafts(padded, np.array([len(r) for r in rows]), k, min_n, max_n)
-        for i, r in enumerate(rows):
-            assert drafts[i, : lengths[i]].tolist() == _brute_force_drafts(r, k, min_n, max_n), (r, k, min_n, max_n)
+    # Tokens whose bytes hold another token's across a boundary (256 then 0 contain the int32 bytes of 1 at an
+    # offset of one byte): only matches on token boundaries count.
+    rows += [[256, 0, 7, 1], [5, 256, 0, 9, 1, 3, 1], [65536, 0, 2, 1, 256, 0, 1]]
+    for k, min_n, max_n in ((3, 1, 3), (4, 2, 2), (1, 1, 5), (8, 1, 4)):
+        for r in rows:
+            got = ngram_draft(np.array(r, dtype=np.int32), k, min_n, max_n)
+            assert got == _brute_force_drafts(r, k, min_n, max_n), (r, k, min_n, max_n)
 
 
 def test_scheduler_rolls_back_rejected_drafts():
