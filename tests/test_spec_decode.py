@@ -165,6 +165,32 @@ def test_two_ranks_on_gloo_match_single_rank(layout, models, references):
     assert stats.spec_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("proposer", ["oracle", "random"])
+def test_adaptive_draft_len(proposer, models, references):
+    """draft_len_after_rejection 1: after a rejection a request drafts one token until a step accepts all its
+    drafts; the output stays the reference's. The oracle is never rejected (k drafts throughout), the random
+    drafter almost always (one draft per step after each request's first verification)."""
+    prompts = _prompts()
+    spec = {**NGRAM, "draft_len_after_rejection": 1}
+    with LLM(models["llama"], **_options("llama"), speculative_config=spec) as llm:
+        if proposer == "oracle":
+            use_proposer(llm, OracleProposer([p + r for p, r in zip(prompts, references["llama"])]))
+        else:
+            use_proposer(llm, RandomProposer(llm.engine.model_config.vocab_size))
+        ours = _generate_twice(llm, prompts, _greedy())
+        stats = llm.engine.stats()
+        assert llm.engine.kv.pool.num_used == 0
+    assert ours == references["llama"]
+    if proposer == "oracle":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        assert stats.spec_accepted_per_pos[K - 1] > 0
+    else:
+        # Each request's first verification after a (re)start sends up to K drafts, every later one 1 (or K again
+        # after a lucky full accept): far fewer than K per verification.
+        assert stats.spec_num_drafts > 2 * len(prompts)
+        assert stats.spec_num_draft_tokens < 1.5 * stats.spec_num_drafts
+
+
 def _brute_force_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     n = len(tokens)
     for size in range(min(max_n, n - 1), min_n - 1, -1):

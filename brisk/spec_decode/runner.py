@@ -45,6 +45,10 @@ class SpecDecodeRunner:
         runner.batch.enable_token_buffer(runner.max_seq_len)
         # Drafters that sample: each request's q for its pending drafts, until the step that verifies them.
         self._draft_probs: dict[str, torch.Tensor] = {}
+        # Adaptive draft length (config.draft_len_after_rejection): requests whose last verified drafts were not all
+        # accepted, drafting this many tokens until a step accepts all of them.
+        self.draft_len_after_rejection = config.draft_len_after_rejection
+        self._short_drafts: set[str] = set()
 
     @torch.inference_mode()
     def sample_and_propose(
@@ -54,9 +58,10 @@ class SpecDecodeRunner:
         runner = self.runner
         p = runner.parallel
         num_sampled_all = [s.num_sampled_requests for s in scheds]
-        if self._draft_probs:
+        if self._draft_probs or self._short_drafts:
             for rid in (*scheds[p.dp_rank].finished_req_ids, *scheds[p.dp_rank].preempted_req_ids):
                 self._draft_probs.pop(rid, None)
+                self._short_drafts.discard(rid)
         samples_here = p.dp_size > 1 or p.rank == 0
         packed: torch.Tensor | None = None
         logprobs: list[RowLogprobs] | None = None
@@ -219,6 +224,11 @@ class SpecDecodeRunner:
             last_rows.append(row)
             last_tokens.append(tokens[-1])
             rejected = (int(num_drafts[i]) if num_drafts is not None else 0) - (count - 1)
+            if self.draft_len_after_rejection is not None and num_drafts is not None and num_drafts[i]:
+                if rejected:
+                    self._short_drafts.add(req_ids[i])
+                else:
+                    self._short_drafts.discard(req_ids[i])
             if rejected:
                 batch.num_computed[row] -= rejected
                 batch.num_blocks[row] = min(batch.num_blocks[row], cdiv(int(batch.num_computed[row]) + lookahead, bs))
@@ -250,11 +260,12 @@ class SpecDecodeRunner:
             block_table=batch.block_tables[0],
         )
         proposal = self.proposer.propose(inputs)
+        short = self.draft_len_after_rejection
         for j, (i, d) in enumerate(zip(eligible, proposal.token_ids)):
-            drafts[i] = list(d)
+            drafts[i] = list(d) if short is None or req_ids[i] not in self._short_drafts else list(d[:short])
             q = proposal.probs[j] if proposal.probs is not None else None
-            if q is not None and d:
-                self._draft_probs[req_ids[i]] = q
+            if q is not None and drafts[i]:
+                self._draft_probs[req_ids[i]] = q[: len(drafts[i])]
             else:
                 self._draft_probs.pop(req_ids[i], None)
         return drafts
