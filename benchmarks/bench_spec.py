@@ -9,8 +9,9 @@ number of tokens), and reads the server's speculation counters from /metrics. Th
 passage given in the prompt (the copy-heavy case of prompt lookup); the passages are public-domain Shakespeare, the
 demo model's domain. Prints a table (output tok/s, speed-up over no speculation, acceptance rate, mean accepted
 length, whether the generated text is identical to the run without speculation) and writes it as JSON. Every
-server stays up and the configurations take turns at each point (best of --repeats kept): on a shared machine
-the load drifts, and a turn-by-turn comparison keeps it out of the ratio.
+server stays up and the configurations take turns at each point, --repeats times: on a shared machine the load
+drifts, and a turn-by-turn comparison keeps it out of the ratio. The table shows the best turn of each and the
+median of the per-turn ratios (each turn's tok/s over its baseline's in the same round).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             texts = prompts(c * args.requests_per_user)
             best: dict[str, dict] = {}
             seen: dict[str, list[list[str]]] = {}  # each configuration's texts, per repeat
+            turns: dict[str, list[float]] = {}  # each configuration's tok/s, per repeat
             for _ in range(args.repeats):
                 for name, server in servers:
                     before = server.spec_counters()
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                     tok_s = tokens / seconds
                     seen.setdefault(name, []).append(outputs)
+                    turns.setdefault(name, []).append(tok_s)
                     print(f"{name} c={c}: {tok_s:.1f} tok/s", file=sys.stderr)
                     if name not in best or tok_s > best[name]["output_tok_s"]:
                         drafts = delta.get("num_drafts", 0.0)
@@ -207,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                 row = best[name]
                 base = best["vllm none" if name.startswith("vllm") else "none"]  # each server against its own
                 row["speedup"] = row["output_tok_s"] / base["output_tok_s"]
+                base_name = "vllm none" if name.startswith("vllm") else "none"
+                row["turns_tok_s"] = turns[name]
+                row["median_tok_s"] = statistics.median(turns[name])
+                row["median_speedup"] = statistics.median(a / b for a, b in zip(turns[name], turns[base_name]))
                 row["vs_brisk_none"] = row["output_tok_s"] / best["none"]["output_tok_s"]
                 row["identical_text"] = row["outputs"] == base["outputs"]
                 # the same configuration's texts in every repeat: served bf16 batches whose make-up depends on
@@ -224,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # x: against the same server without speculation; vs brisk: against brisk without speculation
     print(
-        f"\n{'config':<72} {'conc':>4} {'tok/s':>8} {'x':>6} {'vs brisk':>8} {'accept':>7} {'len':>5} identical repeatable"
+        f"\n{'config':<72} {'conc':>4} {'tok/s':>8} {'x':>6} {'x med':>6} {'vs brisk':>8} {'accept':>7} {'len':>5} "
+        "identical repeatable"
     )
     for r in rows:
         print(
             f"{r['config'][:72]:<72} {r['concurrency']:>4} {r['output_tok_s']:>8.1f} {fmt(r['speedup'], '.2f'):>6} "
+            f"{fmt(r['median_speedup'], '.2f'):>6} "
             f"{fmt(r['vs_brisk_none'], '.2f'):>8} "
             f"{fmt(r['acceptance_rate'], '.1%'):>7} {fmt(r['mean_accepted_length'], '.2f'):>5} "
             f"{fmt(r['identical_text'], ''):<9} {r['repeatable']}"

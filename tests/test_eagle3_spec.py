@@ -1,7 +1,8 @@
 """EAGLE3 speculation end to end: greedy outputs with a random EAGLE3 head (which rejects almost everything) are
-token-identical to no speculation on tiny Llama and gpt-oss, under batching, chunked prefill and preemption, with
-every KV block free at the end; and the drafts the engine proposes are exactly what a dense EAGLE3 reference
-computes from the target's hidden states (the draft KV, EAGLE's token shift and the chained passes are right)."""
+token-identical to no speculation on tiny Llama, gpt-oss and Qwen3, under batching, chunked prefill, preemption,
+prefix hits, TP 2 and attention DP 2, with every KV block free at the end; and the drafts the engine proposes are
+exactly what a dense EAGLE3 reference computes from the target's hidden states (the draft KV, EAGLE's token shift
+and the chained passes are right). The perfect head (every draft accepted) is test_eagle3_perfect.py."""
 
 from __future__ import annotations
 
@@ -52,14 +53,18 @@ def _generate(path: str, head: str | None, repeat: bool = False, **options):
         if repeat:
             outs += llm.generate(prompts, params)
             assert llm.engine.kv.prefix_hits > 0
-        assert llm.engine.kv.pool.num_used == 0
-        llm.engine.kv.check_invariants()
+        for kv in llm.engine.kv_managers:  # one per attention-DP rank
+            assert kv.pool.num_used == 0
+            kv.check_invariants()
         stats = llm.engine.stats()
         preemptions = llm.engine.scheduler.num_preemptions
     return [o.outputs[0].token_ids for o in outs], stats.spec_num_draft_tokens, preemptions
 
 
 TP2 = {"tp_size": 2}  # two ranks on gloo: the head sharded like the target, every rank drafting
+# Attention DP on two ranks: each drafts for its own requests with its own draft KV; gpt-oss's MoE gathers the
+# ranks' tokens (a rank with fewer requests or none still runs its part); small budget and blocks.
+DP2 = {"tp_size": 2, "enable_attention_dp": True, "max_num_tokens": 12, "tokens_per_block": 4}
 CHUNKED = {"max_num_tokens": 12, "tokens_per_block": 4}
 PREEMPT = {"tokens_per_block": 4, "kv_cache_config": {"max_blocks": 24}}
 PREFIX = {"tokens_per_block": 4, "repeat": True}  # the second round hits the prefix cache
@@ -67,13 +72,14 @@ PREFIX = {"tokens_per_block": 4, "repeat": True}  # the second round hits the pr
 
 @pytest.mark.parametrize(
     "tiny, options",
-    [("llama", TP2), ("llama", CHUNKED), ("llama", PREFIX), ("gpt_oss", PREEMPT), ("qwen3", {})],  # 6 batched each
-    ids=["llama-tp2", "llama-chunked", "llama-prefix", "gpt_oss-preempt", "qwen3-batch"],
+    [("llama", TP2), ("gpt_oss", DP2), ("llama", CHUNKED), ("llama", PREFIX), ("gpt_oss", PREEMPT), ("qwen3", {})],
+    ids=["llama-tp2", "gpt_oss-dp2", "llama-chunked", "llama-prefix", "gpt_oss-preempt", "qwen3-batch"],
     indirect=["tiny"],
 )
 def test_greedy_identity_with_random_head(tiny, options):
     _, path, head, _, _ = tiny
-    plain, _, _ = _generate(path, None, **{k: v for k, v in options.items() if k != "tp_size"})
+    single_rank = {k: v for k, v in options.items() if k not in ("tp_size", "enable_attention_dp")}
+    plain, _, _ = _generate(path, None, **single_rank)
     spec, num_drafts, preemptions = _generate(path, head, **options)
     assert spec == plain
     assert num_drafts > 0

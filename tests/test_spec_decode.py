@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from brisk import LLM, SamplingParams
-from brisk.spec_decode.ngram import ngram_drafts
+from brisk.spec_decode.ngram import ngram_draft
 from tests.spec_proposers import OracleProposer, RandomProposer, use_proposer
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -165,6 +165,32 @@ def test_two_ranks_on_gloo_match_single_rank(layout, models, references):
     assert stats.spec_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("proposer", ["oracle", "random"])
+def test_adaptive_draft_len(proposer, models, references):
+    """draft_len_after_rejection 1: after a rejection a request drafts one token until a step accepts all its
+    drafts; the output stays the reference's. The oracle is never rejected (k drafts throughout), the random
+    drafter almost always (one draft per step after each request's first verification)."""
+    prompts = _prompts()
+    spec = {**NGRAM, "draft_len_after_rejection": 1}
+    with LLM(models["llama"], **_options("llama"), speculative_config=spec) as llm:
+        if proposer == "oracle":
+            use_proposer(llm, OracleProposer([p + r for p, r in zip(prompts, references["llama"])]))
+        else:
+            use_proposer(llm, RandomProposer(llm.engine.model_config.vocab_size))
+        ours = _generate_twice(llm, prompts, _greedy())
+        stats = llm.engine.stats()
+        assert llm.engine.kv.pool.num_used == 0
+    assert ours == references["llama"]
+    if proposer == "oracle":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        assert stats.spec_accepted_per_pos[K - 1] > 0
+    else:
+        # Each request's first verification after a (re)start sends up to K drafts, every later one 1 (or K again
+        # after a lucky full accept): far fewer than K per verification.
+        assert stats.spec_num_drafts > 2 * len(prompts)
+        assert stats.spec_num_draft_tokens < 1.5 * stats.spec_num_drafts
+
+
 def _brute_force_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     n = len(tokens)
     for size in range(min(max_n, n - 1), min_n - 1, -1):
@@ -181,14 +207,13 @@ def test_ngram_drafts_match_brute_force():
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist() for _ in range(200)]
     rows += [[5], [5, 5], [1, 2, 3, 1, 2], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
-    w = max(map(len, rows))
-    padded = np.full((len(rows), w), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        padded[i, w - len(r) :] = r
-    for k, min_n, max_n in ((3, 1, 3), (4, 2, 2), (1, 1, 5)):
-        drafts, lengths = ngram_drafts(padded, np.array([len(r) for r in rows]), k, min_n, max_n)
-        for i, r in enumerate(rows):
-            assert drafts[i, : lengths[i]].tolist() == _brute_force_drafts(r, k, min_n, max_n), (r, k, min_n, max_n)
+    # Tokens whose bytes hold another token's across a boundary (256 then 0 contain the int32 bytes of 1 at an
+    # offset of one byte): only matches on token boundaries count.
+    rows += [[256, 0, 7, 1], [5, 256, 0, 9, 1, 3, 1], [65536, 0, 2, 1, 256, 0, 1]]
+    for k, min_n, max_n in ((3, 1, 3), (4, 2, 2), (1, 1, 5), (8, 1, 4)):
+        for r in rows:
+            got = ngram_draft(np.array(r, dtype=np.int32), k, min_n, max_n)
+            assert got == _brute_force_drafts(r, k, min_n, max_n), (r, k, min_n, max_n)
 
 
 def test_scheduler_rolls_back_rejected_drafts():

@@ -12,7 +12,7 @@ def test_trtllm_and_vllm_dialects_mean_the_same(tmp_path):
     yaml_path = tmp_path / "opts.yaml"
     yaml_path.write_text(
         "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 5\n"
-        "  prompt_lookup_min: 2\n"
+        "  prompt_lookup_min: 2\n  draft_len_after_rejection: 2\n"
     )
     trt = EngineConfig.build("m", yaml_path=yaml_path).speculative_config
     vllm = EngineConfig.build(
@@ -22,10 +22,12 @@ def test_trtllm_and_vllm_dialects_mean_the_same(tmp_path):
             "num_speculative_tokens": 4,
             "prompt_lookup_max": 5,
             "prompt_lookup_min": 2,
+            "draft_len_after_rejection": 2,
         },
     ).speculative_config
     assert trt == vllm
     assert trt is not None and (trt.decoding_type, trt.max_draft_len, trt.max_matching_ngram_size) == ("NGram", 4, 5)
+    assert trt.draft_len_after_rejection == 2
     eagle = EngineConfig.build("m", speculative_config={"method": "eagle3", "num_speculative_tokens": 3, "model": "/d"})
     assert eagle.speculative_config is not None
     assert (eagle.speculative_config.decoding_type, eagle.speculative_config.speculative_model_dir) == ("Eagle3", "/d")
@@ -51,6 +53,7 @@ def test_trtllm_and_vllm_dialects_mean_the_same(tmp_path):
         ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram", "num_speculative_tokens": 2, "max_draft_len": 2}, "max_draft_len"),
         ({"method": "eagle3", "num_speculative_tokens": 2}, "speculative_model_dir"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_len_after_rejection": 3}, "draft_len_after_rejection"),
     ],
 )
 def test_invalid_combinations_name_the_key(spec, message):

@@ -5,7 +5,8 @@ trtllm (YAML options):   speculative_config: {decoding_type: NGram | Eagle3, max
 vLLM (--speculative-config / LLM(speculative_config=...)):
                          {"method": "ngram" | "eagle3", "num_speculative_tokens": 4, "model": PATH,
                           "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-Both dialects accept `disable_by_batch_size` (vLLM's key): no drafts while this many requests run or more.
+Both dialects accept `disable_by_batch_size` (vLLM's key): no drafts while this many requests run or more, and
+brisk's `draft_len_after_rejection` (adaptive draft length, below).
 A dict is one dialect or the other (mixing them is an error naming the key).
 """
 
@@ -23,6 +24,7 @@ _VLLM_KEYS = {
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "max_matching_ngram_size",
     "disable_by_batch_size": "disable_by_batch_size",
+    "draft_len_after_rejection": "draft_len_after_rejection",  # brisk's, not vLLM's
 }
 _VLLM_METHODS = {"ngram": "NGram", "eagle3": "Eagle3"}
 _DECODING_TYPES = {"ngram": "NGram", "eagle3": "Eagle3"}  # trtllm's names, case-insensitive here
@@ -44,6 +46,11 @@ class SpeculativeConfig(BaseModel):
     # No drafts while this many requests (or more) run: verification costs compute a large batch no longer has
     # spare. None: always speculate.
     disable_by_batch_size: int | None = Field(default=None, ge=1)
+    # Adaptive draft length: a request drafts max_draft_len tokens while its drafts are accepted whole, this many
+    # after a step that rejected one of them (until a step accepts all its drafts again). Copy-heavy text comes in
+    # runs: inside one every draft is accepted, after a miss the next drafts are accepted less often, and each
+    # verified token costs compute. None: always max_draft_len.
+    draft_len_after_rejection: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -63,7 +70,8 @@ class SpeculativeConfig(BaseModel):
             if key not in _VLLM_KEYS:
                 raise ValueError(
                     f"'{key}' is not a key of vLLM's speculative config (method, num_speculative_tokens, model, "
-                    "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size); trtllm's keys go without 'method'"
+                    "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, and brisk's draft_len_after_rejection); "
+                    "trtllm's keys go without 'method'"
                 )
             out[_VLLM_KEYS[key]] = value
         method = data["method"]
@@ -76,6 +84,11 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeConfig:
+        if self.draft_len_after_rejection is not None and self.draft_len_after_rejection > self.max_draft_len:
+            raise ValueError(
+                f"draft_len_after_rejection ({self.draft_len_after_rejection}) exceeds max_draft_len "
+                f"(vLLM: num_speculative_tokens, {self.max_draft_len})"
+            )
         if self.decoding_type == "Eagle3" and not self.speculative_model_dir:
             raise ValueError("decoding_type Eagle3 needs speculative_model_dir (vLLM: model), the draft head's path")
         if self.decoding_type == "NGram":

@@ -6,8 +6,10 @@ Ties go to the most recent occurrence whose continuation holds all k tokens (the
 generation (editing, summarising, code changes) repeats long stretches of the prompt, where these drafts are
 accepted whole.
 
-Vectorised over the batch: the last NGRAM_SEARCH_WINDOW tokens of every request in one [B, W] array, one
-comparison pass per suffix length.
+The search runs in C: each request's last NGRAM_SEARCH_WINDOW tokens as int32 bytes, the suffix found with
+`bytes.rfind` (a match must start on a token boundary). Per step that is a few microseconds per request; the numpy
+version vectorised over the batch ([B, W] comparisons, one pass per suffix length) cost ~150 us a step at
+concurrency 1 on the CPU side-by-side model, a twentieth of the step.
 """
 
 from __future__ import annotations
@@ -17,49 +19,37 @@ import numpy as np
 from brisk.spec_decode.proposer import DraftProposal, ModelFreeProposer, ProposeInputs
 
 NGRAM_SEARCH_WINDOW = 4096  # tokens searched back from each request's end (bounds the per-step cost)
+TOKEN_BYTES = 4  # tokens searched as int32
 
 
-def ngram_drafts(
-    tokens: np.ndarray, num_tokens: np.ndarray, k: int, min_n: int, max_n: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Drafts for each row of `tokens` ([B, W], each row's last num_tokens[b] columns hold its most recent
-    tokens, right-aligned; columns before are padding). Returns (drafts [B, k] int64, lengths [B])."""
-    b, w = tokens.shape
-    drafts = np.zeros((b, k), dtype=np.int64)
-    if b == 0 or w < 2:
-        return drafts, np.zeros(b, dtype=np.int64)
-    cols = np.arange(w)
-    start = w - np.minimum(num_tokens, w)  # first real column per row
-    valid = cols[None, :] >= start[:, None]
-    # match[b, j]: length of the common suffix of tokens[:j] (the occurrence ending before column j, whose
-    # continuation starts at j) and the whole row, up to max_n. (j = w, the row itself, is not a column.)
-    match = np.zeros((b, w), dtype=np.int64)
-    alive = np.ones((b, w), dtype=bool)
-    alive[:, 0] = False
-    for i in range(max_n):
-        suffix_col = w - 1 - i
-        if suffix_col < 0:
-            break
-        # tokens[b, j - 1 - i] == tokens[b, w - 1 - i], both real
-        shifted = np.full((b, w), -1, dtype=np.int64)
-        shifted[:, 1 + i :] = tokens[:, : w - 1 - i]
-        shifted_valid = np.zeros((b, w), dtype=bool)
-        shifted_valid[:, 1 + i :] = valid[:, : w - 1 - i]
-        same = (
-            (shifted == tokens[:, suffix_col : suffix_col + 1]) & shifted_valid & valid[:, suffix_col : suffix_col + 1]
-        )
-        alive &= same
-        match += alive
-    full = (cols[None, :] + k <= w).astype(np.int64)
-    score = np.where(match >= min_n, match * (2 * w) + full * w + cols[None, :], -1)
-    best = score.argmax(axis=1)
-    found = score[np.arange(b), best] >= 0
-    lengths = np.where(found, np.minimum(k, w - best), 0)
-    take = best[:, None] + np.arange(k)[None, :]
-    gathered = np.take_along_axis(tokens, np.minimum(take, w - 1), axis=1)
-    mask = np.arange(k)[None, :] < lengths[:, None]
-    drafts[mask] = gathered[mask]
-    return drafts, lengths
+def _rfind_token(data: bytes, pattern: bytes, begin: int, end: int) -> int:
+    """Token index of the last occurrence of `pattern` within bytes begin..end that starts on a token boundary;
+    -1 if none."""
+    while True:
+        at = data.rfind(pattern, begin, end)
+        if at < 0:
+            return -1
+        if at % TOKEN_BYTES == 0:
+            return at // TOKEN_BYTES
+        end = at + len(pattern) - 1  # a match straddling tokens: look further back
+
+
+def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """The draft (up to k tokens) after the longest suffix of `tokens` (1-D, a request's most recent tokens) that
+    occurred earlier in it."""
+    w = len(tokens)
+    if w < 2 or k <= 0:
+        return []
+    data = tokens.astype(np.int32, copy=False).tobytes()
+    for n in range(min(max_n, w - 1), max(min_n, 1) - 1, -1):
+        pattern = data[(w - n) * TOKEN_BYTES :]
+        # An occurrence starting at s continues at s + n <= w - 1; its continuation is whole when s + n + k <= w.
+        start = _rfind_token(data, pattern, 0, (w - k) * TOKEN_BYTES) if w - k >= n else -1
+        if start < 0:  # the most recent one, among those after the last whole one searched above
+            start = _rfind_token(data, pattern, max(0, w - k - n + 1) * TOKEN_BYTES, (w - 1) * TOKEN_BYTES)
+        if start >= 0:
+            return tokens[start + n : start + n + k].tolist()
+    return []
 
 
 class NgramProposer(ModelFreeProposer):
@@ -67,15 +57,11 @@ class NgramProposer(ModelFreeProposer):
         self.k, self.min_n, self.max_n, self.window = max_draft_len, min_n, max_n, window
 
     def propose(self, inputs: ProposeInputs) -> DraftProposal:
-        n = inputs.num_tokens
-        if not len(n):
-            return DraftProposal([])
-        w = int(min(n.max(), self.window))
-        # Each row's last w tokens, right-aligned (columns before a short row's first token read as -1).
-        cols = n[:, None] - w + np.arange(w)[None, :]
-        tokens = inputs.token_ids[inputs.rows[:, None], np.maximum(cols, 0)].astype(np.int64)
-        tokens[cols < 0] = -1
-        drafts, lengths = ngram_drafts(
-            tokens, np.minimum(n, w), min(self.k, inputs.max_draft_len), self.min_n, self.max_n
+        k = min(self.k, inputs.max_draft_len)
+        buf, window, min_n, max_n = inputs.token_ids, self.window, self.min_n, self.max_n
+        return DraftProposal(
+            [
+                ngram_draft(buf[row, max(0, n - window) : n], k, min_n, max_n)
+                for row, n in zip(inputs.rows.tolist(), inputs.num_tokens.tolist())
+            ]
         )
-        return DraftProposal([d[:m].tolist() for d, m in zip(drafts, lengths.tolist())])

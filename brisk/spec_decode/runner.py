@@ -45,6 +45,10 @@ class SpecDecodeRunner:
         runner.batch.enable_token_buffer(runner.max_seq_len)
         # Drafters that sample: each request's q for its pending drafts, until the step that verifies them.
         self._draft_probs: dict[str, torch.Tensor] = {}
+        # Adaptive draft length (config.draft_len_after_rejection): requests whose last verified drafts were not all
+        # accepted, drafting this many tokens until a step accepts all of them.
+        self.draft_len_after_rejection = config.draft_len_after_rejection
+        self._short_drafts: set[str] = set()
 
     @torch.inference_mode()
     def sample_and_propose(
@@ -54,9 +58,10 @@ class SpecDecodeRunner:
         runner = self.runner
         p = runner.parallel
         num_sampled_all = [s.num_sampled_requests for s in scheds]
-        if self._draft_probs:
+        if self._draft_probs or self._short_drafts:
             for rid in (*scheds[p.dp_rank].finished_req_ids, *scheds[p.dp_rank].preempted_req_ids):
                 self._draft_probs.pop(rid, None)
+                self._short_drafts.discard(rid)
         samples_here = p.dp_size > 1 or p.rank == 0
         packed: torch.Tensor | None = None
         logprobs: list[RowLogprobs] | None = None
@@ -97,8 +102,8 @@ class SpecDecodeRunner:
         per request when some asked for them."""
         runner, k = self.runner, self.k
         n = step.num_sampled
-        packed = torch.zeros(n, k + 3, dtype=torch.int64, device=logits.device)
         if step.num_drafts is None:  # no drafts: sample as without speculation
+            packed = torch.zeros(n, k + 3, dtype=torch.int64, device=logits.device)
             token_ids, bad, sampler_out = runner._sample(logits, step)
             packed[:, 0] = token_ids
             packed[:, k + 1] = 1
@@ -128,6 +133,7 @@ class SpecDecodeRunner:
         flat = np.fromiter((t for d in draft_lists for t in d), dtype=np.int64, count=int(num_drafts.sum()))
         draft_probs = [self._draft_probs.pop(s.req_id, None) for s in states] if self._draft_probs else None
         verified = verify(logits, batch, num_drafts, flat, k, draft_probs)
+        packed = torch.zeros(n, k + 3, dtype=torch.int64, device=logits.device)
         packed[:, : k + 1] = verified.token_ids
         packed[:, k + 1] = verified.num_tokens
         packed[:, k + 2] = bad
@@ -137,10 +143,16 @@ class SpecDecodeRunner:
 
     def _verify_plain_greedy(self, logits: torch.Tensor, num_drafts: np.ndarray, draft_lists: list[list[int]]):
         """Every request greedy on the raw logits (the common case): one argmax over all rows, the comparison with
-        the drafts on the host (the step synchronises anyway)."""
+        the drafts on the host (the step synchronises anyway). On CPU numpy's argmax: a few rows of a vocabulary
+        take ~20 us there against ~50-350 us through torch's ops (a decode step's budget is ~2 ms)."""
         k = self.k
-        row_max, argmax = row_max_and_argmax(logits)
-        ids, finite = torch.stack([argmax, torch.isfinite(row_max).to(torch.int64)]).tolist()
+        if logits.device.type == "cpu":
+            values = logits.numpy()
+            best = values.argmax(axis=1)  # the first max, NaN counting as the max: torch.argmax's index
+            ids, finite = best.tolist(), np.isfinite(values[np.arange(len(best)), best]).tolist()
+        else:
+            row_max, argmax = row_max_and_argmax(logits)
+            ids, finite = torch.stack([argmax, torch.isfinite(row_max).to(torch.int64)]).tolist()
         packed = np.zeros((len(draft_lists), k + 3), dtype=np.int64)
         at = 0
         for i, drafts in enumerate(draft_lists):
@@ -212,6 +224,11 @@ class SpecDecodeRunner:
             last_rows.append(row)
             last_tokens.append(tokens[-1])
             rejected = (int(num_drafts[i]) if num_drafts is not None else 0) - (count - 1)
+            if self.draft_len_after_rejection is not None and num_drafts is not None and num_drafts[i]:
+                if rejected:
+                    self._short_drafts.add(req_ids[i])
+                else:
+                    self._short_drafts.discard(req_ids[i])
             if rejected:
                 batch.num_computed[row] -= rejected
                 batch.num_blocks[row] = min(batch.num_blocks[row], cdiv(int(batch.num_computed[row]) + lookahead, bs))
@@ -243,11 +260,12 @@ class SpecDecodeRunner:
             block_table=batch.block_tables[0],
         )
         proposal = self.proposer.propose(inputs)
+        short = self.draft_len_after_rejection
         for j, (i, d) in enumerate(zip(eligible, proposal.token_ids)):
-            drafts[i] = list(d)
+            drafts[i] = list(d) if short is None or req_ids[i] not in self._short_drafts else list(d[:short])
             q = proposal.probs[j] if proposal.probs is not None else None
-            if q is not None and d:
-                self._draft_probs[req_ids[i]] = q
+            if q is not None and drafts[i]:
+                self._draft_probs[req_ids[i]] = q[: len(drafts[i])]
             else:
                 self._draft_probs.pop(req_ids[i], None)
         return drafts
