@@ -183,8 +183,13 @@ def _run(path: str, head: str | None, prompts, params, **options):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"max_num_tokens": 16, "tokens_per_block": 4}, {"tp_size": 2, "enable_attention_dp": True}],
-    ids=["batched", "chunked-small-blocks", "attention-dp2"],
+    [
+        {},
+        {"max_num_tokens": 16, "tokens_per_block": 4},
+        {"tp_size": 2, "enable_attention_dp": True},
+        {"cuda_graph_config": {"batch_sizes": [1, 2, 4, 8]}},  # the static (CUDA graph) buffers: 5 requests pad to 8
+    ],
+    ids=["batched", "chunked-small-blocks", "attention-dp2", "graphs"],
 )
 def test_perfect_head_accepts_every_draft(perfect, options):
     path, head, alphabet, f = perfect
