@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from brisk.config import ConfigError, EngineConfig
+from brisk.config import ConfigError, EngineConfig, ParallelConfig
 from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
 from brisk.layers.attention_cpu import CpuAttentionBackend
@@ -241,6 +241,43 @@ def test_clamped_swiglu_is_finite_where_the_sigmoid_underflows(kernels, dtype):
     out = kernels.clamped_swiglu(gate_up, 1.702, 7.0, False)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, reference, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_and_mul_matches_the_torch_ops(kernels, rows):
+    # 100 columns a half: whole vectors of 8 and 16 lanes and a scalar tail; gates from -200 (exp(-g) beyond fp32's
+    # range: silu = -0, see sigmoid in cpu_kernels.c) to large positive ones.
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 210, generator=g) * 8
+    wide[0, :10] = torch.tensor([-200.0, -100.0, -90.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 200.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = wide.to(dtype)[:, :200]  # rows 210 apart
+        gate, up = gate_up.chunk(2, dim=-1)
+        reference = torch.nn.functional.silu(gate) * up
+        out = kernels.silu_and_mul(gate_up)
+        assert out.dtype == dtype and out.shape == (rows, 100) and torch.isfinite(out).all()
+        if dtype == torch.bfloat16:  # the silu and the product rounded as torch rounds them
+            assert (out == reference).float().mean() >= 0.99
+            torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-6)
+        else:
+            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_llama_mlp_uses_the_kernel_only_where_bound(kernels, monkeypatch):
+    from brisk.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(16, 24, "silu", False, ParallelConfig())
+    for p in mlp.parameters():
+        p.data.normal_()
+    x = torch.randn(3, 16)
+    unbound = mlp(x)
+    calls = []
+    silu_and_mul = cpu_kernels.CpuKernels.silu_and_mul
+    monkeypatch.setattr(type(kernels), "silu_and_mul", lambda self, t: calls.append(t.shape) or silu_and_mul(self, t))
+    mlp.cpu_kernels = kernels
+    torch.testing.assert_close(mlp(x), unbound, rtol=1e-5, atol=1e-5)
+    assert calls == [(3, 48)]
 
 
 def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
