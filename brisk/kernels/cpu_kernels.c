@@ -270,6 +270,19 @@ typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const vo
 /* AVX-512: 16 fp32 lanes; K needs no particular multiple: the last chunk of a row is loaded masked, zeros beyond K.
  * bf16 uses the AVX512-BF16 dot-product instruction (two products per fp32 lane) where the CPU has it; without it
  * bf16 takes the AVX2 kernels below. */
+/* The sums of 4 accumulators by one fixed tree, the same for each of the 4 slots: the fp32 kernels below reduce a
+ * single accumulator with it too (hsum4_512(a, a, a, a)), so that 1-2 rows and the 4 x 6 blocks from 3 rows on
+ * round alike. */
+static inline __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), hi);
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 #define ROWS512_KERNEL(NAME, ROWS, T, LANES, MASK_T, LOAD, FMA, STORE)                                         \
     static void NAME##_##ROWS(const void *xv, int64_t x_stride, const void *wv, const void *biasv, void *yv,        \
                               int64_t y_stride, int n0, int n1, int K) {                                            \
@@ -300,7 +313,8 @@ typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const vo
 
 #define FP32_LOAD512(mask, p) _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p))
 #define FP32_FMA512(acc, xk, wk) _mm512_fmadd_ps(_mm512_castsi512_ps(xk), _mm512_castsi512_ps(wk), acc)
-#define FP32_STORE512(r) if (R > r) y[r * y_stride + n] = _mm512_reduce_add_ps(a##r) + (bias ? bias[n] : 0.0f);
+#define FP32_STORE512(r) \
+    if (R > r) y[r * y_stride + n] = _mm_cvtss_f32(hsum4_512(a##r, a##r, a##r, a##r)) + (bias ? bias[n] : 0.0f);
 #define FP32_ROWS512(ROWS) \
     ROWS512_KERNEL(fp32_rows512, ROWS, float, 16, __mmask16, FP32_LOAD512, FP32_FMA512, FP32_STORE512)
 FP32_ROWS512(1) FP32_ROWS512(2) FP32_ROWS512(3) FP32_ROWS512(4)
@@ -314,18 +328,9 @@ static const rows_fn fp32_rows512[8] = {fp32_rows512_1, fp32_rows512_2, fp32_row
  * ports' speed). All M rows pass over a group of 4 weight rows before the next group, so the weight streams from
  * memory once while its 8-32 KB sit in L1 (tiling for L2 and passing 8 rows at a time read it from memory on the
  * first pass only, with the FMAs waiting). An accumulator sums its products in k order and hsum4_512 reduces the 4
- * of a row by one fixed tree whatever slot a weight row sits in: a row's result depends neither on the other rows
- * of the step nor on how the weight rows are split among threads. Past the last weight row, a group repeats it
+ * of a row by one fixed tree whatever slot a weight row sits in, the tree the 1-2 row kernel above uses: a row's
+ * result depends neither on the other rows of the step nor on how the weight rows are split among threads. Past the last weight row, a group repeats it
  * (sums not stored). */
-static inline __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), hi);
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 #define TAIL_LOAD512(p) _mm512_maskz_loadu_ps(tail, p)
 #define BLOCK512_ROW(r, LOADX)                                                                                     \
