@@ -323,14 +323,14 @@ static const rows_fn fp32_rows512[8] = {fp32_rows512_1, fp32_rows512_2, fp32_row
                                         fp32_rows512_5, fp32_rows512_6, fp32_rows512_7, fp32_rows512_8};
 
 /* fp32 from 3 rows on (AVX-512; at 1-2 rows a weight of K = 2880 streamed 10% slower than through the kernel
- * above): 4 weight rows x up to 6 rows of x at a time, 24 accumulators. Each vector loaded
- * serves 4 or 6 FMAs (10 loads for 24 FMAs; the one-weight-row kernel above loads 9 for 8 FMAs and runs at the load
- * ports' speed). All M rows pass over a group of 4 weight rows before the next group, so the weight streams from
- * memory once while its 8-32 KB sit in L1 (tiling for L2 and passing 8 rows at a time read it from memory on the
- * first pass only, with the FMAs waiting). An accumulator sums its products in k order and hsum4_512 reduces the 4
- * of a row by one fixed tree whatever slot a weight row sits in, the tree the 1-2 row kernel above uses: a row's
- * result depends neither on the other rows of the step nor on how the weight rows are split among threads. Past the last weight row, a group repeats it
- * (sums not stored). */
+ * above): 4 weight rows x up to 6 rows of x at a time, 24 accumulators. Each vector loaded serves 4 or 6 FMAs
+ * (10 loads for 24 FMAs; the one-weight-row kernel above loads 9 for 8 FMAs and runs at the load ports' speed).
+ * All M rows pass over a group of 4 weight rows before the next group, so the weight streams from memory once
+ * while its 8-32 KB sit in L1, the next group prefetched during the first pass (tiling for L2 and passing 8 rows
+ * at a time read it from memory on the first pass only, with the FMAs waiting). An accumulator sums its products
+ * in k order and hsum4_512 reduces the 4 of a row by one fixed tree whatever slot a weight row sits in, the tree
+ * the 1-2 row kernel above uses: a row's result depends neither on the other rows of the step nor on how the
+ * weight rows are split among threads. Past the last weight row, a group repeats it (sums not stored). */
 
 #define TAIL_LOAD512(p) _mm512_maskz_loadu_ps(tail, p)
 #define BLOCK512_ROW(r, LOADX)                                                                                     \
@@ -346,7 +346,8 @@ static const rows_fn fp32_rows512[8] = {fp32_rows512_1, fp32_rows512_2, fp32_row
         for (int j = 0; j < nw; j++) y[r * y_stride + n + j] = sums[j] + (bias ? bias[n + j] : 0.0f);              \
     }
 
-/* y[0:R, n:n+nw] for weight rows w0..w3 (nw of them distinct), R <= 6 rows of x (a constant once inlined). */
+/* y[0:R, n:n+nw] for weight rows w0..w3 (nw of them distinct), R <= 6 rows of x (a constant once inlined); next:
+ * the 4 weight rows to prefetch meanwhile, or NULL. */
 static inline __attribute__((always_inline)) void fp32_block512(const int R, const float *x, int64_t x_stride,
                                                                 const float *w0, const float *w1, const float *w2,
                                                                 const float *w3, const float *bias, float *y,
@@ -390,13 +391,14 @@ static void fp32_blocks512(const float *x, int64_t x_stride, const float *w, con
         for (int m = 0; m < M; m += 6) {
             const float *xm = x + (int64_t)m * x_stride;
             float *ym = y + (int64_t)m * y_stride;
+            const float *pf = m ? NULL : next;
             switch (M - m < 6 ? M - m : 6) {
-            case 1: fp32_block512(1, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, m ? NULL : next); break;
-            case 2: fp32_block512(2, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, m ? NULL : next); break;
-            case 3: fp32_block512(3, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, m ? NULL : next); break;
-            case 4: fp32_block512(4, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, m ? NULL : next); break;
-            case 5: fp32_block512(5, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, m ? NULL : next); break;
-            default: fp32_block512(6, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, m ? NULL : next); break;
+            case 1: fp32_block512(1, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 2: fp32_block512(2, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 3: fp32_block512(3, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 4: fp32_block512(4, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 5: fp32_block512(5, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            default: fp32_block512(6, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
             }
         }
     }
