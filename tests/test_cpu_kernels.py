@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from brisk.config import ConfigError, EngineConfig
+from brisk.config import ConfigError, EngineConfig, ParallelConfig
 from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
 from brisk.layers.attention_cpu import CpuAttentionBackend
@@ -243,6 +243,43 @@ def test_clamped_swiglu_is_finite_where_the_sigmoid_underflows(kernels, dtype):
     torch.testing.assert_close(out, reference, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-30)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_and_mul_matches_the_torch_ops(kernels, rows):
+    # 100 columns a half: whole vectors of 8 and 16 lanes and a scalar tail; gates from -200 (exp(-g) beyond fp32's
+    # range: silu = -0, see sigmoid in cpu_kernels.c) to large positive ones.
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 210, generator=g) * 8
+    wide[0, :10] = torch.tensor([-200.0, -100.0, -90.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 200.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = wide.to(dtype)[:, :200]  # rows 210 apart
+        gate, up = gate_up.chunk(2, dim=-1)
+        reference = torch.nn.functional.silu(gate) * up
+        out = kernels.silu_and_mul(gate_up)
+        assert out.dtype == dtype and out.shape == (rows, 100) and torch.isfinite(out).all()
+        if dtype == torch.bfloat16:  # the silu and the product rounded as torch rounds them
+            assert (out == reference).float().mean() >= 0.99
+            torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-6)
+        else:
+            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_llama_mlp_uses_the_kernel_only_where_bound(kernels, monkeypatch):
+    from brisk.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(16, 24, "silu", False, ParallelConfig())
+    for p in mlp.parameters():
+        p.data.normal_()
+    x = torch.randn(3, 16)
+    unbound = mlp(x)
+    calls = []
+    silu_and_mul = cpu_kernels.CpuKernels.silu_and_mul
+    monkeypatch.setattr(type(kernels), "silu_and_mul", lambda self, t: calls.append(t.shape) or silu_and_mul(self, t))
+    mlp.cpu_kernels = kernels
+    torch.testing.assert_close(mlp(x), unbound, rtol=1e-5, atol=1e-5)
+    assert calls == [(3, 48)]
+
+
 def test_moe_layer_uses_the_kernel_only_where_bound(kernels):
     moe = FusedMoE(4, 2, 16, 8)
     gate_up = torch.randn(3, 16)
@@ -282,6 +319,25 @@ def test_linear_kernel_matches_torch(kernels, k, n, with_bias):
             else:  # the same exact fp32 products (bf16 x bf16 fits in fp32) summed in another order, one rounding
                 assert (out == reference).float().mean() >= 0.99
                 torch.testing.assert_close(out, reference, rtol=2**-7, atol=1e-3)
+
+
+def test_avx512_fp32_linear_row_does_not_depend_on_its_batch(request):
+    # The AVX-512 build's fp32 matmul sums each (row, weight row) in one fixed order, at 1-2 rows (one weight row a
+    # pass) as in the 6 x 4 blocks from 3 rows on: a request's logits are the same bits whatever else runs in the
+    # step (padding rows, other requests, how many rows gpt-oss routes to an expert) and however the weight rows
+    # are split among threads.
+    skip_unless_isa_under_test(request.config, "avx512")
+    kernels = cpu_kernels.load_cpu_kernels("avx512")
+    assert kernels is not None
+    g = torch.Generator().manual_seed(5)
+    for k, n in ((40, 333), (512, 70)):  # a masked tail of k; weight rows not a multiple of 4 (a group repeats one)
+        x, weight, bias = torch.randn(20, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        alone = kernels.linear(x[:1], weight, bias)
+        for rows, threads in ((2, 1), (3, 2), (7, 1), (16, 1), (20, 2)):
+            with torch_threads(threads):
+                out = kernels.linear(x[:rows], weight, bias)
+            assert torch.equal(out[:1], alone), (k, n, rows, threads)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x[:rows], weight, bias), rtol=1e-5, atol=1e-4)
 
 
 def test_avx512_build_without_avx512_bf16_matches_torch(request):

@@ -34,7 +34,7 @@ from brisk.engine.messages import (
     SchedulerStats,
 )
 from brisk.engine.output_processor import CompletionDelta, OutputProcessor
-from brisk.engine.process import run_engine_process
+from brisk.engine.process import encode_config, run_engine_process
 from brisk.sampling_params import SamplingParams
 
 logger = logging.getLogger("brisk.server")
@@ -139,7 +139,7 @@ class AsyncEngineClient:
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_process,
-            args=(config.model_dump_json().encode(), to_addr, from_addr),
+            args=(encode_config(config), to_addr, from_addr),
             name="brisk-engine-core",
             daemon=True,
         )

@@ -40,6 +40,14 @@ logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
 
 
+def encode_config(config: EngineConfig) -> bytes:
+    """The config as the engine process gets it: only the fields that were given (with the values in effect), so that
+    the process's `model_fields_set` is the server's. Dumped whole, every field would count as given: on a CPU the
+    default cuda_graph_config would then run served decode steps on the padded static buffers (padding rows cost
+    real compute; the offline engine does not pad)."""
+    return config.model_dump_json(exclude_unset=True).encode()
+
+
 def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)

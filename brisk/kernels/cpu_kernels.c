@@ -11,10 +11,12 @@
  * brisk_rms_norm: RMSNorm of rows, in fp32 whatever the input dtype (Hugging Face's numerics), in one call
  * instead of the half dozen ops torch's CPU rms_norm runs.
  * brisk_clamped_swiglu: gpt-oss's expert activation in one pass instead of eight elementwise ops.
+ * brisk_silu_and_mul: Llama's MLP activation (silu(gate) * up) in one pass instead of two ops.
  * brisk_linear: a decode step's rows times a weight (bf16 or fp32), reading the weight once per call: 8 rows per
  * pass over L2-sized weight tiles (AVX-512: bf16 with AVX512-BF16 dot products where the CPU has them; AVX2: bf16
- * widened to fp32 and FMA). oneDNN's and MKL's matmuls read a weight at half that speed or less at a few rows
- * (docs/performance.md).
+ * widened to fp32 and FMA); fp32 from 3 rows on with AVX-512: all rows past each group of 4 weight rows, 6 rows x 4
+ * weight rows a pass (fp32_blocks512). oneDNN's and MKL's matmuls read a weight at half that speed or less at a few
+ * rows (docs/performance.md).
  * brisk_moe_experts: gpt-oss's experts for a decode step's tokens in one call (sort by expert, matmuls, activation,
  * weighted sum).
  * brisk_sample_rows: one random token per row of logits by inverse transform (one uniform draw per row).
@@ -233,6 +235,27 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
     }
 }
 
+/* Llama's MLP activation of gate_up rows [gate | up] (inter columns each): silu(gate) * up in one pass instead of
+ * torch's silu and mul over the two halves. silu(g) = g * sigmoid(g) (see sigmoid). bf16 rounds where torch's eager
+ * ops round: the silu, then the product. */
+void brisk_silu_and_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int is_bf16, int rows,
+                        int inter) {
+    for (int r = 0; r < rows; r++) {
+        if (is_bf16) {
+            const uint16_t *src = (const uint16_t *)gate_up + (int64_t)r * in_stride;
+            uint16_t *dst = (uint16_t *)out + (int64_t)r * out_stride;
+            for (int i = 0; i < inter; i++) {
+                const float g = bf16_to_float(src[i]);
+                dst[i] = float_to_bf16(round_bf16(g * sigmoid(g)) * bf16_to_float(src[inter + i]));
+            }
+        } else {
+            const float *src = (const float *)gate_up + (int64_t)r * in_stride;
+            float *dst = (float *)out + (int64_t)r * out_stride;
+            for (int i = 0; i < inter; i++) dst[i] = src[i] * sigmoid(src[i]) * src[inter + i];
+        }
+    }
+}
+
 /* y[m, n] = bias[n] + sum_k x[m, k] * w[n, k] for the rows m of a decode step: x [M, K] (rows x_stride apart),
  * w [N, K] row-major, bias [N] or NULL, y [M, N] (rows y_stride apart), all bf16 (is_bf16) or all fp32; products
  * summed in fp32, bf16 rounded once at the end (as torch's bf16 matmul does).
@@ -247,6 +270,19 @@ typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const vo
 /* AVX-512: 16 fp32 lanes; K needs no particular multiple: the last chunk of a row is loaded masked, zeros beyond K.
  * bf16 uses the AVX512-BF16 dot-product instruction (two products per fp32 lane) where the CPU has it; without it
  * bf16 takes the AVX2 kernels below. */
+/* The sums of 4 accumulators by one fixed tree, the same for each of the 4 slots: the fp32 kernels below reduce a
+ * single accumulator with it too (hsum4_512(a, a, a, a)), so that 1-2 rows and the 4 x 6 blocks from 3 rows on
+ * round alike. */
+static inline __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), hi);
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 #define ROWS512_KERNEL(NAME, ROWS, T, LANES, MASK_T, LOAD, FMA, STORE)                                         \
     static void NAME##_##ROWS(const void *xv, int64_t x_stride, const void *wv, const void *biasv, void *yv,        \
                               int64_t y_stride, int n0, int n1, int K) {                                            \
@@ -277,13 +313,96 @@ typedef void (*rows_fn)(const void *x, int64_t x_stride, const void *w, const vo
 
 #define FP32_LOAD512(mask, p) _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, p))
 #define FP32_FMA512(acc, xk, wk) _mm512_fmadd_ps(_mm512_castsi512_ps(xk), _mm512_castsi512_ps(wk), acc)
-#define FP32_STORE512(r) if (R > r) y[r * y_stride + n] = _mm512_reduce_add_ps(a##r) + (bias ? bias[n] : 0.0f);
+#define FP32_STORE512(r) \
+    if (R > r) y[r * y_stride + n] = _mm_cvtss_f32(hsum4_512(a##r, a##r, a##r, a##r)) + (bias ? bias[n] : 0.0f);
 #define FP32_ROWS512(ROWS) \
     ROWS512_KERNEL(fp32_rows512, ROWS, float, 16, __mmask16, FP32_LOAD512, FP32_FMA512, FP32_STORE512)
 FP32_ROWS512(1) FP32_ROWS512(2) FP32_ROWS512(3) FP32_ROWS512(4)
 FP32_ROWS512(5) FP32_ROWS512(6) FP32_ROWS512(7) FP32_ROWS512(8)
 static const rows_fn fp32_rows512[8] = {fp32_rows512_1, fp32_rows512_2, fp32_rows512_3, fp32_rows512_4,
                                         fp32_rows512_5, fp32_rows512_6, fp32_rows512_7, fp32_rows512_8};
+
+/* fp32 from 3 rows on (AVX-512; at 1-2 rows a weight of K = 2880 streamed 10% slower than through the kernel
+ * above): 4 weight rows x up to 6 rows of x at a time, 24 accumulators. Each vector loaded serves 4 or 6 FMAs
+ * (10 loads for 24 FMAs; the one-weight-row kernel above loads 9 for 8 FMAs and runs at the load ports' speed).
+ * All M rows pass over a group of 4 weight rows before the next group, so the weight streams from memory once
+ * while its 8-32 KB sit in L1, the next group prefetched during the first pass (tiling for L2 and passing 8 rows
+ * at a time read it from memory on the first pass only, with the FMAs waiting). An accumulator sums its products
+ * in k order and hsum4_512 reduces the 4 of a row by one fixed tree whatever slot a weight row sits in, the tree
+ * the 1-2 row kernel above uses: a row's result depends neither on the other rows of the step nor on how the
+ * weight rows are split among threads. Past the last weight row, a group repeats it (sums not stored). */
+
+#define TAIL_LOAD512(p) _mm512_maskz_loadu_ps(tail, p)
+#define BLOCK512_ROW(r, LOADX)                                                                                     \
+    if (R > r) {                                                                                                   \
+        const __m512 xr = LOADX(x + r * x_stride + k);                                                             \
+        a##r##0 = _mm512_fmadd_ps(xr, v0, a##r##0), a##r##1 = _mm512_fmadd_ps(xr, v1, a##r##1);                   \
+        a##r##2 = _mm512_fmadd_ps(xr, v2, a##r##2), a##r##3 = _mm512_fmadd_ps(xr, v3, a##r##3);                   \
+    }
+#define BLOCK512_STORE(r)                                                                                          \
+    if (R > r) {                                                                                                   \
+        float sums[4];                                                                                             \
+        _mm_storeu_ps(sums, hsum4_512(a##r##0, a##r##1, a##r##2, a##r##3));                                        \
+        for (int j = 0; j < nw; j++) y[r * y_stride + n + j] = sums[j] + (bias ? bias[n + j] : 0.0f);              \
+    }
+
+/* y[0:R, n:n+nw] for weight rows w0..w3 (nw of them distinct), R <= 6 rows of x (a constant once inlined); next:
+ * the 4 weight rows to prefetch meanwhile, or NULL. */
+static inline __attribute__((always_inline)) void fp32_block512(const int R, const float *x, int64_t x_stride,
+                                                                const float *w0, const float *w1, const float *w2,
+                                                                const float *w3, const float *bias, float *y,
+                                                                int64_t y_stride, int n, int nw, int K,
+                                                                const float *next) {
+    const int full = K - K % 16;
+    const __mmask16 tail = (__mmask16)((1u << (K % 16)) - 1);
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    __m512 a40 = a00, a41 = a00, a42 = a00, a43 = a00, a50 = a00, a51 = a00, a52 = a00, a53 = a00;
+    int k = 0;
+    for (; k < full; k += 16) {
+        const __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k);
+        const __m512 v2 = _mm512_loadu_ps(w2 + k), v3 = _mm512_loadu_ps(w3 + k);
+        if (next) {
+            _mm_prefetch((const char *)(next + k), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + K + k), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + 2 * K + k), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + 3 * K + k), _MM_HINT_T0);
+        }
+        BLOCK512_ROW(0, _mm512_loadu_ps) BLOCK512_ROW(1, _mm512_loadu_ps) BLOCK512_ROW(2, _mm512_loadu_ps)
+        BLOCK512_ROW(3, _mm512_loadu_ps) BLOCK512_ROW(4, _mm512_loadu_ps) BLOCK512_ROW(5, _mm512_loadu_ps)
+    }
+    if (tail) {
+        const __m512 v0 = TAIL_LOAD512(w0 + k), v1 = TAIL_LOAD512(w1 + k);
+        const __m512 v2 = TAIL_LOAD512(w2 + k), v3 = TAIL_LOAD512(w3 + k);
+        BLOCK512_ROW(0, TAIL_LOAD512) BLOCK512_ROW(1, TAIL_LOAD512) BLOCK512_ROW(2, TAIL_LOAD512)
+        BLOCK512_ROW(3, TAIL_LOAD512) BLOCK512_ROW(4, TAIL_LOAD512) BLOCK512_ROW(5, TAIL_LOAD512)
+    }
+    BLOCK512_STORE(0) BLOCK512_STORE(1) BLOCK512_STORE(2) BLOCK512_STORE(3) BLOCK512_STORE(4) BLOCK512_STORE(5)
+}
+
+/* All M rows x weight rows [n0, n1) (see fp32_block512). */
+static void fp32_blocks512(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                           int64_t y_stride, int M, int n0, int n1, int K) {
+    for (int n = n0; n < n1; n += 4) {
+        const int nw = n1 - n < 4 ? n1 - n : 4;
+        const float *w0 = w + (int64_t)n * K, *w1 = w0 + (int64_t)(nw > 1 ? 1 : 0) * K;
+        const float *w2 = w0 + (int64_t)(nw > 2 ? 2 : nw - 1) * K, *w3 = w0 + (int64_t)(nw - 1) * K;
+        const float *next = n + 8 <= n1 ? w0 + 4 * (int64_t)K : NULL;
+        for (int m = 0; m < M; m += 6) {
+            const float *xm = x + (int64_t)m * x_stride;
+            float *ym = y + (int64_t)m * y_stride;
+            const float *pf = m ? NULL : next;
+            switch (M - m < 6 ? M - m : 6) {
+            case 1: fp32_block512(1, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 2: fp32_block512(2, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 3: fp32_block512(3, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 4: fp32_block512(4, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            case 5: fp32_block512(5, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            default: fp32_block512(6, xm, x_stride, w0, w1, w2, w3, bias, ym, y_stride, n, nw, K, pf); break;
+            }
+        }
+    }
+}
 
 #ifdef __AVX512BF16__
 #define BF16_LOAD512(mask, p) _mm512_maskz_loadu_epi16(mask, p)
@@ -425,6 +544,20 @@ int brisk_vector_bits(void) {
 void brisk_linear(const void *x, int64_t x_stride, const void *w, const void *bias, void *y, int64_t y_stride, int M,
                   int N, int K, int is_bf16, int num_threads) {
     const size_t elt = is_bf16 ? 2 : 4;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (!is_bf16 && M >= 3) {
+        /* weight rows split among the threads in groups of 4 */
+        const int groups = (N + 3) / 4, per_thread = (groups + num_threads - 1) / num_threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+        for (int t = 0; t < num_threads; t++) {
+            const int n0 = t * per_thread * 4, n1 = n0 + per_thread * 4 < N ? n0 + per_thread * 4 : N;
+            if (n0 < n1)
+                fp32_blocks512((const float *)x, x_stride, (const float *)w, (const float *)bias, (float *)y,
+                               y_stride, M, n0, n1, K);
+        }
+        return;
+    }
+#endif
     int x_in_fp32;
     const rows_fn *by_rows = vector_rows(is_bf16, &x_in_fp32);
     if (!x_in_fp32 || !is_bf16) {

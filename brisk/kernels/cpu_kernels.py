@@ -1,5 +1,5 @@
-"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's activation and
-experts, decode-sized matmul, random sampling.
+"""Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's and Llama's MLP
+activations, gpt-oss's experts, decode-sized matmul, random sampling.
 
 The source is compiled for one instruction set (`ISA_FLAGS`: "avx512", or "avx2" = AVX2 + FMA) with the system C
 compiler (`cc`, or $CC) into the user's cache (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), once per
@@ -66,6 +66,7 @@ ATTENTION_ARGTYPES = [
 ]
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
+SILU_AND_MUL_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32]
 # Rows up to which the layers take brisk_linear (decode batches; beyond, prompts: oneDNN / MKL). docs/performance.md
 LINEAR_MAX_ROWS = 64
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
@@ -141,6 +142,7 @@ class CpuKernels:
     linear_fn: Callable[..., None]
     moe_fn: Callable[..., None]
     sample_fn: Callable[..., None]
+    silu_and_mul_fn: Callable[..., None]
 
     def decode_attention(
         self,
@@ -240,6 +242,21 @@ class CpuKernels:
             inter,
             alpha,
             limit,
+        )
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Llama's MLP activation silu(gate) * up of gate_up [T, 2I] = [gate | up] (see `swiglu_accepts`) -> [T, I]."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=gate_up.dtype)
+        self.silu_and_mul_fn(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            int(gate_up.dtype == torch.bfloat16),
+            rows,
+            inter,
         )
         return out
 
@@ -397,6 +414,7 @@ def _bind(isa: str, path: Path) -> CpuKernels | None:
         ("brisk_linear", LINEAR_ARGTYPES),
         ("brisk_moe_experts", MOE_ARGTYPES),
         ("brisk_sample_rows", SAMPLE_ARGTYPES),
+        ("brisk_silu_and_mul", SILU_AND_MUL_ARGTYPES),
     ):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None

@@ -40,7 +40,7 @@ PROMPT_LOGITS_ROWS = 1024  # prompt_logprobs: positions whose full-vocabulary lo
 
 @runtime_checkable
 class UsesCpuKernels(Protocol):
-    """A module that calls brisk's CPU kernels when the runner binds them (linears, LM head, norms, MoE)."""
+    """A module that calls brisk's CPU kernels when the runner binds them (linears, LM head, norms, MoE, MLPs)."""
 
     cpu_kernels: CpuKernels | None
 
@@ -121,7 +121,7 @@ class ModelRunner:
             if config.cpu_weight_prepack:
                 prepack_weights(self.model)
             self.cpu_kernels = load_cpu_kernels(config.cpu_kernels)
-            for module in self.model.modules():  # linears, LM head, norms, MoE layers
+            for module in self.model.modules():  # linears, LM head, norms, MoE layers, Llama MLPs
                 if isinstance(module, UsesCpuKernels):
                     module.cpu_kernels = self.cpu_kernels
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from brisk.config import ModelConfig, ParallelConfig
+from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from brisk.layers.linear import (
@@ -107,9 +108,13 @@ class LlamaMLP(nn.Module):
             hidden_size, [intermediate_size] * 2, bias=bias, parallel=parallel
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, parallel=parallel)
+        self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels is not None and self.cpu_kernels.swiglu_accepts(gate_up):
+            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
