@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from brisk import LLM, SamplingParams
 from tests.test_eagle3_model import HEAD_DIM, HEADS, KV_HEADS, head_config, head_weights, rms, rope, write_head
+from tests.test_spec_graphs import record_static_steps
 from tests.tiny_models import hf_reference, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -155,14 +156,7 @@ def test_drafts_match_dense_reference(tiny, layout):
     graphs = llm.engine.executor.runner.graphs
     assert (graphs is not None) == (layout == "graphs")
     if graphs is not None:
-        shapes = []
-        run = graphs.run
-
-        def spy(runner, step, shape):
-            shapes.append((step.num_rows, *shape))
-            return run(runner, step, shape)
-
-        graphs.run = spy
+        shapes = record_static_steps(graphs)
     proposer = llm.engine.executor.runner.spec.proposer
     recorded: list[tuple[list[int], list[int]]] = []
     original = proposer.propose

@@ -29,6 +29,20 @@ def _prompts() -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+def record_static_steps(graphs) -> list[tuple[int, int, int]]:
+    """(requests, padded requests, tokens per request) of every step that runs on the static buffers, appended as
+    they run."""
+    shapes: list[tuple[int, int, int]] = []
+    run = graphs.run
+
+    def spy(runner, step, shape):
+        shapes.append((step.num_rows, *shape))
+        return run(runner, step, shape)
+
+    graphs.run = spy
+    return shapes
+
+
 @pytest.mark.parametrize(
     "arch, layout",
     [("llama", {}), ("gpt_oss", {}), ("gpt_oss", dict(tp_size=2, enable_attention_dp=True))],
@@ -44,14 +58,7 @@ def test_verification_on_static_buffers_is_token_identical(arch, layout, tmp_pat
         graphs = llm.engine.executor.runner.graphs  # rank 0's (under attention DP each rank pads its own rows)
         assert graphs is not None and graphs.query_lens == [1, K + 1]
         graphs.pad_input_id, graphs.pad_position = 321, 7  # padding rows' inputs must not reach the real rows
-        shapes = []
-        run = graphs.run
-
-        def spy(runner, step, shape):
-            shapes.append((step.num_rows, *shape))
-            return run(runner, step, shape)
-
-        graphs.run = spy
+        shapes = record_static_steps(graphs)
         ours = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
         stats = llm.engine.stats()
         assert llm.engine.kv.pool.num_used == 0
