@@ -243,6 +243,29 @@ def test_clamped_swiglu_is_finite_where_the_sigmoid_underflows(kernels, dtype):
     torch.testing.assert_close(out, reference, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-30)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_apply_token_bitmask_matches_xgrammar(kernels, threads):
+    # Structured outputs' mask: a vocabulary that is not a multiple of 32 (a partial last word), logits wider than it
+    # (a padded LM head: columns past the vocabulary untouched), words all allowed / all forbidden / mixed, a subset
+    # of the rows, rows of both tensors strided.
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(threads)
+    vocab, words = 1000, 32
+    logits = torch.randn(7, 1100, generator=g)[:, :1050]
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (7, words + 3), dtype=torch.int32, generator=g)[:, :words]
+    bitmask[:, 0], bitmask[:, 1] = -1, 0
+    rows = [0, 3, 6]
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask.contiguous(), vocab_size=vocab, indices=rows)
+    ours = logits.clone()
+    assert kernels.bitmask_accepts(ours, bitmask)
+    kernels.apply_token_bitmask(ours, bitmask, rows, vocab, threads)
+    assert torch.equal(ours, expected)
+    assert torch.isinf(ours[rows, 32:64]).all() and torch.equal(ours[:, :32], logits[:, :32])
+    assert torch.equal(ours[[1, 2, 4, 5]], logits[[1, 2, 4, 5]]) and torch.equal(ours[:, vocab:], logits[:, vocab:])
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_silu_and_mul_matches_the_torch_ops(kernels, rows):
     # 100 columns a half: whole vectors of 8 and 16 lanes and a scalar tail; gates from -200 (exp(-g) beyond fp32's

@@ -20,6 +20,7 @@
  * brisk_moe_experts: gpt-oss's experts for a decode step's tokens in one call (sort by expert, matmuls, activation,
  * weighted sum).
  * brisk_sample_rows: one random token per row of logits by inverse transform (one uniform draw per row).
+ * brisk_apply_token_bitmask: structured outputs' mask, -inf where a row's grammar bitmask forbids the token.
  * brisk_vector_bits: 512 or 256, the build's instruction set (cpu_kernels.py checks it is the one asked for).
  *
  * -ffast-math assumes finite values: nothing here relies on infinities (the running max starts at -FLT_MAX,
@@ -231,6 +232,32 @@ void brisk_clamped_swiglu(const void *gate_up, int64_t in_stride, void *out, int
             for (int i = 0; i < inter; i++) dst[i] = float_to_bf16(act[i]);
         } else {
             memcpy((float *)out + (int64_t)r * out_stride, act, sizeof(act));
+        }
+    }
+}
+
+/* Structured outputs: logits[row, t] = -inf where bit t of bitmask[row] is 0 (t < vocab), for the listed rows
+ * (xgrammar's bitmask layout: int32 words, bit j of word w is token 32 w + j). A word at a time: words that allow
+ * all 32 tokens are skipped, the rest select per lane (vectorized). The logits are handled as their bit patterns
+ * (uint32), so -ffast-math's finite-math assumption never meets the infinity written. */
+void brisk_apply_token_bitmask(void *logits, int64_t logits_stride, const int32_t *bitmask, int64_t bitmask_stride,
+                               const int64_t *rows, int num_rows, int vocab, int num_threads) {
+    const uint32_t neg_inf = 0xFF800000u;
+    const int full = vocab / 32, rest = vocab % 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int r = 0; r < num_rows; r++) {
+        uint32_t *x = (uint32_t *)logits + rows[r] * logits_stride;
+        const uint32_t *words = (const uint32_t *)bitmask + rows[r] * bitmask_stride;
+        for (int w = 0; w < full; w++) {
+            const uint32_t bits = words[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            uint32_t *xw = x + 32 * w;
+            for (int j = 0; j < 32; j++) xw[j] = (bits >> j) & 1u ? xw[j] : neg_inf;
+        }
+        if (rest) {
+            const uint32_t bits = words[full];
+            uint32_t *xw = x + 32 * full;
+            for (int j = 0; j < rest; j++) xw[j] = (bits >> j) & 1u ? xw[j] : neg_inf;
         }
     }
 }

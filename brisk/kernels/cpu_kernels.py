@@ -67,6 +67,7 @@ ATTENTION_ARGTYPES = [
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
 SILU_AND_MUL_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32]
+BITMASK_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32]
 # Rows up to which the layers take brisk_linear (decode batches; beyond, prompts: oneDNN / MKL). docs/performance.md
 LINEAR_MAX_ROWS = 64
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
@@ -143,6 +144,7 @@ class CpuKernels:
     moe_fn: Callable[..., None]
     sample_fn: Callable[..., None]
     silu_and_mul_fn: Callable[..., None]
+    apply_bitmask_fn: Callable[..., None]
 
     def decode_attention(
         self,
@@ -259,6 +261,39 @@ class CpuKernels:
             inter,
         )
         return out
+
+    @staticmethod
+    def bitmask_accepts(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+        """fp32 CPU logits with contiguous rows and an int32 bitmask of contiguous rows (xgrammar's layout)."""
+        return (
+            logits.dtype == torch.float32
+            and logits.dim() == 2
+            and logits.stride(1) == 1
+            and logits.device.type == "cpu"
+            and bitmask.dtype == torch.int32
+            and bitmask.dim() == 2
+            and bitmask.stride(1) == 1
+        )
+
+    def apply_token_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int, num_threads: int = 1
+    ) -> None:
+        """-inf in place where bitmask row r forbids token t < vocab, for each r in `rows` (both tensors indexed by
+        r; see `bitmask_accepts`)."""
+        if not rows:
+            return
+        vocab = min(vocab, logits.shape[1], bitmask.shape[1] * 32)
+        index = torch.tensor(rows, dtype=torch.int64)
+        self.apply_bitmask_fn(
+            logits.data_ptr(),
+            logits.stride(0),
+            bitmask.data_ptr(),
+            bitmask.stride(0),
+            index.data_ptr(),
+            len(rows),
+            vocab,
+            num_threads,
+        )
 
     @staticmethod
     def linear_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -415,6 +450,7 @@ def _bind(isa: str, path: Path) -> CpuKernels | None:
         ("brisk_moe_experts", MOE_ARGTYPES),
         ("brisk_sample_rows", SAMPLE_ARGTYPES),
         ("brisk_silu_and_mul", SILU_AND_MUL_ARGTYPES),
+        ("brisk_apply_token_bitmask", BITMASK_ARGTYPES),
     ):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None

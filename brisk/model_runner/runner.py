@@ -130,7 +130,7 @@ class ModelRunner:
             layer.backend = self.attention_backend
         self.kv_groups = kv_groups_for(model_config)
         self.sampler = Sampler(self.cpu_kernels)
-        self.grammar_masker = GrammarBitmaskApplier(torch.get_num_threads())  # structured outputs
+        self.grammar_masker = GrammarBitmaskApplier(torch.get_num_threads(), self.cpu_kernels)  # structured outputs
         self.states: dict[str, RequestState] = {}  # every request this rank holds (running or preempted)
         self.batch = InputBatch(config.max_batch_size, cdiv(max_seq_len, self.block_size), len(self.kv_groups), device)
         proposer = make_proposer(config, model_config, self.model)

@@ -29,6 +29,7 @@ from brisk.structured.spec import StructuredOutputs
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+    from brisk.kernels.cpu_kernels import CpuKernels
     from brisk.scheduler.output import SchedulerOutput
     from brisk.scheduler.request import Request
     from brisk.structured.compiler import GrammarCompiler
@@ -234,14 +235,16 @@ class StructuredOutputManager:
 
 class GrammarBitmaskApplier:
     """The runner's side: masks (-inf), in place, the tokens each constrained row's grammar forbids, in one
-    vectorised pass over those rows (xgrammar's kernel: C++ on CPU, Triton/CUDA on GPU). On CPU, large batches are
-    split by rows over `num_threads` threads (the C++ kernel releases the GIL; one thread did 64 x 201k rows in
-    ~40 ms, two in ~20 ms)."""
+    vectorised pass over those rows: on CPU brisk's C kernel where it is built (`cpu_kernels`: a word of the bitmask
+    at a time, ~15x xgrammar's C++ loop), else xgrammar's kernel (C++ on CPU, Triton on GPU). On CPU, large batches
+    are split by rows over `num_threads` threads (OpenMP in brisk's kernel; for xgrammar's, which releases the GIL,
+    Python threads)."""
 
     MIN_ELEMENTS_PER_THREAD = 1 << 20  # below this a thread costs more than it saves
 
-    def __init__(self, num_threads: int = 1) -> None:
+    def __init__(self, num_threads: int = 1, cpu_kernels: CpuKernels | None = None) -> None:
         self.num_threads = max(1, num_threads)
+        self.cpu_kernels = cpu_kernels
         self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, logits: torch.Tensor, sched: SchedulerOutput, first_rows: list[int] | None = None) -> None:
@@ -271,6 +274,9 @@ class GrammarBitmaskApplier:
         from brisk.structured.matcher import apply_token_bitmask
 
         threads = min(self.num_threads, len(rows) * covered // self.MIN_ELEMENTS_PER_THREAD)
+        if self.cpu_kernels is not None and self.cpu_kernels.bitmask_accepts(logits, bitmask):
+            self.cpu_kernels.apply_token_bitmask(logits, bitmask, rows, covered, max(1, threads))
+            return
         if logits.is_cuda or threads <= 1:
             apply_token_bitmask(logits, bitmask, None if len(rows) == logits.shape[0] else rows, covered)
             return
