@@ -156,8 +156,7 @@ class ModelRunner:
                 # rows): their steps run on the padded buffers uncaptured.
                 # Capture needs backends without host syncs (the Triton ones); others run the buffers uncaptured.
                 capture = device.type == "cuda" and parallel.dp_size == 1 and self._graph_safe()
-                spec = config.speculative_config
-                verify_len = 1 + spec.max_draft_len if spec is not None and self.spec is not None else 1
+                verify_len = 1 + self.spec.k if self.spec is not None else 1
                 self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture, verify_len)
                 self.graphs.capture_all(self)
 

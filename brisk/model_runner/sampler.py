@@ -231,12 +231,7 @@ class Sampler:
         if batch.all_greedy and not _processes_logits(batch):  # the common decode batch: no copy of the [B, V] logits
             return greedy_argmax(logits), raw_logprobs
 
-        logits = logits.to(torch.float32, copy=True)  # processed in place from here on
-        _apply_logit_bias(logits, batch)
-        _apply_min_tokens(logits, batch)
-        _apply_repetition_penalty(logits, batch)
-        _apply_presence_frequency_penalties(logits, batch)
-
+        logits = _penalized_copy(logits, batch)  # processed in place from here on
         if batch.all_greedy:
             token_ids = greedy_argmax(logits)
         else:
@@ -284,6 +279,17 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return row_max_and_argmax(logits)[1]
 
 
+def _penalized_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """An fp32 copy of `logits` with logit_bias, min_tokens and the penalties applied: what greedy rows argmax, and
+    what temperature and truncation then process for the sampled ones."""
+    logits = logits.to(torch.float32, copy=True)
+    _apply_logit_bias(logits, batch)
+    _apply_min_tokens(logits, batch)
+    _apply_repetition_penalty(logits, batch)
+    _apply_presence_frequency_penalties(logits, batch)
+    return logits
+
+
 def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
     bias = batch.logit_bias
     if bias is not None:
@@ -320,11 +326,7 @@ def verification_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[tor
     every row is greedy). `logits` is left unchanged."""
     if batch.all_greedy and not _processes_logits(batch):
         return greedy_argmax(logits), None
-    logits = logits.to(torch.float32, copy=True)
-    _apply_logit_bias(logits, batch)
-    _apply_min_tokens(logits, batch)
-    _apply_repetition_penalty(logits, batch)
-    _apply_presence_frequency_penalties(logits, batch)
+    logits = _penalized_copy(logits, batch)
     greedy_token_ids = greedy_argmax(logits)
     if batch.all_greedy:
         return greedy_token_ids, None

@@ -36,7 +36,7 @@ from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from brisk.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, get_weight_loader
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
-from brisk.models.llama import CausalLM, LlamaMLP, fused_target
+from brisk.models.llama import CausalLM, LlamaMLP, fully_loaded, fused_target
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 NUM_AUX_HIDDEN_STATES = 3
@@ -297,12 +297,7 @@ class Eagle3DraftModel(nn.Module):
             seen.setdefault(target, set()).add(shard_id)
         if t2d is not None:
             self._check_t2d(t2d)
-        loaded = set()
-        for target, shards in seen.items():
-            needed = {sid for part, _, sid in self.stacked_params_mapping if part in target} or {None}
-            if needed <= shards:
-                loaded.add(target)
-        return loaded
+        return fully_loaded(seen, self.stacked_params_mapping)
 
     def _load_d2t(self, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != (self.config.draft_vocab_size,):

@@ -176,6 +176,16 @@ def fused_target(name: str, mapping: tuple[tuple[str, str, object], ...]) -> tup
     return name, None
 
 
+def fully_loaded(shards_seen: dict[str, set], mapping: tuple[tuple[str, str, object], ...]) -> set[str]:
+    """The parameters whose every shard was loaded (a fused parameter needs all its checkpoint parts)."""
+    loaded = set()
+    for target, seen in shards_seen.items():
+        needed = {sid for part, _, sid in mapping if part in target} or {None}
+        if needed <= seen:
+            loaded.add(target)
+    return loaded
+
+
 class CausalLM(nn.Module):
     """Common causal-LM shell: subclasses build `self.model` via `make_layer` and may extend the mapping."""
 
@@ -235,12 +245,7 @@ class CausalLM(nn.Module):
                 )
             get_weight_loader(param)(param, tensor, shard_id)
             shards_seen[target].add(shard_id)
-        loaded = set()
-        for target, seen in shards_seen.items():
-            needed = {sid for part, _, sid in self.stacked_params_mapping if part in target} or {None}
-            if needed <= seen:
-                loaded.add(target)
-        return loaded
+        return fully_loaded(shards_seen, self.stacked_params_mapping)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -187,8 +187,6 @@ class Scheduler:
                     if drafts:
                         spec_tokens[req] = drafts
                         num_new += len(drafts)
-                else:
-                    drafts = []
             while not allocate_slots(req, num_new + lookahead):
                 victim = max(self.running, key=lambda r: r.priority_key)
                 self._preempt(victim)

@@ -24,13 +24,13 @@ import torch.distributed as dist
 from brisk.distributed.comm import all_gather_rows
 from brisk.kv_cache.manager import cdiv
 from brisk.model_runner.sampler import MIN_SAMPLING_TEMPERATURE, SamplingBatch, row_max_and_argmax
-from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from brisk.spec_decode.config import SpeculativeConfig
 from brisk.spec_decode.proposer import ProposeInputs, Proposer
 from brisk.spec_decode.rejection import verify
 
 if TYPE_CHECKING:
+    from brisk.model_runner.input_batch import RequestState
     from brisk.model_runner.runner import ModelRunner, StepBatch
 
 RowLogprobs = list[TokenLogprobs] | None
@@ -120,7 +120,7 @@ class SpecDecodeRunner:
         rows = step.rows[step.sample_idx]
         states = [runner.batch.states[r] for r in rows.tolist()]
         draft_lists = [sched.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
-        if all(_plain_greedy(s.params) for s in states):
+        if all(_plain_greedy(s) for s in states):
             return self._verify_plain_greedy(logits, num_drafts, draft_lists), None
         batch = self._expanded_batch(states, draft_lists, logits.shape[-1])
         counts = num_drafts + 1
@@ -271,15 +271,13 @@ class SpecDecodeRunner:
         return drafts
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy on the raw logits: nothing changes them, nothing asks for their logprobs."""
+def _plain_greedy(state: RequestState) -> bool:
+    """Greedy on the raw logits: no logit_bias, no min_tokens or penalties (what needs the history), no logprobs."""
+    params = state.params
     return (
         (params.greedy or params.temperature < MIN_SAMPLING_TEMPERATURE)
         and not params.logit_bias
-        and params.min_tokens == 0
-        and params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
+        and not state.needs_history
         and params.logprobs is None
     )
 
