@@ -250,11 +250,11 @@ def measure_engine(engine: EngineCore, batch: int, steps: int, profile: bool, ma
     # Not measured: the chunked prefill, and one full decode step (which sizes the null model's logit pool).
     started: set[str] = set()
     while len(started) < batch:
-        started.update(out.request_id for out in engine.step())
+        started.update(out.request_id for out in engine.step().outputs)
     engine.step()
 
     def one_step() -> None:
-        outputs = engine.step()
+        outputs = engine.step().outputs
         if len(outputs) != batch or any(out.finished for out in outputs):
             raise RuntimeError(f"expected {batch} decoding requests, got {len(outputs)} outputs; raise max_tokens")
 

@@ -16,14 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
 from brisk.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("brisk.config")
-
-
-class ConfigError(ValueError):
-    """A configuration value the user gave is wrong; the message names the key."""
 
 
 class _Strict(BaseModel):
@@ -357,3 +354,10 @@ class ParallelConfig:
             dp_rank=rank if attention_dp else 0,
             dp_size=world_size if attention_dp else 1,
         )
+
+
+def load_model_config(config: EngineConfig, device: Any, model_config: ModelConfig | None = None) -> tuple[ModelConfig, int]:
+    """The model's config (dtype resolved for the device, unless given) and the max_seq_len in effect: every
+    rank's view."""
+    model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, device.type)
+    return model_config, config.max_seq_len or model_config.max_position_embeddings

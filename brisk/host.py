@@ -1,11 +1,16 @@
 """Facts about the machine brisk runs on, each read in one place: the CPU's name and feature flags, the instruction
-sets brisk's C kernels are built for that this CPU runs, and the torch device a rank computes on."""
+sets brisk's C kernels are built for that this CPU runs, the torch device a rank computes on, the threads a CPU rank
+gets, and the C heap's settings a CPU rank runs with."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import platform
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from brisk.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -80,11 +85,31 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if device.index is not None:
         return device
     if local_rank >= torch.cuda.device_count():
-        from brisk.config import ConfigError
-
         raise ConfigError(
             f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
             f"{torch.cuda.device_count()}; lower tp_size or add nodes"
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def cpu_threads_per_rank(tp_size: int, num_cpu_threads: int | None = None) -> int:
+    """torch threads for one CPU rank of a served model: `num_cpu_threads` where given (EngineConfig's), else the
+    cores but one, shared among the tp_size ranks. The one left is the API server's (and a local client's): when every core runs an
+    OpenMP thread, each token the server streams preempts one of them while the others spin at the next barrier
+    (measured: docs/performance.md)."""
+    if num_cpu_threads is not None:
+        return num_cpu_threads
+    return max(1, ((os.cpu_count() or 1) - 1) // tp_size)
+
+
+def keep_freed_memory_in_the_heap() -> bool:
+    """glibc returns big freed blocks to the OS (mmap / trim), so each step's big activations are faulted in
+    page by page again: on CPU that doubled the first matmul at a new shape and slowed served prefill steps
+    (docs/performance.md). Raise both thresholds to 1 GiB, once, for this process. glibc only (False elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))

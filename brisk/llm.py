@@ -17,7 +17,7 @@ from brisk.engine.output_processor import OutputProcessor
 from brisk.harmony.chat import is_harmony_model, render_chat
 from brisk.model_runner.loader import resolve_model_path
 from brisk.outputs import RequestOutput
-from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = str | list[int] | dict[str, Any]
@@ -159,13 +159,13 @@ class LLM:
         while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished():
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError("the engine finished requests it never reported")  # a bug, never a hang
-            processed = self.output_processor.process(self.engine.step())
-            failures = self.engine.take_failures()
-            if failures:  # after admission (a grammar that did not compile): the whole call fails, nothing leaks
+            step = self.engine.step()
+            processed = self.output_processor.process(step.outputs)
+            if step.refused:  # after admission (a grammar that did not compile): the whole call fails, nothing leaks
                 for rid in order:
                     self.engine.abort_request(rid)
                     self.output_processor.abort(rid)
-                raise InvalidRequest("structured_outputs", failures[0][1])
+                raise step.refused[0][1]
             for rid, index in processed.aborts:
                 self.engine.abort_request(rid, index)
             for out in processed.finished:

@@ -6,20 +6,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from brisk.errors import InvalidRequest
 from brisk.structured.spec import StructuredOutputs
 
 # Integers cross the process boundary as msgpack int64/uint64; these bounds keep every field encodable.
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**64 - 1  # torch generators take uint64 seeds; the API caps seeds lower so seed + i fits
-
-
-class InvalidRequest(ValueError):
-    """A request that cannot run. `param` names the offending field, as OpenAI's error object does; the
-    server answers 400 with it, the offline API raises it (a ValueError)."""
-
-    def __init__(self, param: str, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param, self.message, self.code = param, message, code
 
 
 @dataclass

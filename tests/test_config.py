@@ -160,12 +160,3 @@ def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, na
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cuda").dtype == torch.bfloat16
         assert ModelConfig.from_pretrained(str(tmp_path), "float32", "cpu").dtype == torch.float32
 
-
-def test_cpu_threads_leave_one_core_to_the_api_server(monkeypatch):
-    from brisk.model_runner import runner
-
-    for cores, tp_size, expected in ((8, 1, 7), (8, 2, 3), (2, 1, 1), (1, 1, 1), (2, 2, 1)):
-        monkeypatch.setattr(runner.os, "cpu_count", lambda cores=cores: cores)
-        config = EngineConfig.build("m", tp_size=tp_size, ep_size=1)
-        assert runner.cpu_threads_per_rank(config) == expected
-    assert runner.cpu_threads_per_rank(EngineConfig.build("m", num_cpu_threads=5)) == 5

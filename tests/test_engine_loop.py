@@ -123,7 +123,7 @@ def test_abort_mid_stream_stops_output_and_frees_blocks(model, overlap):
     aborted: set[str] = set()
     steps = 0
     while core.has_unfinished_requests():
-        for out in core.step():
+        for out in core.step().outputs:
             assert out.request_id not in aborted, "a token after the abort"
             tokens[out.request_id].extend(out.new_token_ids)
         steps += 1

@@ -93,7 +93,7 @@ def test_null_model_runs_through_the_engine_with_exact_kv_accounting(null_model_
     finish_reasons = {}
     window_released_blocks = False
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:
                 finish_reasons[out.request_id] = out.finish_reason

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16, cpu_info, cpu_kernel_isas, resolve_device
+from brisk import host
+from brisk.host import (
+    check_cpu_kernels_choice,
+    cpu_has_native_bf16,
+    cpu_info,
+    cpu_kernel_isas,
+    cpu_threads_per_rank,
+    resolve_device,
+)
 
 X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -54,3 +62,10 @@ def test_one_device_resolution_for_every_rank():
     assert resolve_device("cpu") == resolve_device("cpu", local_rank=1) == torch.device("cpu")
     expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert resolve_device("auto") == expected
+
+
+def test_cpu_threads_leave_one_core_to_the_api_server(monkeypatch):
+    for cores, tp_size, expected in ((8, 1, 7), (8, 2, 3), (2, 1, 1), (1, 1, 1), (2, 2, 1)):
+        monkeypatch.setattr(host.os, "cpu_count", lambda cores=cores: cores)
+        assert cpu_threads_per_rank(tp_size) == expected
+    assert cpu_threads_per_rank(1, num_cpu_threads=5) == 5

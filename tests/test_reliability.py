@@ -210,7 +210,7 @@ def test_engine_core_fails_only_nan_rows(model_dir, poison):
     finish: dict[tuple[str, int], str] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
     while core.has_unfinished_requests():
-        for out in core.step():
+        for out in core.step().outputs:
             tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
             if out.finish_reason:
                 finish[(out.request_id, out.index)] = out.finish_reason

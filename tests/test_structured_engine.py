@@ -201,9 +201,10 @@ def test_compile_timeout(llama_path, monkeypatch):
             engine.add_request(EngineCoreRequest("r2", [5, 6], SamplingParams(max_tokens=3)))
             outputs, failures = [], []
             while engine.has_unfinished_requests():
-                outputs += engine.step()
-                failures += engine.take_failures()
-            assert [rid for rid, _ in failures] == ["r1"] and "longer than 0.05 s" in failures[0][1]
+                step = engine.step()
+                outputs += step.outputs
+                failures += step.refused
+            assert [rid for rid, _ in failures] == ["r1"] and "longer than 0.05 s" in failures[0][1].message
             assert {o.request_id for o in outputs if o.finished} == {"r2"}
             assert _all_blocks_free(engine)
         finally:
@@ -376,7 +377,7 @@ def test_bitmask_rows_follow_the_sampled_order():
     import torch
 
     from brisk.scheduler.output import SchedulerOutput
-    from brisk.structured.engine import GrammarBitmaskApplier, apply_grammar_bitmask
+    from brisk.structured.matcher import GrammarBitmaskApplier, apply_grammar_bitmask
 
     vocab, wide = 64, 70
     allowed = {"c": [3, 40], "a": [0, 63]}

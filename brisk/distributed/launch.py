@@ -20,7 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from brisk.config import ConfigError, EngineConfig
+from brisk.config import EngineConfig
+from brisk.errors import ConfigError
 
 INIT_TIMEOUT = timedelta(minutes=10)  # loading a 120B checkpoint on a slow disk takes minutes
 

@@ -35,6 +35,7 @@ from brisk.engine.messages import (
 )
 from brisk.engine.output_processor import CompletionDelta, OutputProcessor
 from brisk.engine.process import encode_config, run_engine_process
+from brisk.errors import InvalidRequest
 from brisk.sampling_params import SamplingParams
 
 logger = logging.getLogger("brisk.server")
@@ -45,10 +46,6 @@ MAX_PENDING_DELTAS = 64
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing can be served until the server is restarted."""
-
-
-class RequestFailedError(ValueError):
-    """The engine core refused the request (e.g. it can never fit the KV cache)."""
 
 
 def merge_deltas(first: CompletionDelta, second: CompletionDelta) -> CompletionDelta:
@@ -269,11 +266,11 @@ class AsyncEngineClient:
         self.stats = msg.stats
         for listener in self.stats_listeners:
             listener(msg.stats)
-        for failure in msg.failures:
-            self.output_processor.abort(failure.request_id)
-            buffer = self._queues.get(failure.request_id)
+        for rid, param, message in msg.refused:
+            self.output_processor.abort(rid)
+            buffer = self._queues.get(rid)
             if buffer is not None:
-                buffer.put(RequestFailedError(failure.message))
+                buffer.put(InvalidRequest(param, message))
         processed = self.output_processor.process(msg.outputs)
         for delta in processed.deltas:
             buffer = self._queues.get(delta.request_id)

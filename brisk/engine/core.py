@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import EngineConfig, ModelConfig, load_model_config
 from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
+from brisk.errors import InvalidRequest
 from brisk.host import resolve_device
 from brisk.kv_cache.manager import KVCacheManager
-from brisk.model_runner.runner import StepHandle
+from brisk.model_runner.interface import StepHandle
 from brisk.scheduler.output import FinishReason, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from brisk.scheduler.request import Request
 from brisk.scheduler.scheduler import Scheduler, SpecDecodeLimits
@@ -28,15 +29,15 @@ from brisk.structured.engine import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (too long, bad token ids...); nothing was admitted."""
+@dataclass
+class EngineStep:
+    """All that one `EngineCore.step()` produced."""
 
-
-def load_model_config(config: EngineConfig, device, model_config: ModelConfig | None = None) -> tuple[ModelConfig, int]:
-    """The model's config (dtype resolved for the device, unless given) and the max_seq_len in effect: every
-    rank's view."""
-    model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, device.type)
-    return model_config, config.max_seq_len or model_config.max_position_embeddings
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # Requests refused after admission (a grammar that did not compile in time, or at all), by the client's
+    # request id: the server answers them with a 400, the offline LLM raises.
+    refused: list[tuple[str, InvalidRequest]] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the step scheduled (0: it could schedule nothing), for the iteration-tokens metric
 
 
 class EngineCore:
@@ -50,8 +51,8 @@ class EngineCore:
         self.executor = make_executor(config, self.model_config, self.device, self.max_seq_len)
         spec = self.executor.kv_cache_spec
         self.num_kv_blocks, self.num_kv_groups = spec.num_blocks, len(spec.groups)
-        overlap = config.disable_overlap_scheduler
-        self.overlap = self.device.type == "cuda" if overlap is None else not overlap
+        disable_overlap = config.disable_overlap_scheduler
+        self.overlap = self.device.type == "cuda" if disable_overlap is None else not disable_overlap
         spec_config = config.speculative_config
         spec_limits = None
         if spec_config is not None:
@@ -73,7 +74,6 @@ class EngineCore:
                 )
             )
         self.requests: dict[str, list[Request]] = {}  # request id -> its n completions
-        self.last_step_num_tokens = 0  # tokens the last step() scheduled, for the iteration-tokens metric
         self._arrivals = itertools.count()
         self._in_flight: tuple[list[SchedulerOutput], StepHandle] | None = None  # overlap: the step launched last
         mc = self.model_config
@@ -85,9 +85,6 @@ class EngineCore:
             config.grammar_compile_timeout_s,
             config.grammar_max_json_whitespace,
         )
-        # (request id, message) of requests that failed after admission (a grammar that did not compile): the
-        # server answers them with a 400, the offline LLM raises; take_failures() hands them over once.
-        self._failures: list[tuple[str, str]] = []
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d, overlap scheduling %s",
             self.model_config.architecture,
@@ -129,15 +126,11 @@ class EngineCore:
         self.structured.close()
         self.executor.shutdown()
 
-    def take_failures(self) -> list[tuple[str, str]]:
-        failures, self._failures = self._failures, []
-        return failures
-
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         rid, prompt, params = request.request_id, request.prompt_token_ids, request.params
         if rid in self.requests:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            raise InvalidRequest("request_id", f"request id {rid!r} is already in flight")
         self._validate(prompt, params)
         room = self.max_seq_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -181,28 +174,31 @@ class EngineCore:
 
     def _validate(self, prompt: list[int], params) -> None:
         if not prompt:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequest("prompt", "the prompt is empty")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequest("prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.max_seq_len:
-            raise InvalidRequestError(
+            raise InvalidRequest(
+                "prompt",
                 f"the prompt has {len(prompt)} tokens; max_seq_len is {self.max_seq_len}, leaving no room to generate"
             )
         if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_seq_len:
-            raise InvalidRequestError(
+            raise InvalidRequest(
+                "max_tokens",
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({self.max_seq_len})"
             )
         total = len(prompt) + (self.max_seq_len - len(prompt) if params.max_tokens is None else params.max_tokens)
         if self.kv.max_blocks_per_request(total) > self.kv.pool.num_usable:
-            raise InvalidRequestError(
+            raise InvalidRequest(
+                "max_tokens",
                 f"a request of {total} tokens needs more KV blocks than the whole cache holds "
-                f"({self.kv.pool.num_usable}); lower max_tokens or give the KV cache more memory"
+                f"({self.kv.pool.num_usable}); lower max_tokens or give the KV cache more memory",
             )
         bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad_stop is not None:
-            raise InvalidRequestError(f"stop_token_ids holds {bad_stop}, outside the vocabulary")
+            raise InvalidRequest("stop_token_ids", f"stop_token_ids holds {bad_stop}, outside the vocabulary")
 
     def abort_request(self, request_id: str, index: int | None = None) -> list[EngineCoreOutput]:
         """Abort all completions of a request (or one). Returns their final outputs."""
@@ -219,41 +215,46 @@ class EngineCore:
         return self._in_flight is not None or any(s.num_unfinished for s in self.schedulers)
 
     # ---- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineStep:
+        result = EngineStep()
         if self.structured.pending:
-            self._poll_grammars()
-        drained: list[EngineCoreOutput] = []
+            result.refused = self._poll_grammars()
         # Some requests need the last step's tokens on the host before they can be scheduled (speculation: their
         # drafts come with them; structured outputs: the bitmask follows every accepted token): the step in flight
         # is taken first, and this one runs without overlap.
         synchronous = not self.overlap or any(s.needs_host_tokens() for s in self.schedulers)
         if synchronous and self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            drained = self._update(in_flight[0], in_flight[1].result())
+            result.outputs = self._update(in_flight[0], in_flight[1].result())
         scheds = [s.schedule() for s in self.schedulers]
         for scheduler, sched in zip(self.schedulers, scheds):
             if scheduler.num_constrained and sched.sampled_req_ids:
                 self.structured.fill_bitmasks(sched, scheduler.requests)
-        self.last_step_num_tokens = sum(s.num_tokens for s in scheds)
+        result.num_tokens = sum(s.num_tokens for s in scheds)
         handle = self.executor.execute_model(scheds) if any(scheds) else None
         if synchronous:
-            return drained + self._update(scheds, handle.result()) if handle is not None else drained
+            if handle is not None:
+                result.outputs += self._update(scheds, handle.result())
+            return result
         previous = self._in_flight
         self._in_flight = (scheds, handle) if handle is not None else None
-        if previous is None:
-            return []
-        return self._update(previous[0], previous[1].result())
+        if previous is not None:
+            result.outputs = self._update(previous[0], previous[1].result())
+        return result
 
-    def _poll_grammars(self) -> None:
-        """Matchers for the requests whose grammar compiled; a failed or timed-out compile fails its request. An
-        engine with nothing else to run waits a little for a compile rather than spin."""
+    def _poll_grammars(self) -> list[tuple[str, InvalidRequest]]:
+        """Matchers for the requests whose grammar compiled; a failed or timed-out compile fails its request (the
+        request is refused, once for its n completions). An engine with nothing else to run waits a little for a
+        compile rather than spin."""
         compiling = sum(not req.is_finished for req in self.structured.pending)
         idle = self._in_flight is None and compiling >= sum(s.num_unfinished for s in self.schedulers)
-        for req, message in self.structured.poll(block=idle):
+        refused: list[tuple[str, InvalidRequest]] = []
+        for req, error in self.structured.poll(block=idle):
             self.schedulers[req.dp_rank].abort(req, FinishReason.ERROR)
-            if not any(rid == req.parent_id for rid, _ in self._failures):
-                self._failures.append((req.parent_id, message))
+            if not any(rid == req.parent_id for rid, _ in refused):
+                refused.append((req.parent_id, error))
             self._forget_if_done(req.parent_id)
+        return refused
 
     def _update(self, scheds: list[SchedulerOutput], results: list[ModelRunnerOutput]) -> list[EngineCoreOutput]:
         outputs = []

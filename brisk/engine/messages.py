@@ -65,11 +65,6 @@ class EngineInfo(msgspec.Struct, tag=True):
     num_kv_groups: int
 
 
-class RequestFailure(msgspec.Struct, array_like=True):
-    request_id: str
-    message: str
-
-
 class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     """Scheduler and KV gauges for /metrics, sampled after a step."""
 
@@ -90,7 +85,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
 
 class EngineOutputs(msgspec.Struct, tag=True):
     outputs: list[EngineCoreOutput]
-    failures: list[RequestFailure] = []
+    # (request id, param, message) of each request the core refused: an InvalidRequest on the client's side
+    refused: list[tuple[str, str, str]] = []
     stats: SchedulerStats = SchedulerStats()
 
 

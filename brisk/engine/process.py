@@ -22,19 +22,11 @@ import torch
 import zmq
 
 from brisk.config import EngineConfig
-from brisk.engine.core import EngineCore, InvalidRequestError
-from brisk.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineInfo,
-    EngineOutputs,
-    ProfileRequest,
-    RequestFailure,
-    ToEngine,
-)
+from brisk.engine.core import EngineCore
+from brisk.engine.messages import AbortRequests, AddRequest, EngineInfo, EngineOutputs, ProfileRequest, ToEngine
 from brisk.engine.profiler import EngineProfiler
-from brisk.host import resolve_device
-from brisk.model_runner.runner import cpu_threads_per_rank
+from brisk.errors import InvalidRequest
+from brisk.host import cpu_threads_per_rank, resolve_device
 
 logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
@@ -60,7 +52,7 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
     try:
         config = EngineConfig.model_validate_json(config_json)
         if resolve_device(config.device).type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(config))
+            torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
         core = EngineCore(config)
         _serve(core, inbox, outbox)
     except Exception:
@@ -94,14 +86,14 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             timeout = 0
             msg = decoder.decode(inbox.recv())
             if isinstance(msg, AddRequest):
+                rid = msg.request.request_id
                 try:
                     core.add_request(msg.request)
-                except InvalidRequestError as exc:
-                    batch.failures.append(RequestFailure(msg.request.request_id, str(exc)))
+                except InvalidRequest as exc:
+                    batch.refused.append((rid, exc.param, exc.message))
                 except Exception:
-                    logger.exception("cannot add request %s", msg.request.request_id)
-                    failure = RequestFailure(msg.request.request_id, "the engine could not accept this request")
-                    batch.failures.append(failure)
+                    logger.exception("cannot add request %s", rid)
+                    batch.refused.append((rid, "request", "the engine could not accept this request"))
             elif isinstance(msg, AbortRequests):
                 for rid, index in msg.targets:
                     batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
@@ -110,11 +102,12 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             elif isinstance(msg, ProfileRequest):
                 profiler.stop(msg.trace_path)
         if core.has_unfinished_requests():
-            batch.outputs.extend(core.step())
-            batch.failures.extend(RequestFailure(rid, message) for rid, message in core.take_failures())
-            if core.last_step_num_tokens:  # a step that could schedule nothing (waiting for KV) is no iteration
-                iteration_tokens.append(core.last_step_num_tokens)
-        if batch.outputs or batch.failures:
+            step = core.step()
+            batch.outputs.extend(step.outputs)
+            batch.refused.extend((rid, exc.param, exc.message) for rid, exc in step.refused)
+            if step.num_tokens:  # a step that could schedule nothing (waiting for KV) is no iteration
+                iteration_tokens.append(step.num_tokens)
+        if batch.outputs or batch.refused:
             batch.stats = core.stats(tuple(iteration_tokens))
             iteration_tokens.clear()
             outbox.send(encoder.encode(batch))

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from brisk.config import ConfigError
+from brisk.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -117,5 +117,3 @@ class ModelRunnerOutput(msgspec.Struct):
     # Speculative decoding: per row, the drafts proposed for the request's next step (empty: none).
     spec_token_ids: list[list[int]] | None = None
 
-
-EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()

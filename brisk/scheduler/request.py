@@ -10,7 +10,7 @@ from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import FinishReason
 
 if TYPE_CHECKING:
-    from brisk.structured.engine import GrammarState
+    from brisk.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -70,10 +70,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
 
     def check_stop(self) -> bool:
         """After a token was appended: set finish_reason if the request is done."""

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.errors import InvalidRequest
+from brisk.sampling_params import SamplingParams
 from brisk.structured.spec import StrictTool, StructuredOutputs
 
 MAX_INT32 = 2**31 - 1

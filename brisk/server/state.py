@@ -19,11 +19,12 @@ from typing import Any
 from fastapi import Request
 
 from brisk.config import EngineConfig
-from brisk.engine.client import AsyncEngineClient, EngineDeadError, RequestFailedError
+from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.engine.messages import EngineInfo
 from brisk.engine.output_processor import CompletionDelta
 from brisk.harmony.chat import render_chat
-from brisk.sampling_params import InvalidRequest, SamplingParams
+from brisk.errors import InvalidRequest
+from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.metrics import RequestTiming, ServerMetrics
 from brisk.server.response_run import BackgroundRuns
@@ -212,7 +213,7 @@ class ServerState:
                 yield delta
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
-        except RequestFailedError as exc:
+        except InvalidRequest as exc:  # refused by the engine core
             raise APIError(400, str(exc)) from None
         finally:
             timing.finish(last)

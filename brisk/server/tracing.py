@@ -16,14 +16,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from brisk.server.metrics import HTTPMetricsMiddleware, RequestTiming
+from brisk.errors import ConfigError
+from brisk.server.metrics import HTTPMetricsMiddleware, RequestTiming, ServerMetrics
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-    from brisk.server.state import ServerState
 
 request_logger = logging.getLogger("brisk.server.requests")
 SERVICE_NAME = "brisk"
@@ -47,8 +46,6 @@ def make_tracer_provider(endpoint: str) -> Any:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
-        from brisk.config import ConfigError
-
         raise ConfigError("--otlp-traces-endpoint needs OpenTelemetry: pip install 'brisk-llm[otel]'") from None
     if not endpoint.rstrip("/").endswith("/v1/traces"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
@@ -57,7 +54,14 @@ def make_tracer_provider(endpoint: str) -> Any:
     return provider
 
 
-def install_observability(app: FastAPI, state: ServerState) -> None:
+class Observed(Protocol):
+    """What the observability needs of the server's state (ServerState has both)."""
+
+    observability: ObservabilityConfig
+    metrics: ServerMetrics
+
+
+def install_observability(app: FastAPI, state: Observed) -> None:
     """HTTP request metrics, the trace middleware and the per-request listeners; called by `build_app` after its
     own middleware, so these wrap everything (401s, 413s and 429s are counted and traced too)."""
     config = state.observability

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.config import EngineConfig, ModelConfig
+from brisk.errors import ConfigError
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.linear import prepack_weights
 from brisk.model_runner.input_batch import to_device

@@ -4,7 +4,8 @@ EngineCore owns one StructuredOutputManager. `submit` starts a request's compile
 waits in the scheduler, skipped, until `poll` finds its future done: a compile never blocks the step loop);
 `fill_bitmasks` writes one token bitmask per constrained sampled row into a persistent buffer and attaches it to
 the step's SchedulerOutput (every rank gets it; the runner applies it to those rows' logits before sampling);
-the scheduler advances each request's matcher by its new tokens (`GrammarState.advance`).
+the scheduler advances each request's matcher by its new tokens (`GrammarState.advance`, structured/state.py); the
+runner masks the logits (`GrammarBitmaskApplier`, structured/matcher.py).
 
 The tokenizer and its xgrammar table are built on the first structured request (seconds for a 200k vocabulary),
 in the compile thread like the grammars.
@@ -22,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from brisk.sampling_params import InvalidRequest
-from brisk.structured.matcher import Matcher, allocate_bitmask
+from brisk.errors import InvalidRequest
+from brisk.structured.matcher import allocate_bitmask
 from brisk.structured.spec import StructuredOutputs
+from brisk.structured.state import GrammarState
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -35,50 +37,6 @@ if TYPE_CHECKING:
     from brisk.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class GrammarState:
-    """One completion's grammar: compiling (future pending), then followed by its matcher. n > 1 siblings share
-    the future (one compile) and each gets its own matcher."""
-
-    future: Future[xgr.CompiledGrammar]
-    deadline: float  # time.monotonic() after which a compile still running fails the request
-    matcher: Matcher | None = None
-    failed: str | None = field(default=None)  # the compile's error, once known
-
-    @property
-    def ready(self) -> bool:
-        return self.matcher is not None
-
-    def advance(self, token_ids: Iterable[int]) -> bool | None:
-        """Accept the request's new tokens. True: the grammar terminated (the request is complete); None: a token
-        the grammar refused (the mask was not applied to it: a bug, the request ends with an error)."""
-        matcher = self.matcher
-        assert matcher is not None  # a request is scheduled only once its matcher exists
-        for token in token_ids:
-            if not matcher.accept_token(token):
-                return None
-            if matcher.is_terminated():
-                return True
-        return False
-
-    def valid_prefix(self, draft_ids: list[int]) -> list[int]:
-        """The longest prefix of a request's drafts (speculative decoding) its grammar allows and that leaves it
-        unfinished; the matcher is left where it was."""
-        matcher = self.matcher
-        assert matcher is not None
-        accepted = 0
-        for token in draft_ids:
-            if not matcher.accept_token(token):
-                break
-            accepted += 1
-            if matcher.is_terminated():  # the request would end at this draft: it is sampled as the next token
-                break
-        keep = accepted - (accepted > 0 and matcher.is_terminated())
-        if accepted:
-            matcher.rollback(accepted)
-        return draft_ids[:keep]
 
 
 class StructuredOutputManager:
@@ -146,21 +104,23 @@ class StructuredOutputManager:
     def track(self, requests: Iterable[Request]) -> None:
         self.pending.extend(requests)
 
-    def poll(self, block: bool = False) -> list[tuple[Request, str]]:
-        """Give each request whose compile finished its matcher; returns (request, error message) for those whose
-        compile failed or ran past the time limit. block: wait (briefly) for a compile to finish, for an engine
+    def poll(self, block: bool = False) -> list[tuple[Request, InvalidRequest]]:
+        """Give each request whose compile finished its matcher; returns (request, why it is refused) for those
+        whose compile failed or ran past the time limit. block: wait (briefly) for a compile to finish, for an engine
         that has nothing else to do."""
         if block and self.pending:
             futures = {req.grammar.future for req in self.pending if req.grammar is not None}
             remaining = min(req.grammar.deadline for req in self.pending if req.grammar is not None)
             wait(futures, timeout=max(0.0, min(0.05, remaining - time.monotonic())), return_when=FIRST_COMPLETED)
-        failed: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, InvalidRequest]] = []
         still: list[Request] = []
         now = time.monotonic()
         for req in self.pending:
             state = req.grammar
             if state is None or req.is_finished:
                 continue
+            spec = req.params.structured_outputs
+            param = spec.param if spec is not None else "structured_outputs"
             if state.future.done():
                 error = state.future.exception()
                 if error is None:
@@ -171,17 +131,12 @@ class StructuredOutputManager:
                         continue
                     except InvalidRequest as refused:
                         error = refused
-                message = error.message if isinstance(error, InvalidRequest) else f"grammar compile failed: {error}"
-                failed.append((req, message))
+                if not isinstance(error, InvalidRequest):
+                    error = InvalidRequest(param, f"grammar compile failed: {error}")
+                failed.append((req, error))
             elif now > state.deadline:
-                spec = req.params.structured_outputs
-                param = spec.param if spec is not None else "structured_outputs"
-                failed.append(
-                    (
-                        req,
-                        f"{param}: the grammar took longer than {self.compile_timeout_s:g} s to compile; simplify it.",
-                    )
-                )
+                message = f"{param}: the grammar took longer than {self.compile_timeout_s:g} s to compile; simplify it."
+                failed.append((req, InvalidRequest(param, message)))
             else:
                 still.append(req)
         self.pending = still
@@ -231,67 +186,3 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:
             self._compiler.close()
-
-
-class GrammarBitmaskApplier:
-    """The runner's side: masks (-inf), in place, the tokens each constrained row's grammar forbids, in one
-    vectorised pass over those rows: on CPU brisk's C kernel where it is built (`cpu_kernels`: a word of the bitmask
-    at a time, ~20x faster than xgrammar's C++ loop), else xgrammar's kernel (C++ on CPU, Triton on GPU). On CPU,
-    large batches are split by rows over `num_threads` threads (OpenMP in brisk's kernel; for xgrammar's, which
-    releases the GIL, Python threads)."""
-
-    MIN_ELEMENTS_PER_THREAD = 1 << 20  # below this a thread costs more than it saves
-
-    def __init__(self, num_threads: int = 1, cpu_kernels: CpuKernels | None = None) -> None:
-        self.num_threads = max(1, num_threads)
-        self.cpu_kernels = cpu_kernels
-        self._pool: ThreadPoolExecutor | None = None
-
-    def __call__(self, logits: torch.Tensor, sched: SchedulerOutput, first_rows: list[int] | None = None) -> None:
-        """`logits` rows follow sched.sampled_req_ids (with drafts: request i's positions start at logits row
-        first_rows[i]); the bitmask covers the model's whole vocabulary, so padded ids are masked too (and any
-        column past it: an LM head wider than the vocabulary)."""
-        ids = sched.grammar_req_ids
-        received = torch.frombuffer(bytearray(sched.grammar_bitmask), dtype=torch.int32).view(len(ids), -1)
-        num_words = received.shape[1]
-        covered = min(logits.shape[-1], num_words * 32)
-        rows: list[int] | None = None
-        positions = sched.grammar_positions or [0] * len(ids)
-        if first_rows is None and len(ids) == logits.shape[0] and ids == sched.sampled_req_ids:
-            bitmask = received
-        else:
-            row_of = {rid: row for row, rid in enumerate(sched.sampled_req_ids)}
-            if first_rows is not None:
-                row_of = {rid: first_rows[row] for rid, row in row_of.items()}
-            rows = [row_of[rid] + position for rid, position in zip(ids, positions)]
-            bitmask = torch.full((logits.shape[0], num_words), -1, dtype=torch.int32)
-            bitmask[rows] = received
-        self._apply(logits, bitmask, list(range(logits.shape[0])) if rows is None else rows, covered)
-        if logits.shape[-1] > covered:
-            logits[slice(None) if rows is None else rows, covered:] = float("-inf")
-
-    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], covered: int) -> None:
-        from brisk.structured.matcher import apply_token_bitmask
-
-        threads = min(self.num_threads, len(rows) * covered // self.MIN_ELEMENTS_PER_THREAD)
-        if self.cpu_kernels is not None and self.cpu_kernels.bitmask_accepts(logits, bitmask):
-            self.cpu_kernels.apply_token_bitmask(logits, bitmask, rows, covered, max(1, threads))
-            return
-        if logits.is_cuda or threads <= 1:
-            apply_token_bitmask(logits, bitmask, None if len(rows) == logits.shape[0] else rows, covered)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="brisk-grammar-mask")
-        chunks = [rows[i::threads] for i in range(threads)]
-        futures = [self._pool.submit(apply_token_bitmask, logits, bitmask, chunk, covered) for chunk in chunks]
-        for future in futures:
-            future.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
-
-def apply_grammar_bitmask(logits: torch.Tensor, sched: SchedulerOutput) -> None:
-    """One-off form of GrammarBitmaskApplier (one thread)."""
-    GrammarBitmaskApplier()(logits, sched)

@@ -48,7 +48,7 @@ from xgrammar.structural_tag import (
 )
 
 from brisk.harmony.parser import HarmonySpecialTokens
-from brisk.sampling_params import InvalidRequest
+from brisk.errors import InvalidRequest
 from brisk.structured.spec import StructuredOutputs
 
 # JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked: an instance violating them is

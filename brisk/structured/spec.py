@@ -44,8 +44,6 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     param: str = "structured_outputs"  # the request field it came from, named in errors
 
     def __post_init__(self) -> None:
-        from brisk.sampling_params import InvalidRequest  # sampling_params holds a StructuredOutputs field
-
         kinds = self.answer_kinds()
         if len(kinds) > 1:
             raise InvalidRequest(self.param, f"give one structured output kind, not {' and '.join(kinds)}.")
