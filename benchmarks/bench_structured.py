@@ -214,8 +214,7 @@ def mask_time(batch: int = 64, steps: int = 40) -> dict:
     from brisk.scheduler.output import SchedulerOutput
     from brisk.structured import StructuredOutputs
     from brisk.structured.compiler import GrammarCompiler
-    from brisk.structured.matcher import GrammarBitmaskApplier
-    from brisk.structured.matcher import Matcher, allocate_bitmask
+    from brisk.structured.matcher import GrammarBitmaskApplier, Matcher, allocate_bitmask
     from tests.harmony_tokenizer import VOCAB_SIZE, make_gpt_oss_tokenizer
 
     tokenizer = make_gpt_oss_tokenizer(ROOT / "bench_results" / "o200k_harmony")

@@ -356,7 +356,9 @@ class ParallelConfig:
         )
 
 
-def load_model_config(config: EngineConfig, device: Any, model_config: ModelConfig | None = None) -> tuple[ModelConfig, int]:
+def load_model_config(
+    config: EngineConfig, device: Any, model_config: ModelConfig | None = None
+) -> tuple[ModelConfig, int]:
     """The model's config (dtype resolved for the device, unless given) and the max_seq_len in effect: every
     rank's view."""
     model_config = model_config or ModelConfig.from_pretrained(config.model, config.dtype, device.type)

@@ -39,6 +39,6 @@ class RandomProposer(ModelFreeProposer):
 
 def use_proposer(llm, proposer) -> None:
     """Replace the (single-rank) engine's proposer."""
-    spec = llm.engine.executor.runner.spec
-    assert spec is not None, "the engine was built without speculative_config"
-    spec.proposer = proposer
+    drafter = llm.engine.executor.runner.drafter
+    assert drafter is not None, "the engine was built without speculative_config"
+    drafter.proposer = proposer

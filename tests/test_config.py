@@ -159,4 +159,3 @@ def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, na
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cpu").dtype == expected
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cuda").dtype == torch.bfloat16
         assert ModelConfig.from_pretrained(str(tmp_path), "float32", "cpu").dtype == torch.float32
-

@@ -24,8 +24,9 @@ import torch
 
 from brisk.config import ConfigError, EngineConfig, ParallelConfig
 from brisk.kernels import cpu_kernels
-from brisk.layers.attention import TorchAttentionBackend, make_attention_backend
+from brisk.layers.attention import TorchAttentionBackend
 from brisk.layers.attention_cpu import CpuAttentionBackend
+from brisk.layers.backends import make_attention_backend
 from brisk.layers.embedding import ParallelLMHead
 from brisk.layers.linear import (
     ColumnParallelLinear,

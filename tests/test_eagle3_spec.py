@@ -157,7 +157,7 @@ def test_drafts_match_dense_reference(tiny, layout):
     assert (graphs is not None) == (layout == "graphs")
     if graphs is not None:
         shapes = record_static_steps(graphs)
-    proposer = llm.engine.executor.runner.spec.proposer
+    proposer = llm.engine.executor.runner.drafter.proposer
     recorded: list[tuple[list[int], list[int]]] = []
     original = proposer.propose
 

@@ -74,7 +74,7 @@ def test_batch_matches_transformers(request, tiny):
     llm, ours = _brisk(path, prompts)
     # By default the best C kernels this CPU runs (of those this run tests); no compiler, or none: PyTorch paths.
     isas = cpu_kernel_isas_under_test(request.config)
-    kernels = llm.engine.executor.runner.cpu_kernels
+    kernels = llm.engine.executor.runner.kernels.cpu
     assert (kernels.isa if kernels else None) == (isas[0] if isas else None)
     if kernels is not None:
         assert type(llm.engine.executor.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
@@ -90,7 +90,7 @@ def test_forced_avx2_kernels_match(request, tiny):
     _, path, hf = tiny
     prompts = _prompts(5)
     llm, ours = _brisk(path, prompts, cpu_kernels="avx2")
-    assert llm.engine.executor.runner.cpu_kernels.isa == "avx2"
+    assert llm.engine.executor.runner.kernels.cpu.isa == "avx2"
     assert type(llm.engine.executor.runner.attn_layers[0].backend).__name__ == "CpuAttentionBackend"
     assert ours == _hf_greedy(hf, prompts)
 
@@ -101,7 +101,7 @@ def test_pytorch_reference_paths_match(tiny):
     prompts = _prompts(1)
     llm, ours = _brisk(path, prompts, cpu_kernels="torch", max_num_tokens=16)
     runner = llm.engine.executor.runner
-    assert runner.cpu_kernels is None
+    assert runner.kernels.cpu is None
     assert type(runner.attn_layers[0].backend).__name__ == "TorchAttentionBackend"
     assert ours == _hf_greedy(hf, prompts)
 

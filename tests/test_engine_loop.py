@@ -157,15 +157,15 @@ def test_padding_rows_never_write_a_requests_blocks(model):
             padded_steps = []
             run = graphs.run
 
-            def spy(r, step, shape, run=run, padded_steps=padded_steps):
+            def spy(step, last_sampled, shape, run=run, padded_steps=padded_steps):
                 padded_steps.append(shape[0] - step.num_rows)
-                return run(r, step, shape)
+                return run(step, last_sampled, shape)
 
             graphs.run = spy
             outs = llm.generate(prompts, params)
             assert sum(padded_steps) > 0, "no step ran with padding rows"
             outputs.append([o.outputs[0].token_ids for o in outs])
-            per_row_exact = runner.cpu_kernels is not None
+            per_row_exact = runner.kernels.cpu is not None
             layer = runner.attn_layers[0]
             caches.append((layer.k_cache[1:].clone(), layer.v_cache[1:].clone()))  # every block but the null one
     assert outputs[0] == outputs[1]

@@ -12,6 +12,7 @@ import torch
 
 from brisk import LLM
 from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.model_runner.interface import kv_groups_for
 from brisk.model_runner.memory import (
     GIB,
     InsufficientKVMemoryError,
@@ -22,7 +23,7 @@ from brisk.model_runner.memory import (
     plan_kv_cache,
     profile_batch_shape,
 )
-from brisk.model_runner.runner import kv_groups_for
+from brisk.model_runner.setup import num_kv_blocks_by_profiling
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -171,18 +172,18 @@ def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path
     fake = FakeCudaMemory(total=GIB, weights=100 << 20, activations=50 << 20, other=30 << 20)
     fake.install(monkeypatch)
 
-    num_blocks = runner._num_kv_blocks_by_profiling()
+    num_blocks = num_kv_blocks_by_profiling(runner)
 
     assert seen == [96]  # one forward pass of max_num_tokens tokens
     left = GIB - (100 << 20) - (50 << 20) - (30 << 20)
-    expected = int(left * runner.config.memory_fraction) // runner.bytes_per_block
+    expected = int(left * runner.config.memory_fraction) // runner.kv_layout.bytes_per_block
     most_useful = len(runner.kv_groups) * (256 // 16) * 8 + 1
     assert num_blocks == min(expected, most_useful)
     assert all(layer.k_cache.numel() == 0 for layer in runner.attn_layers)  # the temporary cache is gone
 
     fake.activations = GIB  # a step that leaves nothing: the error names the setting
     with pytest.raises(InsufficientKVMemoryError, match="kv_cache_free_gpu_memory_fraction"):
-        runner._num_kv_blocks_by_profiling()
+        num_kv_blocks_by_profiling(runner)
 
 
 def test_a_profiling_step_that_runs_out_of_memory_is_a_start_up_error():

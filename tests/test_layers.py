@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from brisk.config import ParallelConfig
+from brisk.config import ModelConfig, ParallelConfig
+from brisk.layers.attention import Attention
+from brisk.layers.backends import make_attention_backend, make_moe_backend
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from brisk.layers.linear import (
     ColumnParallelLinear,
@@ -21,8 +23,10 @@ from brisk.layers.moe import FusedMoE, clamped_swiglu, select_experts
 from brisk.layers.mxfp4 import dequantize_mxfp4
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
+from brisk.model_runner.binding import Kernels, bind
+from brisk.model_runner.loader import load_model
 from brisk.models.registry import get_model_class
-from tests.tiny_models import quantize_mxfp4
+from tests.tiny_models import make_tiny_model, quantize_mxfp4
 
 
 def ranks(tp_size: int) -> list[ParallelConfig]:
@@ -321,13 +325,22 @@ def test_prepacked_bf16_weights_give_the_same_outputs():
     assert FusedMoE(2, 1, 32, 32, quantization="mxfp4").prepack() == 0
 
 
-def test_moe_backend_choice():
-    assert FusedMoE(2, 1, 32, 32, moe_backend="triton").backend.name == "triton"
-    assert FusedMoE(2, 1, 32, 32, moe_backend="torch").backend.name == "torch"
+def test_moe_backend_choice_is_bound_like_attention(tmp_path):
+    """The registry picks a backend by name; the runner binds one MoE backend (and one attention backend) to every
+    layer, as it binds attention; a layer built alone computes with the torch reference."""
+    assert FusedMoE(2, 1, 32, 32).backend.name == "torch"
+    assert make_moe_backend("triton").name == "triton" and make_moe_backend("torch").name == "torch"
     with pytest.raises(ValueError, match="auto, torch, triton"):
-        FusedMoE(2, 1, 32, 32, moe_backend="cuda-magic")
-    auto = FusedMoE(2, 1, 32, 32, moe_backend="auto").backend.name
-    assert auto == ("triton" if torch.cuda.is_available() else "torch")
+        make_moe_backend("cuda-magic")
+    assert make_moe_backend("auto").name == ("triton" if torch.cuda.is_available() else "torch")
+    config = ModelConfig.from_pretrained(make_tiny_model("gpt_oss", tmp_path / "m"))
+    model = load_model(config, load_format="dummy", device="cpu")
+    kernels = Kernels(make_attention_backend("torch", torch.device("cpu")), make_moe_backend("triton"), None)
+    bind(model, kernels)
+    moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert moe_layers and all(m.backend is kernels.moe for m in moe_layers)
+    assert attention_layers and all(m.backend is kernels.attention for m in attention_layers)
 
 
 # ---------------------------------------------------------------- RoPE and RMSNorm vs HF

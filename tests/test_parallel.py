@@ -184,7 +184,7 @@ def test_each_rank_holds_its_slice_of_every_weight(arch, options, models):
     names_per_rank = []
     for rank in range(2):
         p = ParallelConfig.for_rank(rank, 2, options.get("ep_size", 1), options.get("enable_attention_dp", False))
-        model = load_model(mc, device="cpu", parallel=p, moe_backend="torch")
+        model = load_model(mc, device="cpu", parallel=p)
         params = dict(model.named_parameters(remove_duplicate=False))
         names_per_rank.append(set(params))
         for name, param in params.items():

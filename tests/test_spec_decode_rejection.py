@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from brisk.model_runner.rejection_sampler import verify
 from brisk.model_runner.sampler import SamplingBatch, verification_logits
 from brisk.sampling_params import SamplingParams
-from brisk.spec_decode.rejection import verify
 
 V = 8
 N = 20_000

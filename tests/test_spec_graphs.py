@@ -35,9 +35,9 @@ def record_static_steps(graphs) -> list[tuple[int, int, int]]:
     shapes: list[tuple[int, int, int]] = []
     run = graphs.run
 
-    def spy(runner, step, shape):
+    def spy(step, last_sampled, shape):
         shapes.append((step.num_rows, *shape))
-        return run(runner, step, shape)
+        return run(step, last_sampled, shape)
 
     graphs.run = spy
     return shapes

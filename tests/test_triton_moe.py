@@ -29,7 +29,8 @@ from brisk.kernels.triton_moe import (
     mxfp4_dequantize,
     route_topk,
 )
-from brisk.layers.moe import FusedMoE, TorchMoEBackend, clamped_swiglu, make_moe_backend, select_experts
+from brisk.layers.backends import make_moe_backend
+from brisk.layers.moe import FusedMoE, TorchMoEBackend, clamped_swiglu, select_experts
 from brisk.layers.moe_triton import TritonMoEBackend
 from brisk.layers.mxfp4 import dequantize_mxfp4
 
@@ -69,9 +70,7 @@ def make_layer(
     scale_range: tuple[int, int] = (121, 125),
     **kwargs,
 ) -> FusedMoE:
-    layer = FusedMoE(
-        e, k, h, i, quantization="mxfp4" if mxfp4 else None, parallel=parallel, moe_backend="torch", **kwargs
-    )
+    layer = FusedMoE(e, k, h, i, quantization="mxfp4" if mxfp4 else None, parallel=parallel, **kwargs)
     return fill_layer(layer, torch.Generator().manual_seed(seed), dtype, scale_range)
 
 
@@ -347,7 +346,8 @@ def test_backend_ep_rank_skips_other_ranks_experts(mxfp4):
 
 def test_fused_moe_layer_with_triton_backend():
     layer = make_layer(8, 4, 64, 64, mxfp4=True, seed=61)
-    triton_layer = FusedMoE(8, 4, 64, 64, quantization="mxfp4", moe_backend="triton")
+    triton_layer = FusedMoE(8, 4, 64, 64, quantization="mxfp4")
+    triton_layer.backend = make_moe_backend("triton")  # as the runner binds it
     triton_layer.load_state_dict(layer.state_dict())
     assert isinstance(triton_layer.backend, TritonMoEBackend) and triton_layer.backend.name == "triton"
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(62)).to(DEVICE)

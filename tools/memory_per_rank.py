@@ -16,14 +16,14 @@ import torch
 
 from brisk.config import ModelConfig, ParallelConfig
 from brisk.model_runner.loader import load_model
-from brisk.model_runner.runner import kv_groups_for
+from brisk.model_runner.interface import kv_groups_for
 
 GIB = 1 << 30
 
 
 def rank_bytes(model_config: ModelConfig, parallel: ParallelConfig) -> tuple[int, int]:
     """(weight bytes, KV bytes per token of full-attention context) on rank 0 of this layout."""
-    model = load_model(model_config, load_format="dummy", device="meta", moe_backend="torch", parallel=parallel)
+    model = load_model(model_config, load_format="dummy", device="meta", parallel=parallel)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_heads = next(m for m in model.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "k_cache")).num_kv_heads
     elt = torch.empty((), dtype=model_config.dtype).element_size()

@@ -27,7 +27,8 @@ from brisk.distributed.launch import rank0_place
 from brisk.distributed.worker import WorkerSpec, join_world
 from brisk.host import resolve_device
 from brisk.model_runner.cuda_graph import effective_graph_config
-from brisk.model_runner.runner import KVCacheSpec, ModelRunner, StepHandle
+from brisk.model_runner.interface import KVCacheSpec, ModelRunnerInterface, StepHandle
+from brisk.model_runner.setup import load_model_runner
 from brisk.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ WORKER_EXIT_TIMEOUT_S = 30
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int):
-        self.runner = ModelRunner(config, model_config, device, max_seq_len)
+        self.runner: ModelRunnerInterface = load_model_runner(config, model_config, device, max_seq_len)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -46,7 +47,7 @@ class LocalExecutor:
         return self.runner.execute_model(scheds)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.close()
 
 
 class DistributedExecutor:
@@ -121,6 +122,7 @@ class DistributedExecutor:
                 proc.kill()
             if proc.stdin is not None:  # always (stdin=PIPE); the check is for the type checker
                 proc.stdin.close()
+        self.runner.close()
         self.channel.close()
         dist.destroy_process_group()
 

@@ -16,11 +16,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.config import EngineConfig, ModelConfig, ParallelConfig, load_model_config
 from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import WorldPlace, init_distributed
-from brisk.host import resolve_device
-from brisk.model_runner.runner import ModelRunner, cpu_threads_per_rank
+from brisk.host import cpu_threads_per_rank, resolve_device
+from brisk.model_runner.interface import ModelRunnerInterface
+from brisk.model_runner.setup import load_model_runner
 from brisk.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("brisk.worker")
@@ -35,26 +36,25 @@ class WorkerSpec(msgspec.Struct):
 
 def join_world(
     config: EngineConfig, place: WorldPlace, device: torch.device, model_config: ModelConfig, max_seq_len: int
-) -> tuple[ModelRunner, StepChannel]:
+) -> tuple[ModelRunnerInterface, StepChannel]:
     """How every rank, 0 included, joins: the process group, the step channel, then its shard of the model
     and KV cache. Each step runs collectives, so every rank must take them in this one order."""
     cpu_group = init_distributed(place, device)
     channel = StepChannel(place.rank, cpu_group, over_tcp=place.launched_externally)
     parallel = ParallelConfig.for_rank(place.rank, place.world_size, config.ep_size, config.enable_attention_dp)
-    return ModelRunner(config, model_config, device, max_seq_len, parallel, cpu_group), channel
+    return load_model_runner(config, model_config, device, max_seq_len, parallel, cpu_group), channel
 
 
 def run_worker(config: EngineConfig, place: WorldPlace) -> None:
-    from brisk.engine.core import load_model_config  # the engine package imports this one
-
     device = resolve_device(config.device, place.local_rank)
     if device.type == "cpu":  # ranks on one host share its cores
-        torch.set_num_threads(cpu_threads_per_rank(config))
+        torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
     runner, channel = join_world(config, place, device, *load_model_config(config, device))
     logger.info("rank %d/%d ready on %s", place.rank, place.world_size, device)
     decoder = msgspec.msgpack.Decoder(list[SchedulerOutput])
     while (payload := channel.receive()) is not None:
         runner.execute_model(decoder.decode(payload))
+    runner.close()
     channel.close()
     dist.destroy_process_group()
 

@@ -182,12 +182,12 @@ class EngineCore:
         if len(prompt) >= self.max_seq_len:
             raise InvalidRequest(
                 "prompt",
-                f"the prompt has {len(prompt)} tokens; max_seq_len is {self.max_seq_len}, leaving no room to generate"
+                f"the prompt has {len(prompt)} tokens; max_seq_len is {self.max_seq_len}, leaving no room to generate",
             )
         if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_seq_len:
             raise InvalidRequest(
                 "max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({self.max_seq_len})"
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len ({self.max_seq_len})",
             )
         total = len(prompt) + (self.max_seq_len - len(prompt) if params.max_tokens is None else params.max_tokens)
         if self.kv.max_blocks_per_request(total) > self.kv.pool.num_usable:

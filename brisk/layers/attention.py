@@ -7,8 +7,8 @@ its own block table per request, see `kv_cache/manager.py`.
 
 Backends implement `AttentionBackend.forward`. `TorchAttentionBackend` is the reference: exact, any
 device (see its docstring for how it batches). The Triton backend (layers/attention_triton.py, GPUs) and the CPU
-backend (layers/attention_cpu.py, a C decode kernel) plug in behind the same interface; `make_attention_backend`
-picks one.
+backend (layers/attention_cpu.py, a C decode kernel) plug in behind the same interface; layers/backends.py holds
+the registry (`make_attention_backend` picks one) and the runner binds it to every layer.
 """
 
 from __future__ import annotations
@@ -287,40 +287,3 @@ class TorchAttentionBackend(AttentionBackend):
             o = torch.einsum("hgqk,khd->qhgd", probs, v_ctx)
             out[start:end] = o.reshape(n_q, layer.num_heads, d).to(out.dtype)
         return out
-
-
-def _attention_backends() -> dict[str, type[AttentionBackend]]:
-    """The registry, in auto's order of preference. Imported lazily: triton is a GPU extra."""
-    from brisk.layers.attention_cpu import CpuAttentionBackend
-
-    backends: dict[str, type[AttentionBackend]] = {}
-    try:
-        from brisk.layers.attention_triton import TritonAttentionBackend
-
-        backends["triton"] = TritonAttentionBackend
-    except ImportError:  # no triton: the GPU backend is not there
-        pass
-    backends["cpu"] = CpuAttentionBackend
-    backends["torch"] = TorchAttentionBackend
-    return backends
-
-
-def make_attention_backend(name: str, device: torch.device, cpu_kernels: CpuKernels | None = None) -> AttentionBackend:
-    """'torch': the reference; 'triton': the GPU kernels; 'cpu': the C decode kernel (layers/attention_cpu.py, needs
-    `cpu_kernels`); 'auto': the first of triton, cpu, torch whose `supports(device, cpu_kernels)` holds.
-
-    One instance serves every layer; its per-step metadata is built once per step by `prepare`.
-    """
-    backends = _attention_backends()
-    if name == "auto":
-        name = next(n for n, cls in backends.items() if cls.supports(device, cpu_kernels))
-    cls = backends.get(name)
-    if cls is None:
-        known = ", ".join(["auto", *sorted(backends)])
-        raise ValueError(f"unknown or unavailable attention backend '{name}'; choose one of: {known}")
-    if name == "cpu" and not cls.supports(device, cpu_kernels):
-        raise ValueError(
-            "attention backend 'cpu' needs a CPU device and brisk's CPU kernels (cpu_kernels: auto, avx512 "
-            "or avx2, a CPU that runs them and a C compiler: see the log)"
-        )
-    return cls.create(cpu_kernels)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts for gpt-oss style experts, with a pluggable compute backend.
+"""Mixture-of-experts for gpt-oss style experts, with a pluggable compute backend (the registry: layers/backends.py;
+the runner binds one to every layer, as it binds attention's).
 
 Expert layout inside brisk (one layout for both weight formats, rows = output features like nn.Linear):
     MXFP4 packed:  gate_up_proj_blocks uint8 [E, 2I, H/32, 16], gate_up_proj_scales uint8 [E, 2I, H/32]
@@ -20,7 +21,6 @@ back after them.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from functools import partial
 
@@ -130,31 +130,6 @@ class TorchMoEBackend(MoEBackend):
         return (y.view(1, len(experts), -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
 
 
-def _moe_backends() -> dict[str, type[MoEBackend]]:
-    """The registry, in auto's order of preference (as for attention: layers/attention.py)."""
-    backends: dict[str, type[MoEBackend]] = {}
-    if importlib.util.find_spec("triton") is not None:
-        from brisk.layers.moe_triton import TritonMoEBackend  # lazy: triton is an optional (GPU) dependency
-
-        backends["triton"] = TritonMoEBackend
-    backends["torch"] = TorchMoEBackend
-    return backends
-
-
-def make_moe_backend(name: str) -> MoEBackend:
-    """'torch': the reference; 'triton': the fused GPU kernels; 'auto': the first registered backend whose
-    `supports()` holds (triton where CUDA and triton are there; its layers left on a CPU fall back to torch)."""
-    backends = _moe_backends()
-    auto = name == "auto"
-    if auto:
-        name = next(n for n, cls in backends.items() if cls.supports())
-    cls = backends.get(name)
-    if cls is None:
-        known = ", ".join(["auto", *sorted(backends)])
-        raise ValueError(f"unknown or unavailable moe backend '{name}'; choose one of: {known}")
-    return cls.create(auto=auto)
-
-
 class FusedMoE(nn.Module):
     # Parameters registered by `_add` (by name, so nn.Module's __getattr__ finds them): declared for type checkers.
     # Unquantized experts:
@@ -180,7 +155,6 @@ class FusedMoE(nn.Module):
         swiglu_limit: float = 7.0,
         quantization: str | None = None,
         parallel: ParallelConfig = ParallelConfig(),
-        moe_backend: str = "auto",
     ) -> None:
         super().__init__()
         if quantization not in (None, "mxfp4"):
@@ -206,7 +180,7 @@ class FusedMoE(nn.Module):
         self.quantization = quantization
         self.parallel = parallel
         self.moe_tp_rank = parallel.moe_tp_rank
-        self.backend = make_moe_backend(moe_backend)
+        self.backend: MoEBackend = TorchMoEBackend()  # the runner binds the configured one (layers/backends.py)
         self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see prepack
         self.gate_up_halves = False  # gate_up rows regrouped as [gates; ups] (prepack), else interleaved
         self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)

@@ -21,17 +21,19 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from brisk.config import CudaGraphConfig, EngineConfig
-from brisk.layers.attention import AttentionMetadata
+from brisk.layers.attention import AttentionBackend, AttentionMetadata
 from brisk.model_runner.input_batch import to_device
+from brisk.model_runner.layout import StepBatch
 
 if TYPE_CHECKING:
-    from brisk.model_runner.runner import ModelRunner, StepBatch
+    from brisk.models.registry import BriskModel
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +56,31 @@ def graph_batch_sizes(config: CudaGraphConfig, max_rows: int) -> list[int]:
     return sorted(s for s in sizes if 0 < s <= max_rows)
 
 
+@dataclass(frozen=True)
+class GraphedModel:
+    """What the static-buffer steps run: the model, its bound attention backend, and the KV layout's shape."""
+
+    model: BriskModel
+    attention: AttentionBackend
+    device: torch.device
+    block_size: int
+    max_seq_len: int
+    num_kv_groups: int
+    max_blocks_per_row: int
+
+
 class DecodeGraphs:
     def __init__(
-        self, runner: ModelRunner, sizes: list[int], enable_padding: bool, capture: bool, verify_len: int = 1
+        self, target: GraphedModel, sizes: list[int], enable_padding: bool, capture: bool, verify_len: int = 1
     ) -> None:
         """verify_len: tokens a speculative verification step computes per request (1 + max_draft_len; 1: none)."""
+        self.target = target
         self.sizes = sizes
         self.enable_padding = enable_padding
         self.capture = capture
         self.max_size = sizes[-1]
         self.query_lens = [1] + ([verify_len] if verify_len > 1 else [])  # tokens per request of a static step
-        dev = runner.device
+        dev = target.device
         n = self.max_size
         tokens = n * self.query_lens[-1]
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
@@ -73,9 +89,10 @@ class DecodeGraphs:
         self.query_start_loc = {
             t: torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device=dev) for t in self.query_lens
         }
-        self.slot_mappings = [torch.zeros(tokens, dtype=torch.int64, device=dev) for _ in runner.kv_groups]
-        self.max_blocks = runner.batch.block_tables[0].shape[1]
-        self.block_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev) for _ in runner.kv_groups]
+        groups = range(target.num_kv_groups)
+        self.slot_mappings = [torch.zeros(tokens, dtype=torch.int64, device=dev) for _ in groups]
+        self.max_blocks = target.max_blocks_per_row
+        self.block_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev) for _ in groups]
         # What padding rows compute (tests poison these): their slots stay in the null block whatever they are.
         self.pad_input_id = 0
         self.pad_position = 0
@@ -101,34 +118,33 @@ class DecodeGraphs:
             return self.sizes[i], t
         return None
 
-    def _meta(
-        self, runner: ModelRunner, padded: int, t: int, width: int, dp_num_tokens: list[int] | None = None
-    ) -> AttentionMetadata:
+    def _meta(self, padded: int, t: int, width: int, dp_num_tokens: list[int] | None = None) -> AttentionMetadata:
         meta = AttentionMetadata(
             query_start_loc=list(range(0, (padded + 1) * t, t)),
             seq_lens=[],  # filled below on the host path; the graph path reads the tensors
             block_tables=[table[:padded, :width] for table in self.block_tables],
             slot_mappings=[s[: padded * t] for s in self.slot_mappings],
-            block_size=runner.block_size,
+            block_size=self.target.block_size,
             seq_lens_tensor=self.seq_lens[:padded],
             query_start_loc_tensor=self.query_start_loc[t][: padded + 1],
-            max_seq_len=runner.max_seq_len,
+            max_seq_len=self.target.max_seq_len,
             decode_only=t == 1,
             static_query_len=t,
             dp_num_tokens=dp_num_tokens,
         )
         return meta
 
-    def run(self, runner: ModelRunner, step: StepBatch, shape: tuple[int, int]) -> torch.Tensor:
-        """Copy the step into the buffers, pad, run (replay on a GPU); returns the real tokens' hidden states
-        (the real requests come first, each with t tokens: their layout is the step's own)."""
-        (padded, t), b, dev = shape, step.num_rows, runner.device
+    def run(self, step: StepBatch, last_sampled: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """Copy the step into the buffers (placeholders from `last_sampled`, the batch's last token per row), pad,
+        run (replay on a GPU); returns the real tokens' hidden states (the real requests come first, each with t
+        tokens: their layout is the step's own)."""
+        (padded, t), b, dev = shape, step.num_rows, self.target.device
         n = b * t  # the step's tokens
         self.input_ids[:n].copy_(to_device(step.input_ids_host, dev), non_blocking=True)
         if len(step.placeholder_idx):
             idx = to_device(step.placeholder_idx, dev)
             rows = to_device(step.token_rows[step.placeholder_idx], dev)
-            self.input_ids[idx] = runner.batch.last_sampled[rows]
+            self.input_ids[idx] = last_sampled[rows]
         self.positions[:n].copy_(to_device(step.positions, dev), non_blocking=True)
         self.seq_lens[:b].copy_(to_device(step.seq_lens, dev), non_blocking=True)
         width = self.max_blocks if self.capture else max(1, step.block_tables[0].shape[1])
@@ -150,58 +166,51 @@ class DecodeGraphs:
             seq_lens=step.seq_lens.tolist(),
             block_tables=[table[:b, : step.block_tables[0].shape[1]] for table in self.block_tables],
             slot_mappings=[s[:n] for s in self.slot_mappings],
-            block_size=runner.block_size,
+            block_size=self.target.block_size,
         )
         if self.capture:
             self._graphs[padded, t].replay()
             if (padded, t) in self._graph_aux:  # the replay refilled the captured aux tensors
-                target: Any = runner.model.model  # llama.py's DecoderModel (EAGLE3 targets are CausalLMs)
-                target.aux_hidden_states = self._graph_aux[padded, t]
+                decoder: Any = self.target.model.model  # llama.py's DecoderModel (EAGLE3 targets are CausalLMs)
+                decoder.aux_hidden_states = self._graph_aux[padded, t]
             return self._graph_hidden[padded, t][:n]
-        meta = self._meta(runner, padded, t, width, step.dp_num_tokens)
+        meta = self._meta(padded, t, width, step.dp_num_tokens)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
-        meta.attn_plan = runner.attention_backend.prepare(meta)
-        return runner.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]
-
-    def pad_drafts(self, drafts: list[list[int]], last_tokens: list[int]) -> list[list[int]]:
-        """Every request's drafts padded to max_draft_len (repeating its last token), so that its next step is a
-        verification step of the static shape; none when no request drafts (speculation is off for the batch)."""
-        k = self.query_lens[-1] - 1
-        if k == 0 or not any(drafts):
-            return drafts
-        return [d + [last] * (k - len(d)) for d, last in zip(drafts, last_tokens)]
+        meta.attn_plan = self.target.attention.prepare(meta)
+        return self.target.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
-    def capture_all(self, runner: ModelRunner) -> None:
+    def capture_all(self) -> None:
         """Capture one graph per size, largest first, sharing one memory pool; log the time and memory."""
         if not self.capture:
             return
+        model, device = self.target.model, self.target.device
         start = time.perf_counter()
-        free_before, _ = torch.cuda.mem_get_info(runner.device)
+        free_before, _ = torch.cuda.mem_get_info(device)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=runner.device)
+        stream = torch.cuda.Stream(device=device)
         shapes = [(size, t) for t in self.query_lens for size in reversed(self.sizes)]
         for size, t in shapes:
-            meta = self._meta(runner, size, t, self.max_blocks)
+            meta = self._meta(size, t, self.max_blocks)
             meta.seq_lens = [t] * size
             self.seq_lens[:size] = t
-            meta.attn_plan = runner.attention_backend.prepare(meta)
+            meta.attn_plan = self.target.attention.prepare(meta)
             self._graph_meta[size, t] = meta
             args = (self.input_ids[: size * t], self.positions[: size * t], meta)
-            stream.wait_stream(torch.cuda.current_stream(runner.device))
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning, lazy allocations, workspace sizes
-                    runner.model(*args)
-            torch.cuda.current_stream(runner.device).wait_stream(stream)
+                    model(*args)
+            torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._graph_hidden[size, t] = runner.model(*args)
+                self._graph_hidden[size, t] = model(*args)
             self._graphs[size, t] = graph
-            aux = getattr(getattr(runner.model, "model", None), "aux_hidden_states", None)
+            aux = getattr(getattr(model, "model", None), "aux_hidden_states", None)
             if aux:  # EAGLE3: the target's hidden states entering three layers, outputs of this graph too
                 self._graph_aux[size, t] = list(aux)
-        torch.cuda.synchronize(runner.device)
-        free_after, _ = torch.cuda.mem_get_info(runner.device)
+        torch.cuda.synchronize(device)
+        free_after, _ = torch.cuda.mem_get_info(device)
         logger.info(
             "captured %d CUDA graphs (batch sizes %s, tokens per request %s) in %.1f s, %.1f MiB of graph memory",
             len(shapes),

@@ -62,6 +62,7 @@ class InputBatch:
         # Rows of prefill-only requests (max_tokens 0): they never sample. Counted, so steps without any skip the mask.
         self.prefill_only = np.zeros(max_rows, dtype=bool)
         self.num_prefill_only = 0
+        self.num_needs_history = 0  # rows whose sampling reads their outputs: steps without any never look
         self.block_tables = [np.zeros((max_rows, max_blocks_per_row), dtype=np.int32) for _ in range(num_kv_groups)]
         self.last_sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)
         # Bumped whenever rows join, leave or move: the sampler's per-row tensors are rebuilt only then.
@@ -92,6 +93,7 @@ class InputBatch:
             self.token_ids[row, : len(state.host_token_ids)] = state.host_token_ids
         self.prefill_only[row] = state.params.max_tokens == 0
         self.num_prefill_only += int(self.prefill_only[row])
+        self.num_needs_history += state.needs_history
         self.append_blocks(row, block_ids)
         self.version += 1
         return row
@@ -113,6 +115,7 @@ class InputBatch:
                 continue
             last = len(self.req_ids) - 1
             self.num_prefill_only -= int(self.prefill_only[row])
+            self.num_needs_history -= self.states[row].needs_history
             if row != last:
                 moved = self.req_ids[last]
                 self.req_ids[row] = moved

@@ -114,7 +114,6 @@ def load_model(
     *,
     load_format: str = "auto",
     device: torch.device | str,
-    moe_backend: str = "auto",
     parallel: ParallelConfig = ParallelConfig(),
 ) -> BriskModel:
     """Build the model in model_config.dtype on `device` and fill its weights (or random ones for 'dummy')."""
@@ -123,7 +122,7 @@ def load_model(
     device = torch.device(device)
     model_class = get_model_class(model_config.architecture)
     with default_dtype(model_config.dtype), device:
-        model = model_class(model_config, parallel=parallel, moe_backend=moe_backend)
+        model = model_class(model_config, parallel=parallel)
     model.eval()
     if load_format == "dummy":
         initialize_dummy_weights(model)

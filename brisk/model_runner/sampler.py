@@ -19,6 +19,7 @@ logprobs of constrained rows are after masking; masking first equals masking aft
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,28 @@ from brisk.sampling_params import SamplingParams
 
 # Temperatures below this sample greedily (as in vLLM): dividing by them can overflow float32 logits.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Whether sampling this request reads its past tokens (min_tokens, the penalties)."""
+    return (
+        params.min_tokens > 0
+        or params.repetition_penalty != 1.0
+        or bool(params.presence_penalty)
+        or bool(params.frequency_penalty)
+    )
+
+
+def samples_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy on the raw logits: nothing changes them (no logit_bias, nothing that reads the history) and no
+    logprobs are asked for, so the token is an argmax of the model's logits (the sampler's and verification's
+    fast path)."""
+    return (
+        (params.greedy or params.temperature < MIN_SAMPLING_TEMPERATURE)
+        and not params.logit_bias
+        and not needs_history(params)
+        and params.logprobs is None
+    )
 
 
 @dataclass
@@ -83,6 +106,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; only used on sampled (non-greedy) rows
     num_logprobs: list[int | None]  # per row: params.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    plain_greedy: bool = False  # every row samples_plain_greedy: an argmax of the raw logits
 
     @classmethod
     def build(
@@ -91,7 +115,7 @@ class SamplingBatch:
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
-        stop_ids: Sequence[set[int]],
+        stop_ids: Sequence[AbstractSet[int]],
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingBatch:
@@ -188,6 +212,7 @@ class SamplingBatch:
             generators=[g if s else None for g, s in zip(generators, sampled)],
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
+            plain_greedy=all(map(samples_plain_greedy, params)),
         )
 
 
@@ -211,11 +236,6 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
         return _with_logprobs(token_ids, raw_logprobs, batch)
-
-    @staticmethod
-    def is_plain_greedy(batch: SamplingBatch) -> bool:
-        """Every row greedy, nothing that changes the logits and no logprobs: an argmax of the raw logits."""
-        return batch.all_greedy and batch.max_num_logprobs is None and not _processes_logits(batch)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled token ids [B] int64, left on the logits' device (no host synchronisation), and the raw
@@ -320,7 +340,7 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, batch: SamplingBat
 
 
 def verification_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What sampling each row draws from, for speculative decoding's verification (brisk/spec_decode/rejection.py):
+    """What sampling each row draws from, for speculative decoding's verification (rejection_sampler.py):
     the greedy pick of every row (argmax after logit_bias, min_tokens and penalties: the token `sample` gives a
     greedy row), and the final logits of the sampled rows (temperature, top_k, top_p, min_p applied too; None when
     every row is greedy). `logits` is left unchanged."""

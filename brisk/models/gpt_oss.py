@@ -29,7 +29,7 @@ def expert_quantization(hf_config: Any) -> str | None:
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig, moe_backend: str) -> None:
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         cfg = text_config(model_config)
         self.router = ReplicatedLinear(model_config.hidden_size, cfg.num_local_experts, bias=True, parallel=parallel)
@@ -42,7 +42,6 @@ class GptOssMLP(nn.Module):
             swiglu_limit=getattr(cfg, "swiglu_limit", 7.0),
             quantization=expert_quantization(model_config.hf_config),
             parallel=parallel,
-            moe_backend=moe_backend,
         )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -59,5 +58,5 @@ class GptOssForCausalLM(CausalLM):
         attn = DecoderAttention(
             mc, layer_idx, rotary, self.parallel, bias=getattr(cfg, "attention_bias", True), sinks=True
         )
-        mlp = GptOssMLP(mc, self.parallel, self.moe_backend)
+        mlp = GptOssMLP(mc, self.parallel)
         return DecoderLayer(attn, mlp, mc.hidden_size, cfg.rms_norm_eps, norm_weight_in_fp32=True)

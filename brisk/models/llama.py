@@ -199,13 +199,10 @@ class CausalLM(nn.Module):
     )
     norm_weight_in_fp32 = False
 
-    def __init__(
-        self, model_config: ModelConfig, parallel: ParallelConfig = ParallelConfig(), moe_backend: str = "auto"
-    ) -> None:
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig = ParallelConfig()) -> None:
         super().__init__()
         self.model_config = model_config
         self.parallel = parallel
-        self.moe_backend = moe_backend
         cfg = text_config(model_config)
         rotary = RotaryEmbedding(cfg, model_config.head_dim)
         layers = [self.make_layer(i, rotary) for i in range(model_config.num_layers)]

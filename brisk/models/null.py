@@ -35,7 +35,6 @@ class BriskNullForCausalLM(nn.Module):
         self,
         model_config: ModelConfig,
         parallel: ParallelConfig = ParallelConfig(),
-        moe_backend: str = "auto",
         *,
         logits_seed: int = DEFAULT_LOGITS_SEED,
     ) -> None:

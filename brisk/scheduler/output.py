@@ -117,3 +117,10 @@ class ModelRunnerOutput(msgspec.Struct):
     # Speculative decoding: per row, the drafts proposed for the request's next step (empty: none).
     spec_token_ids: list[list[int]] | None = None
 
+
+def roll_back_drafts(num_computed: int, num_drafts: int, num_accepted: int, lookahead: int) -> tuple[int, int]:
+    """A request after a step verified its drafts: the rejected drafts' positions are no longer computed, and its
+    KV keeps the slots of its computed tokens plus its drafter's lookahead (blocks past them are freed). Returns
+    (computed tokens, KV slots kept). The scheduler's books and each rank's persistent batch roll back by this."""
+    computed = num_computed - (num_drafts - num_accepted)
+    return computed, computed + lookahead

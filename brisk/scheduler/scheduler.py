@@ -34,6 +34,7 @@ from brisk.scheduler.output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    roll_back_drafts,
 )
 from brisk.scheduler.request import Request, RequestStatus
 
@@ -314,14 +315,14 @@ class Scheduler:
         )
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """After verification: the rejected drafts' positions are no longer computed, and blocks past the
-        computed tokens (plus the drafter's lookahead slots) go back to the pool; the runner trims the same."""
+        """After verification (roll_back_drafts: the runner's drafter rolls its batch back the same way)."""
         self.spec_stats.record(num_drafts, num_accepted)
-        rejected = num_drafts - num_accepted
-        if rejected:
-            req.num_computed_tokens -= rejected
+        if num_accepted < num_drafts:
             lookahead = self.spec.lookahead_slots if self.spec else 0
-            kept = self.kv.trim(req, req.num_computed_tokens + lookahead)
+            req.num_computed_tokens, slots = roll_back_drafts(
+                req.num_computed_tokens, num_drafts, num_accepted, lookahead
+            )
+            kept = self.kv.trim(req, slots)
             if req.request_id in self._num_sent_blocks:
                 self._num_sent_blocks[req.request_id] = kept
 

@@ -22,8 +22,8 @@ from brisk.config import EngineConfig
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.engine.messages import EngineInfo
 from brisk.engine.output_processor import CompletionDelta
-from brisk.harmony.chat import render_chat
 from brisk.errors import InvalidRequest
+from brisk.harmony.chat import render_chat
 from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.metrics import RequestTiming, ServerMetrics

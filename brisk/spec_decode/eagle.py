@@ -1,4 +1,4 @@
-"""EAGLE3 drafting: the draft head (brisk/models/eagle3.py) behind the spec runner's `Proposer` interface.
+"""EAGLE3 drafting: the draft head (brisk/models/eagle3.py) behind the drafter's `Proposer` interface.
 
 Each step (after verification, the accepted tokens in the runner's token buffer):
 1. First pass, over every token the target computed this step (prompt chunks too, so the draft KV covers the
@@ -26,12 +26,13 @@ from brisk.config import EngineConfig, ModelConfig
 from brisk.errors import ConfigError
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.linear import prepack_weights
+from brisk.model_runner.binding import UsesCpuKernels
 from brisk.model_runner.input_batch import to_device
 from brisk.models.eagle3 import Eagle3CheckpointError, Eagle3DraftModel, load_eagle3_head
 from brisk.models.llama import CausalLM
 from brisk.spec_decode.proposer import DraftProposal, ProposeInputs
 
-FULL_ATTENTION_GROUP = 0  # runner.kv_groups_for lists the full-attention layers first
+FULL_ATTENTION_GROUP = 0  # model_runner.interface.kv_groups_for lists the full-attention layers first
 
 
 class Eagle3Proposer:
@@ -68,8 +69,6 @@ class Eagle3Proposer:
         if device.type == "cpu":
             if self.cpu_weight_prepack:
                 prepack_weights(self.head)
-            from brisk.model_runner.runner import UsesCpuKernels
-
             kernels = self.target.model.norm.cpu_kernels  # what the runner bound to the target (None: torch paths)
             for module in self.head.modules():
                 if isinstance(module, UsesCpuKernels):

@@ -1,10 +1,10 @@
 """The proposer interface: what the model runner gives a drafter after each step, and what it gets back.
 
 Each step that samples, after verification (the step's accepted tokens are on the host and written into the
-runner's token buffer), the runner calls `proposer.propose(inputs)` once for the requests that sampled and may
+persistent batch's token buffer), the drafter (drafter.py) calls `proposer.propose(inputs)` once for the requests that sampled and may
 speculate. The drafts come back in `ModelRunnerOutput.spec_token_ids`; the scheduler schedules them with each
 request's next token (1 + k query tokens), where the target verifies them. A proposer never sees rejected drafts:
-the runner has rolled back its computed tokens (and the KV slots past them) before it calls `propose`.
+the drafter has rolled back its computed tokens (and the KV slots past them) before it calls `propose`.
 
 Draft KV (a proposer with its own attention layers, e.g. EAGLE3): the runner asks `kv_bytes_per_block()` when it
 sizes the KV pool and calls `bind_kv(num_blocks, block_size, device)` once after allocating the target's cache.
@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from brisk.config import EngineConfig, ModelConfig
-    from brisk.model_runner.runner import StepBatch
+    from brisk.model_runner.layout import StepBatch
 
 
 @dataclass
@@ -92,17 +91,3 @@ class ModelFreeProposer:
 
     def lookahead_slots(self) -> int:
         return 0
-
-
-def make_proposer(config: EngineConfig, model_config: ModelConfig, model: torch.nn.Module) -> Proposer | None:
-    """The proposer `config.speculative_config` asks for (None: no speculation)."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if spec.decoding_type == "NGram":
-        from brisk.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(spec.max_draft_len, spec.prompt_lookup_min, spec.max_matching_ngram_size)
-    from brisk.spec_decode.eagle import make_eagle_proposer  # the EAGLE3 drafter (it loads its head here)
-
-    return make_eagle_proposer(config, model_config, model)

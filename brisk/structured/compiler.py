@@ -22,8 +22,8 @@ from typing import Any
 
 import xgrammar as xgr
 
-from brisk.harmony.parser import HarmonySpecialTokens
 from brisk.errors import InvalidRequest
+from brisk.harmony.parser import HarmonySpecialTokens
 from brisk.structured.grammars import structural_tag
 from brisk.structured.matcher import Matcher
 from brisk.structured.spec import StructuredOutputs

@@ -17,11 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from brisk.errors import InvalidRequest
 from brisk.structured.matcher import allocate_bitmask
@@ -31,7 +28,6 @@ from brisk.structured.state import GrammarState
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-    from brisk.kernels.cpu_kernels import CpuKernels
     from brisk.scheduler.output import SchedulerOutput
     from brisk.scheduler.request import Request
     from brisk.structured.compiler import GrammarCompiler

@@ -47,8 +47,8 @@ from xgrammar.structural_tag import (
     TokenFormat,
 )
 
-from brisk.harmony.parser import HarmonySpecialTokens
 from brisk.errors import InvalidRequest
+from brisk.harmony.parser import HarmonySpecialTokens
 from brisk.structured.spec import StructuredOutputs
 
 # JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked: an instance violating them is

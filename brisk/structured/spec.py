@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from brisk.errors import InvalidRequest
+
 
 class StrictTool(msgspec.Struct, frozen=True):
     """A function tool whose call arguments must validate against `parameters` (OpenAI `strict: true`)."""

@@ -1,4 +1,5 @@
-"""Verification of draft tokens against the target's logits, in one pass over the step's rows.
+"""Verification of draft tokens against the target's logits, in one pass over the step's rows: the sampling stage's
+mode for speculative steps (sampling_stage.py), beside the sampler as vLLM's rejection sampler sits beside its own.
 
 Layout: request i contributes 1 + k_i consecutive rows of `logits` (the target's distribution after its last
 token and after each of its k_i drafts; a request without drafts, one row). The `SamplingBatch` has one row per

@@ -1,0 +1,235 @@
+"""The step's sampling stage: the logits of the sampled requests become one packed result tensor, by sampling, or in
+a speculative step by verifying the drafts (rejection_sampler.py: greedy accept and rejection sampling).
+
+Packed result, int64 [n, k + 3], a row per sampled request (k: max_draft_len, 0 without speculation): the output
+tokens in columns 0..k (the accepted drafts and the target's own next token: `count` of them), `count` in column
+k + 1, and in column k + 2 whether the request's logits were not finite (it fails; its tokens are never output).
+The runner shares it between ranks in one collective and the host takes it in one copy (step_output.py).
+
+Structured outputs: the grammar masks (-inf) are applied first, at every verified position, so logprobs are after
+masking. A row holding NaN or +inf, or nothing above -inf (-inf alone is a legitimate mask), cannot be sampled: only
+its request fails (an argmax of it is harmless; the other paths see it zeroed). The check rides on the step's one
+host synchronisation (with the tokens), never a sync of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from brisk.kernels.cpu_kernels import CpuKernels
+from brisk.model_runner.input_batch import InputBatch, RequestState
+from brisk.model_runner.layout import StepBatch
+from brisk.model_runner.rejection_sampler import Verified, verify
+from brisk.model_runner.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    row_max_and_argmax,
+    samples_plain_greedy,
+)
+from brisk.scheduler.output import SchedulerOutput, TokenLogprobs
+from brisk.structured.matcher import GrammarBitmaskApplier
+
+RowLogprobs = list[TokenLogprobs] | None  # a sampled request's logprobs, one per output token (None: not asked)
+
+
+@dataclass
+class Picked:
+    """What this rank's sampled requests produced (in the scheduler's sampled order)."""
+
+    packed: torch.Tensor  # [n, k + 3] int64, on the device: see the module's docstring
+    logprobs: list[RowLogprobs] | None  # per request, when some asked for logprobs
+
+
+class SamplingStage:
+    def __init__(self, device: torch.device, max_draft_len: int, cpu_kernels: CpuKernels | None) -> None:
+        self.device = device
+        self.k = max_draft_len
+        self.width = max_draft_len + 3
+        self.sampler = Sampler(cpu_kernels)
+        self.grammar_masker = GrammarBitmaskApplier(torch.get_num_threads(), cpu_kernels)  # structured outputs
+        self._cached_key: tuple | None = None
+        self._cached: SamplingBatch | None = None
+
+    def close(self) -> None:
+        self.grammar_masker.close()
+
+    @staticmethod
+    def needs_history(step: StepBatch, batch: InputBatch) -> bool:
+        """Whether some request this step samples reads its past outputs (penalties, min_tokens): they must be on
+        the host before `pick`."""
+        if not batch.num_needs_history:
+            return False
+        return any(batch.states[r].needs_history for r in step.rows[step.sample_idx].tolist())
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        sched: SchedulerOutput,
+        step: StepBatch,
+        batch: InputBatch,
+        draft_probs: list[torch.Tensor | None] | None = None,
+    ) -> Picked:
+        """logits: a row per verified position of each sampled request (one without drafts). draft_probs: the
+        drafter's q per request of a verification (None: one-hot drafts)."""
+        logits = logits.float()
+        if sched.grammar_req_ids:  # before sampling or verifying, so logprobs are after masking
+            first_rows = None
+            if step.num_drafts is not None:
+                first_rows = np.concatenate(([0], np.cumsum(step.num_drafts + 1)[:-1])).tolist()
+            self.grammar_masker(logits, sched, first_rows)
+        if step.num_drafts is None:
+            return self._sample(logits, step, batch)
+        return self._verify(logits, sched, step, batch, draft_probs)
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, step: StepBatch, batch: InputBatch) -> Picked:
+        sampling = self._sampling_batch(step, batch, logits.shape[-1])
+        if sampling.plain_greedy:  # one pass over the logits finds both
+            row_max, token_ids = row_max_and_argmax(logits)
+            raw_logprobs, bad = None, ~torch.isfinite(row_max)
+        else:
+            bad = ~torch.isfinite(logits.amax(dim=-1))
+            logits = torch.where(bad[:, None], 0.0, logits)
+            token_ids, raw_logprobs = self.sampler.sample(logits, sampling)
+        token_ids = token_ids.clamp_(0, logits.shape[-1] - 1)  # a bad row's pick must still embed next step
+        packed = torch.zeros(len(token_ids), self.width, dtype=torch.int64, device=logits.device)
+        packed[:, 0] = token_ids
+        packed[:, self.k + 1] = 1
+        packed[:, self.k + 2] = bad
+        if raw_logprobs is None:
+            return Picked(packed, None)
+        return Picked(packed, _per_request(self.sampler.logprobs_output(token_ids, raw_logprobs, sampling)))
+
+    def _sampling_batch(self, step: StepBatch, batch: InputBatch, vocab_size: int) -> SamplingBatch:
+        """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order
+        and none of them samples with its history (penalties, min_tokens)."""
+        sample_rows = step.rows[step.sample_idx]
+        key = (batch.version, sample_rows.tobytes(), vocab_size)
+        if self._cached_key == key and self._cached is not None:
+            return self._cached
+        states = [batch.states[r] for r in sample_rows.tolist()]
+        built = SamplingBatch.build(
+            params=[s.params for s in states],
+            prompt_ids=[s.host_token_ids[: s.num_prompt_tokens] if s.needs_history else () for s in states],
+            output_ids=[s.output_token_ids if s.needs_history else () for s in states],
+            generators=[s.generator for s in states],
+            stop_ids=[s.stop_ids for s in states],
+            vocab_size=vocab_size,
+            device=self.device,
+        )
+        reusable = not any(s.needs_history for s in states)
+        self._cached_key, self._cached = (key, built) if reusable else (None, None)
+        return built
+
+    # ---- verification --------------------------------------------------------------------------
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        sched: SchedulerOutput,
+        step: StepBatch,
+        batch: InputBatch,
+        draft_probs: list[torch.Tensor | None] | None,
+    ) -> Picked:
+        """Request i's 1 + num_drafts[i] rows of logits verify its drafts: each row's distribution is the one
+        sampling would draw from at that position (its SamplingBatch row sees the drafts before it)."""
+        k, n = self.k, step.num_sampled
+        num_drafts = step.num_drafts
+        assert num_drafts is not None
+        states = [batch.states[r] for r in step.rows[step.sample_idx].tolist()]
+        draft_lists = [sched.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
+        if all(samples_plain_greedy(s.params) for s in states):
+            return Picked(self._verify_plain_greedy(logits, draft_lists), None)
+        sampling = self._expanded_batch(states, draft_lists, logits.shape[-1])
+        counts = num_drafts + 1
+        row_bad = ~torch.isfinite(logits.amax(dim=-1))
+        logits = torch.where(row_bad[:, None], 0.0, logits)
+        first = np.zeros(n, dtype=np.int64)
+        np.cumsum(counts[:-1], out=first[1:])
+        bad = torch.zeros(n, dtype=torch.bool, device=logits.device)
+        bad.index_add_(0, torch.from_numpy(np.repeat(np.arange(n), counts)).to(logits.device), row_bad.to(torch.bool))
+        flat = np.fromiter((t for d in draft_lists for t in d), dtype=np.int64, count=int(num_drafts.sum()))
+        verified = verify(logits, sampling, num_drafts, flat, k, draft_probs)
+        packed = torch.zeros(n, self.width, dtype=torch.int64, device=logits.device)
+        packed[:, : k + 1] = verified.token_ids
+        packed[:, k + 1] = verified.num_tokens
+        packed[:, k + 2] = bad
+        if sampling.max_num_logprobs is None:
+            return Picked(packed, None)
+        return Picked(packed, _verified_logprobs(logits, sampling, verified, first, states))
+
+    def _verify_plain_greedy(self, logits: torch.Tensor, draft_lists: list[list[int]]) -> torch.Tensor:
+        """Every request greedy on the raw logits (the common case): one argmax over all rows, the comparison with
+        the drafts on the host (the step synchronises anyway). On CPU numpy's argmax: a few rows of a vocabulary
+        take ~20 us there against ~50-350 us through torch's ops (a decode step's budget is ~2 ms)."""
+        k = self.k
+        if logits.device.type == "cpu":
+            values = logits.numpy()
+            best = values.argmax(axis=1)  # the first max, NaN counting as the max: torch.argmax's index
+            ids, finite = best.tolist(), np.isfinite(values[np.arange(len(best)), best]).tolist()
+        else:
+            row_max, argmax = row_max_and_argmax(logits)
+            ids, finite = torch.stack([argmax, torch.isfinite(row_max).to(torch.int64)]).tolist()
+        packed = np.zeros((len(draft_lists), self.width), dtype=np.int64)
+        at = 0
+        for i, drafts in enumerate(draft_lists):
+            m = len(drafts)
+            a = 0
+            while a < m and drafts[a] == ids[at + a]:
+                a += 1
+            packed[i, :a] = drafts[:a]
+            packed[i, a] = ids[at + a]
+            packed[i, k + 1] = a + 1
+            packed[i, k + 2] = not all(finite[at : at + m + 1])
+            at += m + 1
+        return torch.from_numpy(packed).to(logits.device)
+
+    def _expanded_batch(
+        self, states: list[RequestState], draft_lists: list[list[int]], vocab_size: int
+    ) -> SamplingBatch:
+        """One sampling row per verified position: request i's row j sees its outputs plus drafts[:j]."""
+        params, prompts, outputs, generators, stops = [], [], [], [], []
+        for state, drafts in zip(states, draft_lists):
+            for j in range(len(drafts) + 1):
+                params.append(state.params)
+                prompts.append(state.host_token_ids[: state.num_prompt_tokens] if state.needs_history else ())
+                outputs.append([*state.output_token_ids, *drafts[:j]] if state.needs_history else ())
+                generators.append(state.generator)
+                stops.append(state.stop_ids)
+        return SamplingBatch.build(params, prompts, outputs, generators, stops, vocab_size, self.device)
+
+
+def _per_request(out: SamplerOutput) -> list[RowLogprobs]:
+    return [
+        None if num is None else [TokenLogprobs(lp, top)]
+        for lp, top, num in zip(out.logprobs or [], out.top_logprobs or [], out.num_logprobs or [])
+    ]
+
+
+def _verified_logprobs(
+    logits: torch.Tensor, batch: SamplingBatch, verified: Verified, first: np.ndarray, states: list[RequestState]
+) -> list[RowLogprobs]:
+    """The target's raw logprob (and top alternatives) of each output token, at the position that produced it."""
+    raw = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    counts = verified.num_tokens.tolist()
+    tokens = verified.token_ids.tolist()
+    out: list[RowLogprobs] = []
+    width = batch.max_num_logprobs or 0
+    for i, state in enumerate(states):
+        num = state.params.logprobs
+        if num is None:
+            out.append(None)
+            continue
+        rows = torch.arange(int(first[i]), int(first[i]) + counts[i], device=logits.device)
+        toks = torch.tensor(tokens[i][: counts[i]], device=logits.device)
+        lps = raw[rows, toks].tolist()
+        if width and num:
+            values, ids = raw[rows].topk(num, dim=-1)
+            tops = [list(zip(a, b)) for a, b in zip(ids.tolist(), values.tolist())]
+        else:
+            tops = [[] for _ in lps]
+        out.append([TokenLogprobs(lp, top) for lp, top in zip(lps, tops)])
+    return out

@@ -1,0 +1,126 @@
+"""Build one rank's model runner: load the weights, bind the kernels, size and allocate the KV pool, set up the
+static-buffer steps (CUDA graphs). `load_model_runner` is how the executors get a runner (interface.py says what
+they may use of it).
+
+KV pool size: `kv_cache_config.max_blocks`, else on a GPU by profiling (memory.py: one real step at
+`max_num_tokens` measured on a temporary cache, the pool gets `kv_cache_free_gpu_memory_fraction` of what is
+left), else `memory_fraction` of the free memory (kv_tensors.py). Ranks agree on the smallest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.distributed.comm import agree_min
+from brisk.kv_cache.manager import cdiv
+from brisk.model_runner.binding import bind, make_kernels, prepare_for_cpu
+from brisk.model_runner.cuda_graph import DecodeGraphs, GraphedModel, effective_graph_config, graph_batch_sizes
+from brisk.model_runner.kv_tensors import num_kv_blocks_in_budget
+from brisk.model_runner.loader import load_model
+from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
+from brisk.model_runner.runner import ModelRunner
+from brisk.sampling_params import SamplingParams
+from brisk.scheduler.output import NewRequestData, SchedulerOutput
+from brisk.spec_decode.registry import make_proposer
+
+
+def load_model_runner(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    max_seq_len: int,
+    parallel: ParallelConfig = ParallelConfig(),
+    cpu_group: dist.ProcessGroup | None = None,
+) -> ModelRunner:
+    model = load_model(model_config, load_format=config.load_format, device=device, parallel=parallel)
+    model.eval()
+    if device.type == "cpu":
+        prepare_for_cpu(model, config)
+    kernels = make_kernels(config, device)
+    bind(model, kernels)
+    proposer = make_proposer(config, model_config, model)
+    runner = ModelRunner(config, model_config, model, kernels, device, max_seq_len, parallel, cpu_group, proposer)
+    if device.type == "cuda" and config.kv_cache_config.max_blocks is None:
+        num_blocks = num_kv_blocks_by_profiling(runner)
+    else:
+        num_blocks = num_kv_blocks_in_budget(config, runner.kv_layout, device, max_seq_len)
+    if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
+        num_blocks = agree_min(num_blocks, cpu_group)
+    runner.allocate_kv_cache(num_blocks)
+    graph_config = effective_graph_config(config, device)
+    sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []
+    if graph_config is not None and sizes:
+        # Under attention DP the ranks' padded sizes differ step by step (the MoE gathers every rank's rows): their
+        # steps run on the padded buffers uncaptured. Capture needs backends without host syncs (the Triton ones);
+        # others run the buffers uncaptured.
+        capture = device.type == "cuda" and parallel.dp_size == 1 and kernels.graph_safe
+        target = GraphedModel(
+            model,
+            kernels.attention,
+            device,
+            runner.block_size,
+            max_seq_len,
+            len(runner.kv_groups),
+            runner.batch.block_tables[0].shape[1],
+        )
+        runner.graphs = DecodeGraphs(target, sizes, graph_config.enable_padding, capture, 1 + runner.k)
+        runner.graphs.capture_all()
+        if runner.drafter is not None:  # every verification then has the static shape
+            runner.drafter.pad_drafts = True
+    return runner
+
+
+def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
+    """One forward pass at max_num_tokens on a temporary cache just big enough for it, measured; the pool gets
+    kv_cache_free_gpu_memory_fraction of what is left (memory.py). Graph capture joins the profile once the
+    runner captures graphs."""
+    config, device, block_size = runner.config, runner.device, runner.block_size
+    weights = torch.cuda.memory_allocated(device)
+    lengths = profile_batch_shape(config.max_num_tokens, config.max_batch_size)
+    tables: list[list[int]] = []
+    start = 1  # block 0 is the null block
+    for n in lengths:
+        table = list(range(start, start + cdiv(n, block_size)))
+        start += len(table)
+        tables.append(table)
+    runner.allocate_kv_cache(start)
+    # A real step (the scheduler's message, the persistent batch, forward, logits, sampling) over dummy
+    # prompts that fill max_num_tokens; their rows leave the batch afterwards.
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    vocab = runner.model_config.vocab_size
+    groups = runner.kv_groups
+    new = [
+        NewRequestData(f"kv-profile-{i}", [t % vocab for t in range(n)], params, None, [table] * len(groups), 0)
+        for i, (n, table) in enumerate(zip(lengths, tables))
+    ]
+    sched = SchedulerOutput(
+        new_requests=new,
+        num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new},
+        total_num_scheduled_tokens=sum(lengths),
+        sampled_req_ids=[r.req_id for r in new],
+    )
+    profile_ids = [r.req_id for r in new]
+
+    def profile_step() -> None:
+        runner.execute_model([sched] * runner.parallel.dp_size).result()
+        runner.forget(profile_ids)
+
+    measured = measure_profile_run(device, weights, profile_step)
+    runner.release_kv_cache()  # the temporary cache (allocated before the profile's baseline: not counted)
+    layouts = [
+        KVGroupLayout("sliding_attention" if g.sliding_window else "full_attention", len(g.layer_ids), g.sliding_window)
+        for g in groups
+    ]
+    plan = plan_kv_cache(
+        measured,
+        fraction=config.memory_fraction,
+        bytes_per_block=runner.kv_layout.bytes_per_block,
+        block_size=block_size,
+        groups=layouts,
+        max_seq_len=runner.max_seq_len,
+        max_num_tokens=config.max_num_tokens,
+    )
+    log_plan(plan)
+    return min(plan.num_blocks, runner.kv_layout.most_useful_blocks(runner.max_seq_len, config.max_batch_size))

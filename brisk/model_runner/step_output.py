@@ -1,0 +1,158 @@
+"""A launched step's result: the packed result tensor shared between ranks, its one host copy, and the one builder
+of `ModelRunnerOutput`s, for plain and speculative steps alike.
+
+Sharing (`share_packed`): under TP rank 0 sampled and broadcasts its rows; under attention DP every rank sampled
+its own and they gather them all. What rank 0 reports beyond the tokens (logprobs, drafts, prompt logprobs) comes
+as `RankExtras`, one per attention-DP rank. The tokens stay on the device until `StepResult.result()` (or, with
+speculation, the drafter) takes them to the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from brisk.config import ParallelConfig
+from brisk.distributed.comm import all_gather_rows
+from brisk.model_runner.input_batch import RequestState
+from brisk.model_runner.sampling_stage import RowLogprobs
+from brisk.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+
+
+class RankExtras(NamedTuple):
+    """What one attention-DP rank reports of a step beside its packed rows."""
+
+    logprobs: list[RowLogprobs] | None  # per sampled request, when some asked
+    drafts: list[list[int]] | None  # speculation: per sampled request, its drafts for the next step
+    prompt_logprobs: dict[str, PromptLogprobs] | None
+
+
+def share_packed(
+    packed: torch.Tensor | None,
+    width: int,
+    num_sampled_all: list[int],
+    parallel: ParallelConfig,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Every rank's view of the step's packed rows: under TP, rank 0's rows (broadcast); under attention DP every
+    rank's rows, in DP-rank order (gathered)."""
+    if parallel.dp_size > 1:
+        if not any(num_sampled_all):
+            return None
+        mine = packed if packed is not None else torch.zeros(0, width, dtype=torch.int64, device=device)
+        return all_gather_rows(mine, num_sampled_all)
+    n = num_sampled_all[0]
+    if not n:
+        return packed
+    buf = (
+        packed if parallel.rank == 0 and packed is not None else torch.empty(n, width, dtype=torch.int64, device=device)
+    )
+    dist.broadcast(buf, src=0)
+    return buf
+
+
+def last_tokens(packed: torch.Tensor, max_draft_len: int) -> torch.Tensor:
+    """Each row's last output token (the next step's input), on the device."""
+    if max_draft_len == 0:
+        return packed[:, 0]
+    k = max_draft_len
+    return packed[:, : k + 1].gather(1, packed[:, k + 1 : k + 2] - 1)[:, 0]
+
+
+def rows_of_rank(host: list[list[int]], scheds: list[SchedulerOutput], dp_rank: int) -> list[list[int]]:
+    """One attention-DP rank's rows of the packed result (under attention DP every rank's are there)."""
+    if not host or len(scheds) == 1:
+        return host
+    offset = sum(s.num_sampled_requests for s in scheds[:dp_rank])
+    return host[offset : offset + scheds[dp_rank].num_sampled_requests]
+
+
+class StepResult:
+    """A launched step (the runner's StepHandle). The packed rows of every DP rank (rank 0) or of this rank's part
+    of the step; `to_host()` is the one device-to-host copy, made once, where a caller asks for it."""
+
+    def __init__(
+        self,
+        scheds: list[SchedulerOutput],
+        packed: torch.Tensor | None,
+        max_draft_len: int,
+        dp_rank: int,
+        extras: list[RankExtras] | None,
+        states: dict[str, RequestState],
+        host: list[list[int]] | None = None,
+    ) -> None:
+        """host: the packed rows already on the host (speculation: the drafter recorded them, history too)."""
+        self._scheds = scheds
+        self._packed = packed
+        self._k = max_draft_len
+        self._dp_rank = dp_rank
+        self._extras = extras  # per DP rank, on rank 0 (None elsewhere)
+        self._states = states
+        self._host = host
+        self._history_recorded = host is not None
+        self._outputs: list[ModelRunnerOutput] | None = None
+
+    def to_host(self) -> list[list[int]]:
+        """The packed rows on the host (the step's host synchronisation, done once)."""
+        if self._host is None:
+            self._host = self._packed.tolist() if self._packed is not None else []
+        return self._host
+
+    def record_history(self) -> None:
+        """Append this step's tokens to the outputs of the requests that sample with their history."""
+        if self._history_recorded:
+            return
+        self._history_recorded = True
+        k = self._k
+        sched = self._scheds[self._dp_rank]
+        for rid, row in zip(sched.sampled_req_ids, rows_of_rank(self.to_host(), self._scheds, self._dp_rank)):
+            state = self._states.get(rid)
+            if state is not None and state.needs_history:
+                state.output_token_ids.extend(row[: row[k + 1]])
+
+    def result(self) -> list[ModelRunnerOutput]:
+        if self._outputs is not None:
+            return self._outputs
+        if self._extras is None:  # a rank other than 0: nothing to report
+            self._outputs = []
+            return self._outputs
+        host = self.to_host()
+        self.record_history()
+        outputs = []
+        offset = 0
+        for sched, extras in zip(self._scheds, self._extras):
+            n = sched.num_sampled_requests
+            out = runner_output(sched.sampled_req_ids, host[offset : offset + n], extras, self._k)
+            offset += n
+            outputs.append(out)
+        self._outputs = outputs
+        return outputs
+
+
+def runner_output(
+    req_ids: list[str], rows: list[list[int]], extras: RankExtras, max_draft_len: int
+) -> ModelRunnerOutput:
+    """One DP rank's ModelRunnerOutput from its packed rows (in sampled order) and extras."""
+    k = max_draft_len
+    logprobs, drafts, prompt_logprobs = extras
+    prompt = prompt_logprobs or None
+    if logprobs is None and not any(row[k + 2] for row in rows):  # the common step: no failure, no logprobs
+        tokens = [[row[0]] for row in rows] if k == 0 else [row[: row[k + 1]] for row in rows]
+        return ModelRunnerOutput(req_ids, tokens, prompt_logprobs=prompt, spec_token_ids=drafts)
+    out = ModelRunnerOutput(
+        [], [], [] if logprobs is not None else None, [], prompt, [] if drafts is not None else None
+    )
+    for j, rid in enumerate(req_ids):
+        row = rows[j]
+        if row[k + 2]:
+            out.failed_req_ids.append(rid)
+            continue
+        out.req_ids.append(rid)
+        out.sampled_token_ids.append(row[: row[k + 1]])
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append(logprobs[j])
+        if out.spec_token_ids is not None and drafts is not None:
+            out.spec_token_ids.append(drafts[j])
+    return out
