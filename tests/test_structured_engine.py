@@ -402,6 +402,21 @@ def test_bitmask_rows_follow_the_sampled_order():
         assert torch.equal(logits[1], before[1])
 
 
+def test_closing_the_engine_stops_the_mask_threads(llama_path):
+    """The runner's grammar masker splits big batches over a thread pool; closing the LLM shuts that pool down."""
+    llm = LLM(llama_path, **ENGINE)
+    masker = llm.engine.executor.runner.sampling.grammar_masker
+    masker.MIN_ELEMENTS_PER_THREAD = 1  # every constrained step splits its rows over the threads
+    masker.num_threads = 2
+    masker.cpu_kernels = None  # xgrammar's kernel, on the masker's threads (brisk's C kernel uses OpenMP's)
+    params = SamplingParams(n=2, max_tokens=4, structured_outputs=StructuredOutputs(json=SCHEMAS["enum"]))
+    llm.generate([{"prompt_token_ids": [5, 6]}], params)
+    pool = masker._pool
+    assert pool is not None and not pool._shutdown
+    llm.close()
+    assert pool._shutdown
+
+
 def _decode_json(llm: LLM, token_ids: list[int]):
     eos = set(llm.engine.model_config.eos_token_ids)
     text = llm.tokenizer.decode([t for t in token_ids if t not in eos])

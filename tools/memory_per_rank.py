@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from brisk.config import ModelConfig, ParallelConfig
-from brisk.model_runner.loader import load_model
 from brisk.model_runner.interface import kv_groups_for
+from brisk.model_runner.loader import load_model
 
 GIB = 1 << 30
 
