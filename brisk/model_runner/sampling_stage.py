@@ -1,9 +1,10 @@
 """The step's sampling stage: the logits of the sampled requests become one packed result tensor, by sampling, or in
 a speculative step by verifying the drafts (rejection_sampler.py: greedy accept and rejection sampling).
 
-Packed result, int64 [n, k + 3], a row per sampled request (k: max_draft_len, 0 without speculation): the output
-tokens in columns 0..k (the accepted drafts and the target's own next token: `count` of them), `count` in column
-k + 1, and in column k + 2 whether the request's logits were not finite (it fails; its tokens are never output).
+Packed result, int64, a row per sampled request: with speculation (k = max_draft_len drafts at most) [n, k + 3], the
+output tokens in columns 0..k (the accepted drafts and the target's own next token: `count` of them), `count` in
+column k + 1; without it [n, 2], the token in column 0 (the count is 1). The last column says whether the request's
+logits were not finite (it fails; its tokens are never output).
 The runner shares it between ranks in one collective and the host takes it in one copy (step_output.py).
 
 Structured outputs: the grammar masks (-inf) are applied first, at every verified position, so logprobs are after
@@ -48,7 +49,7 @@ class SamplingStage:
     def __init__(self, device: torch.device, max_draft_len: int, cpu_kernels: CpuKernels | None) -> None:
         self.device = device
         self.k = max_draft_len
-        self.width = max_draft_len + 3
+        self.width = max_draft_len + 3 if max_draft_len else 2
         self.sampler = Sampler(cpu_kernels)
         self.grammar_masker = GrammarBitmaskApplier(torch.get_num_threads(), cpu_kernels)  # structured outputs
         self._cached_key: tuple | None = None
@@ -96,10 +97,13 @@ class SamplingStage:
             logits = torch.where(bad[:, None], 0.0, logits)
             token_ids, raw_logprobs = self.sampler.sample(logits, sampling)
         token_ids = token_ids.clamp_(0, logits.shape[-1] - 1)  # a bad row's pick must still embed next step
-        packed = torch.zeros(len(token_ids), self.width, dtype=torch.int64, device=logits.device)
-        packed[:, 0] = token_ids
-        packed[:, self.k + 1] = 1
-        packed[:, self.k + 2] = bad
+        if self.k == 0:
+            packed = torch.stack((token_ids, bad.to(torch.int64)), dim=1)
+        else:  # a speculative step without drafts: one token each
+            packed = torch.zeros(len(token_ids), self.width, dtype=torch.int64, device=logits.device)
+            packed[:, 0] = token_ids
+            packed[:, self.k + 1] = 1
+            packed[:, self.k + 2] = bad
         if raw_logprobs is None:
             return Picked(packed, None)
         return Picked(packed, _per_request(self.sampler.logprobs_output(token_ids, raw_logprobs, sampling)))

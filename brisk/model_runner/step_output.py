@@ -53,6 +53,11 @@ def share_packed(
     return buf
 
 
+def row_tokens(row: list[int], max_draft_len: int) -> list[int]:
+    """The output tokens of one packed row on the host (sampling_stage.py's layout)."""
+    return row[: row[max_draft_len + 1]] if max_draft_len else row[:1]
+
+
 def last_tokens(packed: torch.Tensor, max_draft_len: int) -> torch.Tensor:
     """Each row's last output token (the next step's input), on the device."""
     if max_draft_len == 0:
@@ -110,7 +115,7 @@ class StepResult:
         for rid, row in zip(sched.sampled_req_ids, rows_of_rank(self.to_host(), self._scheds, self._dp_rank)):
             state = self._states.get(rid)
             if state is not None and state.needs_history:
-                state.output_token_ids.extend(row[: row[k + 1]])
+                state.output_token_ids.extend(row_tokens(row, k))
 
     def result(self) -> list[ModelRunnerOutput]:
         if self._outputs is not None:
@@ -138,7 +143,7 @@ def runner_output(
     k = max_draft_len
     logprobs, drafts, prompt_logprobs = extras
     prompt = prompt_logprobs or None
-    if logprobs is None and not any(row[k + 2] for row in rows):  # the common step: no failure, no logprobs
+    if logprobs is None and not any([row[-1] for row in rows]):  # the common step: no failure, no logprobs
         tokens = [[row[0]] for row in rows] if k == 0 else [row[: row[k + 1]] for row in rows]
         return ModelRunnerOutput(req_ids, tokens, prompt_logprobs=prompt, spec_token_ids=drafts)
     out = ModelRunnerOutput(
@@ -146,11 +151,11 @@ def runner_output(
     )
     for j, rid in enumerate(req_ids):
         row = rows[j]
-        if row[k + 2]:
+        if row[-1]:
             out.failed_req_ids.append(rid)
             continue
         out.req_ids.append(rid)
-        out.sampled_token_ids.append(row[: row[k + 1]])
+        out.sampled_token_ids.append(row_tokens(row, k))
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs[j])
         if out.spec_token_ids is not None and drafts is not None:
