@@ -70,6 +70,8 @@ PROFILE_GROUPS: tuple[tuple[str, str | None, str], ...] = (
     ("scheduler/", None, "scheduler"),
     ("kv_cache/", None, "KV manager"),
     ("model_runner/sampler.py", None, "sampler"),
+    ("model_runner/sampling_stage.py", None, "sampler"),  # the sampling stage, verification included
+    ("model_runner/rejection_sampler.py", None, "sampler"),
     ("model_runner/", None, "runner input preparation"),
     ("models/", None, "model (null)"),
     ("layers/", None, "model (null)"),
