@@ -28,6 +28,7 @@ from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
 from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
+from brisk.model_runner.startup import StartupTimes
 from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput, TokenLogprobs
 from brisk.spec_decode.proposer import make_proposer
@@ -107,13 +108,16 @@ class ModelRunner:
         self.parallel = parallel
         self.cpu_group = cpu_group
         self.block_size = config.block_size
+        self.startup = StartupTimes(device)  # each start-up stage's seconds (startup.py)
         self.model = load_model(
             model_config,
             load_format=config.load_format,
             device=device,
             moe_backend=config.moe_config.backend,
             parallel=parallel,
+            seed=config.seed,
         )
+        self.startup.mark("weights")
         self.model.eval()
         self.cpu_kernels = None
         if device.type == "cpu":
@@ -141,13 +145,16 @@ class ModelRunner:
         self._sampling_cached: SamplingBatch | None = None
         self._last_handle: StepHandle | None = None
         self.graphs: DecodeGraphs | None = None
+        self.startup.mark("setup")
         if device.type == "cuda" and config.kv_cache_config.max_blocks is None:
             self.num_blocks = self._num_kv_blocks_by_profiling()  # brisk/model_runner/memory.py
         else:
             self.num_blocks = self._num_kv_blocks()
         if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
             self.num_blocks = agree_min(self.num_blocks, cpu_group)
+        self.startup.mark("kv_sizing")
         self._allocate_kv_cache()
+        self.startup.mark("kv_allocation")
         graph_config = effective_graph_config(config, device)
         if graph_config is not None:
             sizes = graph_batch_sizes(graph_config, config.max_batch_size)
@@ -159,6 +166,8 @@ class ModelRunner:
                 verify_len = 1 + self.spec.k if self.spec is not None else 1
                 self.graphs = DecodeGraphs(self, sizes, graph_config.enable_padding, capture, verify_len)
                 self.graphs.capture_all(self)
+                self.startup.mark("graph_capture")
+        self.startup.log()
 
     def _graph_safe(self) -> bool:
         moe_backends = [m.backend for m in self.model.modules() if isinstance(m, FusedMoE)]
