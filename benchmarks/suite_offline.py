@@ -5,10 +5,18 @@ roofline, the transformers `generate` baseline, and where a decode step's time g
     python benchmarks/suite_offline.py hf --model gpt-oss-20b --out d_hf.json
 
 Each run writes its JSON after every measurement, so a run stopped by its time budget keeps what it measured.
+--time-budget S (the quick plan's speed steps) fits the run to S seconds instead: latency batches are skipped once
+the throughput point needs the rest, and that point is cut (output tokens first, then sequences) to what the
+latency rows say fits, each with a note.
+
+Cold start: python imports, then the runner's own stages (brisk/model_runner/startup.py: weights built and drawn on
+the device, set-up, KV sizing by profiling, KV allocation, CUDA graph capture), the rest of LLM(), and how many
+Triton kernels were compiled (or loaded from Triton's disk cache) in how long, inside those stages.
 
 Latency, batch B: B random prompts of --input-len tokens, each generating --output-len tokens (greedy, EOS
 ignored); the same with one output token times the prefill. tokens/s/user = (output_len - 1) / (total - prefill).
-Throughput: the largest batch the KV pool holds at --throughput-len in and out, all at once; output tokens / time.
+Throughput: the largest batch the KV pool holds at --throughput-len in and out (a request's peak: all its tokens
+in full-attention layers, the window plus its prompt in sliding ones), all at once; output tokens / time.
 Roofline: the bytes one decode step must read at batch B (`step_bytes`: the dense weights, the experts the batch
 touches in MXFP4, the LM head, the KV of every sequence) over the measured copy bandwidth (phase a) gives the
 fastest possible step; the fraction is that over the measured step.
@@ -216,10 +224,10 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
         for g in runner.kv_groups
     ]
     seq = 2 * args.throughput_len
-    need = blocks_for_one_request(groups, runner.block_size, seq, runner.config.max_num_tokens) - 1
-    fits = max(1, min(args.max_batch, (runner.num_blocks - 1) // need))
-    limited_by = "kv blocks" if fits < args.max_batch else "max_batch"
-    batch = max([s for s in args.graph_sizes or [] if s <= fits] or [fits])  # decode steps replay a whole graph
+    chunk = min(args.throughput_len, runner.config.max_num_tokens)  # the most of one prompt a step computes
+    need = blocks_for_one_request(groups, runner.block_size, seq, chunk) - 1
+    batch = max(1, min(args.max_batch, (runner.num_blocks - 1) // need))
+    limited_by = "kv blocks" if batch < args.max_batch else "max_batch"
     after = min(15.0, 0.1 * args.time_budget) if args.time_budget else 0.0  # the profile, the results, the exit
     batch, output_len, cut = fit_throughput_point(
         config, res.data["rows"].get("latency", []), batch, args.throughput_len, left() - after
