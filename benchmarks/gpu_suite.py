@@ -88,7 +88,8 @@ def run_phase(letter: str, out: Path, budget: float, smoke: bool) -> dict[str, A
             proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
             status = f"timeout: stopped after its budget of {budget:.0f} s"
-        _end_group(proc)  # also whatever the phase left behind (a server, pytest workers)
+        finally:  # also when the suite itself is stopped (SIGTERM): its own session would outlive it
+            _end_group(proc)  # and whatever the phase left behind (a server, pytest workers)
         returncode = proc.returncode
     seconds = time.monotonic() - start
     result: dict[str, Any] = {"sections": []}
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     if args.run_phase:
         return run_phase_body(args.run_phase, RUNNABLE[args.run_phase], out, args.smoke, args.budget or 60.0)
+    signal.signal(signal.SIGTERM, _stopped)  # `timeout` around the suite: end the running step, keep the report
 
     quick = bool(args.quick or args.steps) or (not args.phases and shutil.which("nvidia-smi") is not None)
     if quick and args.phases:
@@ -237,11 +239,20 @@ def run_quick(names: list[str], out: Path, work: Path, report: dict[str, Any], s
             print(f"{step.name}: not run ({left:.0f} s left)", flush=True)
             continue
         print(f"{step.name}: budget {budget:.0f} s", flush=True)
-        result = run_phase(step.name, work, budget, smoke)
+        try:
+            result = run_phase(step.name, work, budget, smoke)
+        except SystemExit:
+            report["phases"][step.name].update(status="stopped: the suite itself was stopped (SIGTERM)")
+            _save(out, work, report)
+            raise
         report["phases"][step.name] = result
         _save(out, work, report)
         print(f"{step.name}: {result['status']} in {result['seconds']:.0f} s", flush=True)
     return sum(not _passed(report["phases"][step.name]) for step, _ in steps)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _passed(result: dict[str, Any]) -> bool:

@@ -7,9 +7,9 @@ and then the headline figures, in one command of at most 8 minutes on one H100.
                         and the 128 window, the MXFP4 MoE at batch 1, 64 and 640, the structured-output mask on CUDA
     e2e           80 s  greedy identity Triton vs torch on a tiny model of the real architecture; CUDA-graph replay
                         identity for decode steps, verify steps and overlap; structured outputs on CUDA logits
-    speed_120b   210 s  dummy gpt-oss-120b in one process: cold start stage by stage, decode at batch 1, 8 and 64
+    speed_120b   200 s  dummy gpt-oss-120b in one process: cold start stage by stage, decode at batch 1, 8 and 64
                         (tok/s, fraction of the bandwidth roofline), one max-throughput point (~1k in / 1k out)
-    served_120b   90 s  `brisk serve` dummy 120b with examples/low_latency.yaml, `brisk bench serve` at 1 and 16
+    served_120b  100 s  `brisk serve` dummy 120b with examples/low_latency.yaml, `brisk bench serve` at 1 and 16
     speed_20b   the rest  dummy gpt-oss-20b as speed_120b, only where the window has time left (60 s at least)
 
 Each step is a process of its own under a hard timeout (gpu_suite.py); inside it, the speed steps fit their sizes
@@ -167,8 +167,8 @@ STEPS = (
     Step("env", "environment and ceilings", 25, 10, (10, 5), step_env),
     Step("kernels", "correctness: Triton kernels vs torch at gpt-oss shapes", 70, 22, (30, 8), step_kernels),
     Step("e2e", "correctness: Triton vs torch end to end, CUDA graphs, overlap", 80, 16, (30, 8), step_e2e),
-    Step("speed_120b", "speed: dummy gpt-oss-120b offline", 210, 25, (60, 15), step_speed_120b),
-    Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 90, 32, (45, 15), step_served),
+    Step("speed_120b", "speed: dummy gpt-oss-120b offline", 200, 25, (60, 15), step_speed_120b),
+    Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 100, 32, (45, 15), step_served),
     Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (60, 8), step_speed_20b),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)

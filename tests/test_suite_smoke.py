@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -298,3 +300,41 @@ def test_throughput_point_is_cut_to_fit_the_time_left():
     batch, out, note = offline.fit_throughput_point(config, latency, 256, 1024, 12.0)
     assert out == 128 and 8 <= batch < 256 and "to fit the 12 s" in note
     assert offline.fit_throughput_point(config, [], 256, 1024, 1.0) == (256, 1024, "")  # nothing to estimate from
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue  # the process ended meanwhile
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_stopped_suite_ends_the_running_step_and_keeps_its_report(tmp_path):
+    """gpu_window.sh stops the suite with SIGTERM at its limit: the step running then (in its own session, which
+    the device tool would let outlive the command and hold the GPU) is ended, and the report says so."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    suite = subprocess.Popen(
+        [sys.executable, SUITE, "--smoke", "--steps", "env,kernels", "--out", str(out), "--budget-scale", "5"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not _processes_naming(f"--run-phase\0env\0--out\0{out}") and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling for the step's start, not synchronisation
+    assert _processes_naming(f"--run-phase\0env\0--out\0{out}"), "the env step never started"
+    suite.send_signal(signal.SIGTERM)
+    assert suite.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not _processes_naming(str(out))  # the step (and all it started) ended with the suite
+    report = json.loads((out / "report.json").read_text())
+    assert report["phases"]["env"]["status"] == "stopped: the suite itself was stopped (SIGTERM)"
+    assert report["phases"]["kernels"]["status"] == "pending"
