@@ -42,22 +42,23 @@ from suite_phases import (
 WINDOW_S = 480  # the quick plan on one H100: 8 minutes
 SMOKE_WINDOW_S = 118  # --smoke on 2 CPU cores: under 2 minutes
 
-# Correctness, in the order they run (a step cut by its budget loses the last ones). The MoE at batch 640 runs the
-# prefill-sized tiles; the attention cases are gpt-oss's: 64 q / 8 KV heads, head_dim 64, sinks, window 128 or none.
+# Correctness, in the order they run (a step cut by its budget loses the last ones): each kernel family's first case
+# early, since its first compile costs most. The attention cases are gpt-oss's: 64 q / 8 KV heads, head_dim 64, sinks,
+# window 128 or none; the MoE at 640 tokens runs the prefill-sized tiles.
 KERNEL_TESTS = (
     "tests/test_triton_moe.py::test_mxfp4_nibble_order_low_first",
     "tests/test_triton_attention.py::test_real_decode[128-None-8]",
-    "tests/test_triton_attention.py::test_real_decode[None-None-8]",
-    "tests/test_triton_attention.py::test_real_decode[128-256-8]",
-    "tests/test_triton_attention.py::test_real_chunked_prefill[128-8]",
-    "tests/test_triton_attention.py::test_real_chunked_prefill[None-8]",
-    "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-128-dtype0]",
-    "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-None-dtype0]",
     "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-1]",
-    "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-64]",
+    "tests/test_triton_attention.py::test_real_chunked_prefill[128-8]",
     "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-640]",
-    "tests/test_triton_moe.py::test_alignment_at_prefill_size_on_gpu",
     "tests/test_structured_gpu_kernel.py::test_gpu_mask_kernel_matches_reference_and_cpu_kernel",
+    "tests/test_triton_attention.py::test_real_decode[None-None-8]",
+    "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-64]",
+    "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-128-dtype0]",
+    "tests/test_triton_attention.py::test_real_chunked_prefill[None-8]",
+    "tests/test_triton_attention.py::test_real_decode[128-256-8]",
+    "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-None-dtype0]",
+    "tests/test_triton_moe.py::test_alignment_at_prefill_size_on_gpu",
 )
 E2E_TESTS = (
     "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[mxfp4]",
@@ -124,9 +125,7 @@ def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> i
     """benchmarks/suite_offline.py on one dummy model in one process (one load for every figure), its own time
     limit a little inside the step's hard timeout."""
     work = rec.path.parent
-    gpu = has_cuda() and not smoke
-    if not gpu:
-        rec.data["notes"].append(f"dummy {model}: {NO_GPU if not has_cuda() else '--smoke'} (the toy model stands in)")
+    gpu = _on_gpu(rec, smoke, model)
     name = model if gpu else TINY_NAME
     sizes = GPU_SPEED if gpu else SMOKE_SPEED
     path = work / f"{rec.path.stem.removeprefix('phase_')}.json"
@@ -151,13 +150,17 @@ def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> i
     return rec.finish(status)
 
 
-def step_served(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+def _on_gpu(rec: PhaseRecord, smoke: bool, model: str) -> bool:
+    """Whether the step runs its real model; else a note says the toy gpt-oss stands in, and why."""
     gpu = has_cuda() and not smoke
-    model = "gpt-oss-120b" if gpu else TINY_NAME
     if not gpu:
-        rec.data["notes"].append(
-            f"dummy gpt-oss-120b: {NO_GPU if not has_cuda() else '--smoke'} (the toy model stands in)"
-        )
+        rec.data["notes"].append(f"dummy {model}: {NO_GPU if not has_cuda() else '--smoke'} (the toy model stands in)")
+    return gpu
+
+
+def step_served(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    gpu = _on_gpu(rec, smoke, "gpt-oss-120b")
+    model = "gpt-oss-120b" if gpu else TINY_NAME
     model_dir = write_model_dir(model, rec.path.parent / "models")
     status = serve_and_bench(rec, SERVED_PRESET, model, model_dir, GPU_LOADS if gpu else SMOKE_LOADS, budget - 5)
     return rec.finish("ok" if status == "ok" else f"failed: {status}")
