@@ -1,12 +1,21 @@
-"""One command that proves brisk on a GPU: environment, GPU tests, kernel benchmarks, offline and served speed.
+"""One command that proves brisk on a GPU: environment, correctness, kernel benchmarks, offline and served speed.
 
-    python benchmarks/gpu_suite.py --out DIR                 # every phase, about 25 minutes on one H100
-    python benchmarks/gpu_suite.py --out DIR --phases a,b,c  # a subset; DIR's earlier phases are kept in the report
-    python benchmarks/gpu_suite.py --out DIR --smoke         # the same pipeline on a CPU, toy sizes, under 3 minutes
+    python benchmarks/gpu_suite.py --out DIR                 # on a GPU: the quick plan, at most 8 minutes on one H100
+    python benchmarks/gpu_suite.py --out DIR --quick --smoke # the quick plan on a CPU at toy sizes, under 2 minutes
+    python benchmarks/gpu_suite.py --out DIR --steps e2e,served_120b      # some of the quick plan's steps
+    python benchmarks/gpu_suite.py --out DIR --phases a,b,c,d,e          # the long phases, about 25 minutes
+    python benchmarks/gpu_suite.py --out DIR --smoke         # the long phases on a CPU, toy sizes, under 3 minutes
 
-Phases (each a subprocess with its own time budget: one that overruns is stopped, marked "timeout", and the next
-starts; DIR/report.json and DIR/report.md are rewritten after every phase, so a killed run still leaves a report):
-  a  environment: GPU, driver, torch / triton versions; measured copy bandwidth and bf16 matmul TFLOP/s (ceilings)
+The quick plan (benchmarks/suite_quick.py; the default where nvidia-smi is found and no phases are named): env,
+kernels, e2e, speed_120b, served_120b, then speed_20b with whatever the 8-minute window has left. Its budgets are
+printed up front. --work DIR keeps models, logs and raw results out of --out, which then holds report.md,
+report.json and logs.tar.gz only (benchmarks/gpu_window.sh does so for a lent GPU's $OUT).
+
+Long phases (each a subprocess with its own time budget, as every quick step is: one that overruns is stopped,
+marked "timeout", and the next starts; report.json and report.md are rewritten after every phase or step, so a
+killed run still leaves a report):
+  a  environment: GPU, driver, torch / triton versions, packages against brisk's ranges; measured copy bandwidth
+     and bf16 matmul TFLOP/s (ceilings)
   b  GPU tests: the kernel-vs-torch tests at real gpt-oss shapes and the end-to-end Triton-vs-torch and graph tests
      (tests/test_triton_*.py, tests/test_gpu_*.py, tests/test_cuda_*.py), pass/fail per test
   c  kernel microbenchmarks (benchmarks/bench_attention.py, bench_moe.py): GB/s and TFLOP/s against (a)'s ceilings
@@ -18,7 +27,7 @@ starts; DIR/report.json and DIR/report.md are rewritten after every phase, so a 
   f  the report: tables per phase, pass/fail, each figure with the command that produced it
 
 Every phase fits one 10-minute command of a GPU lease; run with PYTHONUNBUFFERED=1 to watch it. --smoke runs every
-phase on a toy gpt-oss on the CPU (CI does, tests/test_suite_smoke.py): GPU-only checks say "skipped: no GPU".
+phase or step on a toy gpt-oss on the CPU (CI does, tests/test_suite_smoke.py): GPU-only checks say "skipped: no GPU".
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,13 +50,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from suite_phases import PHASES, run_phase_body  # noqa: E402
+import suite_quick  # noqa: E402
+from suite_phases import BODIES, PHASES, run_phase_body  # noqa: E402
 from suite_report import write_report  # noqa: E402
 
 # Seconds per phase on one H100 (sum 1,500 = 25 minutes) and in --smoke on 2 CPU cores (sum 180).
 GPU_BUDGETS = {"a": 60, "b": 360, "c": 180, "d": 480, "e": 420}
 SMOKE_BUDGETS = {"a": 15, "b": 35, "c": 10, "d": 60, "e": 60}
-KILL_GRACE_S = 10
+KILL_GRACE_S = 5
 
 
 def phase_env() -> dict[str, str]:
@@ -54,8 +66,14 @@ def phase_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
 
 
+TITLES = dict(PHASES, **{step.name: step.title for step in suite_quick.STEPS})
+RUNNABLE = dict(BODIES, **{step.name: step.body for step in suite_quick.STEPS})  # what --run-phase runs
+LOG_SUFFIXES = (".log", ".json", ".jsonl")  # what logs.tar.gz keeps of the work folder (not the model folders)
+LOG_FILE_LIMIT = 8 << 20
+
+
 def run_phase(letter: str, out: Path, budget: float, smoke: bool) -> dict[str, Any]:
-    """Run one phase in its own process group; kill the group when the budget is spent."""
+    """Run one phase or quick step in its own process group; kill the group when the budget is spent."""
     command = [sys.executable, str(Path(__file__)), "--run-phase", letter, "--out", str(out), "--budget", str(budget)]
     if smoke:
         command.append("--smoke")
@@ -70,7 +88,8 @@ def run_phase(letter: str, out: Path, budget: float, smoke: bool) -> dict[str, A
             proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
             status = f"timeout: stopped after its budget of {budget:.0f} s"
-        _end_group(proc)  # also whatever the phase left behind (a server, pytest workers)
+        finally:  # also when the suite itself is stopped (SIGTERM): its own session would outlive it
+            _end_group(proc)  # and whatever the phase left behind (a server, pytest workers)
         returncode = proc.returncode
     seconds = time.monotonic() - start
     result: dict[str, Any] = {"sections": []}
@@ -85,10 +104,10 @@ def run_phase(letter: str, out: Path, budget: float, smoke: bool) -> dict[str, A
         status = result.get("status", "failed: the phase wrote no result")
     result.update(
         phase=letter,
-        title=PHASES[letter],
+        title=TITLES[letter],
         status=status,
         seconds=round(seconds, 1),
-        budget_s=budget,
+        budget_s=round(budget),
         returncode=returncode,
         log=log_path.name,
         log_tail=_tail(log_path) if not status.startswith(("ok", "skipped")) else "",
@@ -129,23 +148,36 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for report.json, report.md, logs and raw results")
-    p.add_argument("--phases", default="a,b,c,d,e", help="comma-separated subset of a-e (f, the report, always runs)")
+    p.add_argument("--out", required=True, help="folder for report.json and report.md (and logs.tar.gz with --work)")
+    p.add_argument("--work", help="folder for models, logs and raw results (default: --out)")
+    p.add_argument("--quick", action="store_true", help="the quick plan (the default where a GPU is found)")
+    p.add_argument("--steps", help=f"a subset of the quick plan: {','.join(suite_quick.STEP_NAMES)}")
+    p.add_argument("--phases", help="comma-separated subset of the long phases a-e (f, the report, always runs)")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the pipeline, measures nothing")
-    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every phase's time budget")
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every time budget (and the window)")
     p.add_argument("--budget", type=float, help=argparse.SUPPRESS)  # a phase's own budget (internal)
-    p.add_argument("--run-phase", choices=sorted(PHASES), help=argparse.SUPPRESS)  # internal: run one phase here
+    p.add_argument("--run-phase", choices=sorted(RUNNABLE), help=argparse.SUPPRESS)  # internal: run one here
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).resolve() if args.work else out
+    for folder in {out, work}:
+        folder.mkdir(parents=True, exist_ok=True)
     if args.run_phase:
-        return run_phase_body(args.run_phase, out, args.smoke, args.budget or 60.0)
+        return run_phase_body(args.run_phase, RUNNABLE[args.run_phase], out, args.smoke, args.budget or 60.0)
+    signal.signal(signal.SIGTERM, _stopped)  # `timeout` around the suite: end the running step, keep the report
 
-    letters = [x.strip() for x in args.phases.split(",") if x.strip() and x.strip() != "f"]
-    unknown = [x for x in letters if x not in GPU_BUDGETS]
+    quick = bool(args.quick or args.steps) or (not args.phases and shutil.which("nvidia-smi") is not None)
+    if quick and args.phases:
+        p.error("--phases names long phases; the quick plan's are --steps")
+    if quick:
+        names = [x.strip() for x in (args.steps or ",".join(suite_quick.STEP_NAMES)).split(",") if x.strip()]
+        choices = suite_quick.STEP_NAMES
+    else:
+        names = [x.strip() for x in (args.phases or "a,b,c,d,e").split(",") if x.strip() and x.strip() != "f"]
+        choices = tuple(GPU_BUDGETS)
+    unknown = [x for x in names if x not in choices]
     if unknown:
-        p.error(f"unknown phase(s) {', '.join(unknown)}; choose from a, b, c, d, e")
-    budgets = SMOKE_BUDGETS if args.smoke else GPU_BUDGETS
+        p.error(f"unknown {'step' if quick else 'phase'}(s) {', '.join(unknown)}; choose from {', '.join(choices)}")
     report_path = out / "report.json"
     report: dict[str, Any] = {"phases": {}}
     if report_path.exists():  # an earlier command's phases stay in the report unless run again
@@ -158,19 +190,89 @@ def main(argv: list[str] | None = None) -> int:
         command=invocation,
         started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         smoke=args.smoke,
-        phases_run=letters,
+        plan="quick" if quick else "phases",
+        phases_run=names,
     )
+    if quick:
+        failed = run_quick(names, out, work, report, args.smoke, args.budget_scale)
+    else:
+        failed = run_phases(names, out, work, report, args.smoke, args.budget_scale)
+    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
+    return 1 if failed else 0
+
+
+def run_phases(letters: list[str], out: Path, work: Path, report: dict[str, Any], smoke: bool, scale: float) -> int:
+    budgets = SMOKE_BUDGETS if smoke else GPU_BUDGETS
+    report["suite"]["order"] = sorted(set(report.get("phases", {})) | set(letters))
     write_report(out, report)
     for letter in letters:
-        budget = budgets[letter] * args.budget_scale
+        budget = budgets[letter] * scale
         print(f"phase {letter} ({PHASES[letter]}): budget {budget:.0f} s", flush=True)
-        result = run_phase(letter, out, budget, args.smoke)
+        result = run_phase(letter, work, budget, smoke)
         report["phases"][letter] = result
-        write_report(out, report)
+        _save(out, work, report)
         print(f"phase {letter}: {result['status']} in {result['seconds']:.0f} s", flush=True)
-    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
-    failed = [x for x in letters if not report["phases"][x]["status"].startswith(("ok", "skipped"))]
-    return 1 if failed else 0
+    return sum(not _passed(report["phases"][x]) for x in letters)
+
+
+def run_quick(names: list[str], out: Path, work: Path, report: dict[str, Any], smoke: bool, scale: float) -> int:
+    """The quick plan: budgets printed and written up front, every step within the window, the report rewritten
+    after each. A step with too little of the window left is marked as not run and the plan goes on."""
+    steps = suite_quick.plan(names, smoke, scale)
+    window = suite_quick.window_s(smoke, scale)
+    deadline = time.monotonic() + window
+    print(f"quick plan: {len(steps)} steps within {window:.0f} s{' (--smoke)' if smoke else ''}", flush=True)
+    report["suite"].update(window_s=window, order=[step.name for step, _ in steps])
+    for step, nominal in steps:
+        shown = f"{nominal:.0f} s" if nominal else "the rest of the window"
+        print(f"  {step.name:<12} {shown:>22}  {step.title}", flush=True)
+        report["phases"][step.name] = dict(
+            phase=step.name, title=step.title, status="pending", seconds="", budget_s=nominal or "rest", sections=[]
+        )
+    write_report(out, report)
+    for step, nominal in steps:
+        budget = suite_quick.step_budget(step, nominal, deadline, smoke, scale, KILL_GRACE_S)
+        if budget <= 0:
+            left = max(0.0, deadline - time.monotonic())
+            report["phases"][step.name].update(status=f"not run: {left:.0f} s left of the {window:.0f} s window")
+            _save(out, work, report)
+            print(f"{step.name}: not run ({left:.0f} s left)", flush=True)
+            continue
+        print(f"{step.name}: budget {budget:.0f} s", flush=True)
+        try:
+            result = run_phase(step.name, work, budget, smoke)
+        except SystemExit:
+            report["phases"][step.name].update(status="stopped: the suite itself was stopped (SIGTERM)")
+            _save(out, work, report)
+            raise
+        report["phases"][step.name] = result
+        _save(out, work, report)
+        print(f"{step.name}: {result['status']} in {result['seconds']:.0f} s", flush=True)
+    return sum(not _passed(report["phases"][step.name]) for step, _ in steps)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _passed(result: dict[str, Any]) -> bool:
+    """ok, skipped (no GPU), or not run because the window had no time left for it (the report says so)."""
+    return str(result["status"]).startswith(("ok", "skipped", "not run"))
+
+
+def _save(out: Path, work: Path, report: dict[str, Any]) -> None:
+    """The report, and where the work folder is elsewhere, its logs and raw results as one archive beside it."""
+    write_report(out, report)
+    if work == out:
+        return
+    tmp = out / "logs.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as archive:
+        for path in sorted(work.rglob("*")):
+            if "models" in path.relative_to(work).parts or path.suffix not in LOG_SUFFIXES:
+                continue
+            if path.is_file() and path.stat().st_size <= LOG_FILE_LIMIT:
+                archive.add(path, arcname=str(path.relative_to(work)))
+    os.replace(tmp, out / "logs.tar.gz")
 
 
 if __name__ == "__main__":

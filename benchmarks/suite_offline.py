@@ -5,10 +5,18 @@ roofline, the transformers `generate` baseline, and where a decode step's time g
     python benchmarks/suite_offline.py hf --model gpt-oss-20b --out d_hf.json
 
 Each run writes its JSON after every measurement, so a run stopped by its time budget keeps what it measured.
+--time-budget S (the quick plan's speed steps) fits the run to S seconds instead: latency batches are skipped once
+the throughput point needs the rest, and that point is cut (output tokens first, then sequences) to what the
+latency rows say fits, each with a note.
+
+Cold start: python imports, then the runner's own stages (brisk/model_runner/startup.py: weights built and drawn on
+the device, set-up, KV sizing by profiling, KV allocation, CUDA graph capture), the rest of LLM(), and how many
+Triton kernels were compiled (or loaded from Triton's disk cache) in how long, inside those stages.
 
 Latency, batch B: B random prompts of --input-len tokens, each generating --output-len tokens (greedy, EOS
 ignored); the same with one output token times the prefill. tokens/s/user = (output_len - 1) / (total - prefill).
-Throughput: the largest batch the KV pool holds at --throughput-len in and out, all at once; output tokens / time.
+Throughput: the largest batch the KV pool holds at --throughput-len in and out (a request's peak: all its tokens
+in full-attention layers, the window plus its prompt in sliding ones), all at once; output tokens / time.
 Roofline: the bytes one decode step must read at batch B (`step_bytes`: the dense weights, the experts the batch
 touches in MXFP4, the LM head, the KV of every sequence) over the measured copy bandwidth (phase a) gives the
 fastest possible step; the fraction is that over the measured step.
@@ -61,6 +69,11 @@ class Results:
         self.path, self.data = path, {"meta": meta, "rows": {}}
         self.save()
 
+    def note(self, text: str) -> None:
+        self.data.setdefault("notes", []).append(text)
+        self.save()
+        print("note:", text, flush=True)
+
     def add(self, table: str, row: dict[str, Any]) -> None:
         self.data["rows"].setdefault(table, []).append(row)
         self.save()
@@ -82,22 +95,88 @@ def timed(fn) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+class TritonCompileTimer:
+    """Counts and times Triton's compilations (each kernel specialisation compiled, or loaded from Triton's disk
+    cache) by wrapping `triton.compiler.compile`, which every @triton.jit kernel looks up at its first launch."""
+
+    def __init__(self) -> None:
+        self.kernels = 0
+        self.seconds = 0.0
+        self.installed = False
+
+    def install(self) -> TritonCompileTimer:
+        try:
+            import triton.compiler
+        except ImportError:
+            return self
+        original = triton.compiler.compile
+
+        def timed_compile(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.kernels += 1
+                self.seconds += time.perf_counter() - start
+
+        triton.compiler.compile = timed_compile
+        self.installed = True
+        return self
+
+
+STARTUP_STAGES = {  # brisk/model_runner/startup.py's stages, as the report names them
+    "weights": "weights: built on the device, dummy values drawn there",
+    "setup": "runner set-up (kernels, backends, batch buffers)",
+    "kv_sizing": "KV sizing (a profiling step at max_num_tokens on a GPU)",
+    "kv_allocation": "KV cache allocation",
+    "graph_capture": "CUDA graph capture",
+}
+
+
+def startup_rows(imports_s: float, load_s: float, runner, compiles: TritonCompileTimer, cuda: bool) -> list[dict]:
+    """The cold start, stage by stage: the runner's own record, the rest of LLM(), and the Triton compilations
+    that happened inside those stages."""
+    rows = [dict(stage="python imports (torch, brisk)", s=imports_s)]
+    stages = runner.startup.seconds
+    for key, seconds in stages.items():
+        name = STARTUP_STAGES.get(key, key)
+        if key == "graph_capture" and runner.graphs is not None:
+            name += f" ({len(runner.graphs.sizes) * len(runner.graphs.query_lens)} graphs)"
+        rows.append(dict(stage=name, s=seconds))
+    rows.append(dict(stage="the rest of LLM() (config, tokenizer, engine, processes)", s=load_s - sum(stages.values())))
+    rows.append(dict(stage="LLM() in all", s=load_s))
+    if compiles.installed:
+        note = "" if compiles.kernels or not cuda else " (none seen: this Triton may not compile through the hook)"
+        stage = f"of which Triton compilations ({compiles.kernels} kernels, inside the stages above){note}"
+        rows.append(dict(stage=stage, s=compiles.seconds))
+    return rows
+
+
 def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) -> None:
     import torch
 
+    compiles = TritonCompileTimer().install()  # before the first kernel launch
     from brisk import LLM, SamplingParams
     from brisk.model_runner.memory import KVGroupLayout, blocks_for_one_request
 
+    imports_s = time.perf_counter() - args.started
+    deadline = args.started + args.time_budget if args.time_budget else None
+    cuda = torch.cuda.is_available()
     res = Results(
         args.out, model=args.model, engine="brisk", device=_device_name(torch), bandwidth_gbps=args.bandwidth_gbps
     )
-    options = dict(load_format="dummy", max_batch_size=args.max_batch, kv_cache_config={"enable_block_reuse": False})
+    options: dict[str, Any] = dict(
+        load_format="dummy", max_batch_size=args.max_batch, kv_cache_config={"enable_block_reuse": False}
+    )
     if args.max_num_tokens:
         options["max_num_tokens"] = args.max_num_tokens
+    if args.graph_sizes and cuda:  # on a CPU an explicit graph config would run padded buffers, not graphs
+        options["cuda_graph_config"] = {"batch_sizes": args.graph_sizes}
     load_s, llm = timed(lambda: LLM(model_dir, **options))
     runner = llm.engine.executor.runner
     res.data["meta"].update(load_s=load_s, num_kv_blocks=runner.num_blocks, block_size=runner.block_size)
-    res.save()
+    for row in startup_rows(imports_s, load_s, runner, compiles, cuda):
+        res.add("startup", row)
     rng = random.Random(0)
     vocab = config["vocab_size"]
 
@@ -105,9 +184,17 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         return llm.generate(prompts, params, use_tqdm=False)
 
+    def left() -> float:
+        return float("inf") if deadline is None else deadline - time.perf_counter()
+
     generate(random_prompts(2, 16, vocab, rng), 4)  # warm-up: kernel compilation, allocator
+    # What the throughput point and the profile need of the step's time: the latency rows stop before it.
+    reserve = 0.45 * args.time_budget if args.time_budget else 0.0
     for batch in args.batches:
-        generate(random_prompts(batch, args.input_len, vocab, rng), 2)  # this batch size's first compile
+        if left() < reserve:
+            res.note(f"latency at batch {batch} not run: the step's time was kept for the throughput point")
+            continue
+        generate(random_prompts(batch, 16, vocab, rng), 2)  # this batch size's first launches
         prefill_s, _ = timed(lambda b=batch: generate(random_prompts(b, args.input_len, vocab, rng), 1))
         total_s, outs = timed(lambda b=batch: generate(random_prompts(b, args.input_len, vocab, rng), args.output_len))
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -137,22 +224,72 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
         for g in runner.kv_groups
     ]
     seq = 2 * args.throughput_len
-    need = blocks_for_one_request(groups, runner.block_size, seq, runner.config.max_num_tokens) - 1
+    chunk = min(args.throughput_len, runner.config.max_num_tokens)  # the most of one prompt a step computes
+    need = blocks_for_one_request(groups, runner.block_size, seq, chunk) - 1
     batch = max(1, min(args.max_batch, (runner.num_blocks - 1) // need))
-    total_s, outs = timed(lambda: generate(random_prompts(batch, args.throughput_len, vocab, rng), args.throughput_len))
+    limited_by = "kv blocks" if batch < args.max_batch else "max_batch"
+    after = min(15.0, 0.1 * args.time_budget) if args.time_budget else 0.0  # the profile, the results, the exit
+    batch, output_len, cut = fit_throughput_point(
+        config, res.data["rows"].get("latency", []), batch, args.throughput_len, left() - after
+    )
+    if cut:
+        res.note(cut)
+    total_s, outs = timed(lambda: generate(random_prompts(batch, args.throughput_len, vocab, rng), output_len))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    row = dict(batch=batch, input_len=args.throughput_len, output_len=args.throughput_len, total_s=total_s)
-    row.update(output_tok_s_gpu=produced / total_s, limited_by="kv blocks" if batch < args.max_batch else "max_batch")
-    _flag_short_outputs(row, produced, batch * args.throughput_len)
+    row = dict(batch=batch, input_len=args.throughput_len, output_len=output_len, total_s=total_s)
+    row.update(output_tok_s_gpu=produced / total_s, limited_by=limited_by if not cut else "the step's time")
+    _flag_short_outputs(row, produced, batch * output_len)
     if args.bandwidth_gbps:
-        bytes_ = step_bytes(config, batch, args.throughput_len + args.throughput_len // 2)["total"]
+        bytes_ = step_bytes(config, batch, args.throughput_len + output_len // 2)["total"]
         roofline = args.bandwidth_gbps * 1e9 / bytes_ * batch  # decode steps only: prefill is not counted
         row.update(step_gb=bytes_ / 1e9, roofline_tok_s=roofline, roofline_fraction=row["output_tok_s_gpu"] / roofline)
     res.add("throughput", row)
 
-    if args.profile == "always" or (args.profile == "short" and _short_of_roofline(res.data["rows"]["latency"][0])):
-        for row in profile_decode(llm, vocab, torch):
-            res.add("profile", row)
+    latency = res.data["rows"].get("latency", [])
+    short = args.profile == "short" and bool(latency) and _short_of_roofline(latency[0])
+    if args.profile == "always" or short:
+        if left() < (min(20.0, 0.2 * args.time_budget) if args.time_budget else 0.0):
+            res.note("per-kernel profile not run: no time left in the step")
+        else:
+            for row in profile_decode(llm, vocab, torch):
+                res.add("profile", row)
+
+
+def fit_throughput_point(
+    config: dict[str, Any], latency: list[dict[str, Any]], batch: int, length: int, seconds: float
+) -> tuple[int, int, str]:
+    """(sequences, output tokens, note) of a throughput point of `batch` x `length` in / `length` out that fits in
+    `seconds`, estimated from the latency rows: prefill at their best tokens/s, decode steps at the largest batch's
+    step time scaled by the bytes a step reads (the roofline's proportion). Output tokens are cut first (down to
+    128), then sequences (halved, down to 8). No latency rows or no limit: the point as asked."""
+    rows = [r for r in latency if r["total_s"] > r["prefill_s"] and r["prefill_s"] > 0]
+    if not rows or seconds == float("inf"):
+        return batch, length, ""
+    prefill_rate = max(r["batch"] * r["input_len"] / r["prefill_s"] for r in rows)  # tokens/s
+    last = max(rows, key=lambda r: r["batch"])
+    step_s = (last["total_s"] - last["prefill_s"]) / max(1, last["output_len"] - 1)
+    last_bytes = step_bytes(config, last["batch"], last["input_len"])["total"]
+
+    def estimate(b: int, out: int) -> float:
+        step = step_s * step_bytes(config, b, length + out // 2)["total"] / last_bytes
+        return b * length / prefill_rate + out * step
+
+    wanted = estimate(batch, length)
+    b, out = batch, length
+    while estimate(b, out) > seconds and out > 128:
+        out = max(128, out // 2)
+    while estimate(b, out) > seconds and b > 8:
+        b = max(8, b // 2)
+    if (b, out) == (batch, length):
+        return batch, length, ""
+    return (
+        b,
+        out,
+        (
+            f"throughput point cut from {batch} x {length}/{length} (estimated {wanted:.0f} s) to {b} sequences x "
+            f"{length} in / {out} out, to fit the {max(seconds, 0):.0f} s the step had left"
+        ),
+    )
 
 
 def _flag_short_outputs(row: dict[str, Any], produced: int, expected: int) -> None:
@@ -251,13 +388,18 @@ def _device_name(torch) -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("engine", choices=["brisk", "hf"])
     p.add_argument("--model", required=True, help="gpt-oss-20b, gpt-oss-120b or tiny-gpt-oss")
     p.add_argument("--models-dir", default="/tmp/brisk-suite-models", help="where the dummy model folders are written")
     p.add_argument("--out", required=True)
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    p.add_argument("--batches", type=_ints, default=[1, 4, 8, 16])
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--throughput-len", type=int, default=1024, help="tokens in and out of the throughput run")
@@ -265,7 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-tokens", type=int, help="engine max_num_tokens (default: brisk's)")
     p.add_argument("--bandwidth-gbps", type=float, help="measured copy bandwidth (phase a) for the roofline")
     p.add_argument("--profile", choices=["never", "short", "always"], default="short")
+    p.add_argument("--graph-sizes", type=_ints, help="CUDA graph batch sizes (default: brisk's ladder)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds this run may take from its start: batches are skipped and the throughput point cut to fit",
+    )
     args = p.parse_args(argv)
+    args.started = started
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from suite_models import model_config, write_model_dir
 

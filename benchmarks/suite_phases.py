@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +33,10 @@ GPU_TEST_PATTERNS = ("tests/test_triton_*.py", "tests/test_gpu_*.py", "tests/tes
 # In --smoke, the GPU-only tests (skipped on a CPU, reported as such) and one quick interpreter test that passes.
 SMOKE_TEST_FILTER = "real or gpu or cuda or test_mxfp4_nibble_order_low_first"
 PRESETS = ("low_latency", "max_throughput")
-# brisk's runtime dependencies (pyproject.toml) and the suite's tools (pytest, hypothesis, httpx; matplotlib, without
-# which phase e is skipped).
-SUITE_PACKAGES = (
-    "torch",
-    "triton",
-    "transformers",
-    "tokenizers",
-    "safetensors",
-    "huggingface_hub",
-    "pydantic",
-    "pyyaml",
-    "jinja2",
-    "tqdm",
-    "numpy",
-    "msgspec",
-    "pyzmq",
-    "fastapi",
-    "uvicorn",
-    "prometheus_client",
-    "openai-harmony",
-    "pytest",
-    "hypothesis",
-    "httpx",
-    "matplotlib",
-)
+# Beside brisk's runtime dependencies (pyproject.toml), what the suite runs: triton (the gpu extra), the GPU tests
+# (pytest, hypothesis), `brisk bench serve` (httpx; matplotlib draws its plots, without it phase e is skipped).
+SUITE_TOOLS = ("triton", "pytest", "hypothesis", "httpx", "matplotlib")
+OPTIONAL_TOOLS = ("matplotlib",)
 # ../shared/docs/ANCHORS.md: output tok/s targets, by GPU.
 TARGETS = {
     ("gpt-oss-120b", "batch 1 tok/s/user"): {"H100": 420, "H200": 600},
@@ -102,7 +82,8 @@ def load_phase(out: Path, letter: str) -> dict[str, Any]:
 
 
 def ceilings(out: Path) -> dict[str, float]:
-    return load_phase(out, "a").get("ceilings", {})
+    """The measured ceilings of this folder's environment step: phase a, or the quick plan's `env`."""
+    return load_phase(out, "a").get("ceilings") or load_phase(out, "env").get("ceilings", {})
 
 
 def run_logged(command: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
@@ -115,6 +96,7 @@ def run_logged(command: list[str], timeout: float, **kwargs: Any) -> subprocess.
 def phase_a(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     import torch
 
+    shown = f"python benchmarks/gpu_suite.py {'--steps env' if rec.path.stem == 'phase_env' else '--phases a'}"
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -137,15 +119,16 @@ def phase_a(rec: PhaseRecord, smoke: bool, budget: float) -> int:
         )
     else:
         env.update(gpu=NO_GPU, driver=NO_GPU)
+    rec.section("Environment", shown, [{"item": k, "value": v} for k, v in env.items()])
+    packages = package_rows()
+    missing = [p["package"] for p in packages if p["ok"] != "yes" and p["package"] not in OPTIONAL_TOOLS]
+    note = f"missing or outside brisk's range: {', '.join(missing)} (tools/wheelhouse.sh: README, On a GPU)"
     rec.section(
-        "Environment", "python benchmarks/gpu_suite.py --phases a", [{"item": k, "value": v} for k, v in env.items()]
+        "Python packages brisk and the suite import (against pyproject.toml's ranges)",
+        "python -m pip list",
+        packages,
+        note if missing else "",
     )
-    packages = [dict(package=name, version=_version(name)) for name in SUITE_PACKAGES]
-    missing = [p["package"] for p in packages if p["version"] == "not installed" and p["package"] != "matplotlib"]
-    note = (
-        f"missing: {', '.join(missing)} (build tools/wheelhouse.sh and install it: README, On a GPU)" if missing else ""
-    )
-    rec.section("Python packages brisk and the suite import", "python -m pip list", packages, note)
     copy = copy_gbps(torch, cuda, smoke)
     matmul = matmul_tflops(torch, cuda, smoke)
     rows: list[dict[str, Any]] = [
@@ -160,8 +143,8 @@ def phase_a(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     how = "torch copy_ of 2 GiB, CUDA events; 8192^3 bf16 torch.matmul on random data, mean of 10 after 3 warm-ups"
     if not cuda:
         how = "CPU stand-ins (no GPU): torch copy_ of 64 MB and a 512^3 fp32 matmul; the GPU ceilings: " + NO_GPU
-    rec.section("Ceilings (measured)", "python benchmarks/gpu_suite.py --phases a", rows, how)
-    status = "ok" if not missing else f"failed: packages missing: {', '.join(missing)}"
+    rec.section("Ceilings (measured)", shown, rows, how)
+    status = "ok" if not missing else f"failed: packages missing or outside brisk's range: {', '.join(missing)}"
     return rec.finish(
         status, ceilings={"copy_gbps": copy, "matmul_tflops": matmul, "device": env["gpu"]}, environment=env
     )
@@ -198,6 +181,35 @@ def matmul_tflops(torch, cuda: bool, smoke: bool) -> float:
     return 2 * n**3 * 5 / (time.perf_counter() - start) / 1e12
 
 
+def package_rows() -> list[dict[str, str]]:
+    """brisk's dependencies and the suite's tools: the version installed here against the range pyproject.toml asks
+    for (an image's own torch or transformers can be older or newer than brisk was tested with)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = [r for extra in ("gpu", "dev") for r in project["optional-dependencies"].get(extra, [])]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    for r in map(Requirement, extras):
+        if r.name in SUITE_TOOLS:
+            requirements.setdefault(r.name, r)
+    rows = []
+    for name, req in requirements.items():
+        version = _version(name)
+        ok = (
+            "missing"
+            if version == "not installed"
+            else "yes"
+            if req.specifier.contains(version, prereleases=True)
+            else "no"
+        )
+        rows.append(dict(package=name, version=version, wanted=str(req.specifier), ok=ok))
+    return rows
+
+
 def _version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -230,32 +242,44 @@ def _nvidia_smi(field: str) -> str:
 # ---- b: GPU tests -----------------------------------------------------------------------------------------
 def phase_b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     files = sorted({f for pattern in GPU_TEST_PATTERNS for f in glob.glob(str(REPO / pattern))})
-    results = rec.path.parent / "b_results.jsonl"
+    targets = [os.path.relpath(f, REPO) for f in files]
+    if smoke or not has_cuda():
+        targets += ["-k", SMOKE_TEST_FILTER]
+    return run_tests(rec, targets, budget, files=", ".join(Path(f).name for f in files))
+
+
+def run_tests(rec: PhaseRecord, targets: list[str], budget: float, **summary: str) -> int:
+    """pytest on `targets` (files, node ids, options) within the budget, one row per test as each ends; on a
+    timeout the tests that finished are reported and the node ids named in `targets` that never ran are listed."""
+    results = rec.path.parent / f"{rec.path.stem.removeprefix('phase_')}_results.jsonl"
     results.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "suite_pytest_plugin"]
-    command += [f"--suite-results={results}", *(os.path.relpath(f, REPO) for f in files)]
-    if smoke or not has_cuda():
-        command += ["-k", SMOKE_TEST_FILTER]
+    command += [f"--suite-results={results}", *targets]
     try:
-        run_logged(command, budget - 10)
+        run_logged(command, budget - 3)  # the rest: the time to write the report
     except subprocess.TimeoutExpired:
-        rec.data["notes"].append(
-            "pytest overran the phase budget: the tests that finished are below, the rest did not run"
-        )
+        rec.data["notes"].append("pytest overran the step's budget: the tests that finished are below")
     tests = read_results(results)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["result"]] = counts.get(t["result"], 0) + 1
-    shown = shlex.join(["python", *command[1:]]).replace(str(results), "DIR/b_results.jsonl")
+    ran = {t["test"] for t in tests}
+    not_run = [t for t in targets if "::" in t and not any(covers(short_test_id(t), r) for r in ran)]
+    if not_run:
+        counts["not run"] = len(not_run)
+        rec.data["notes"].append("not run (no time left): " + ", ".join(not_run))
+    shown = shlex.join(["python", *command[1:]]).replace(str(results), f"DIR/{results.name}")
     note = (
         "" if has_cuda() else f"GPU-only tests: {NO_GPU} (CUDA is not available; the Triton tests' CPU runs are in CI)"
     )
-    rec.section("Summary", shown, [dict(counts, files=", ".join(Path(f).name for f in files))], note)
+    rec.section("Summary", shown, [dict(counts, **summary)], note)
     rec.section("Per test", shown, tests)
     failed = counts.get("failed", 0) + counts.get("error", 0)
     if not tests:
         return rec.finish("failed: no test results (see the log)")
-    return rec.finish("ok" if not failed else f"failed: {failed} test(s) failed", counts=counts)
+    if failed:
+        return rec.finish(f"failed: {failed} test(s) failed", counts=counts)
+    return rec.finish("ok" if not not_run else f"timeout: {len(not_run)} test(s) not run", counts=counts)
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
@@ -272,9 +296,18 @@ def read_results(path: Path) -> list[dict[str, Any]]:
             continue  # a line cut short by a kill
         if t["result"] == "skipped" and ("CUDA" in t["detail"] or "GPU" in t["detail"]):
             t["detail"] = f"{NO_GPU} ({t['detail']})"
-        t["test"] = t["test"].removeprefix("tests/").replace(".py::", "::")
+        t["test"] = short_test_id(t["test"])
         tests.append(t)
     return tests
+
+
+def short_test_id(nodeid: str) -> str:
+    return nodeid.removeprefix("tests/").replace(".py::", "::")
+
+
+def covers(listed: str, test: str) -> bool:
+    """Whether a listed test id names this test: itself, or the function whose parameter case it is."""
+    return test == listed or ("[" not in listed and test.startswith(listed + "["))
 
 
 # ---- c: kernel microbenchmarks ----------------------------------------------------------------------------
@@ -400,6 +433,14 @@ def phase_d(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     return rec.finish("ok" if not bad else "failed: " + "; ".join(bad))
 
 
+OFFLINE_TABLES = {  # suite_offline.py's tables, as the report titles them
+    "startup": "cold start (seconds per stage)",
+    "latency": "latency",
+    "throughput": "throughput (largest batch that fits)",
+    "profile": "per-kernel share of decode steps at batch 1 (torch profiler)",
+}
+
+
 def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, command: str) -> bool:
     """The run's tables; True when a request produced fewer tokens than asked (its figures are then wrong)."""
     try:
@@ -411,17 +452,10 @@ def _offline_sections(rec: PhaseRecord, path: Path, engine: str, model: str, com
     meta = data.get("meta", {})
     note = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in meta.items())
     name = "transformers generate" if engine == "hf" else "brisk"
-    for table in ("latency", "throughput", "profile"):
+    rec.data["notes"].extend(f"{model}: {text}" for text in data.get("notes", []))
+    for table, what in OFFLINE_TABLES.items():
         if table in rows:
-            title = (
-                f"{name}, {model}: "
-                + {
-                    "latency": "latency",
-                    "throughput": "throughput (largest batch that fits)",
-                    "profile": "per-kernel share of decode steps at batch 1 (torch profiler)",
-                }[table]
-            )
-            rec.section(title, command, [_rounded(r) for r in rows[table]], note)
+            rec.section(f"{name}, {model}: {what}", command, [_rounded(r) for r in rows[table]], note)
     if engine == "brisk":
         device = meta.get("device", "")
         gpu = "H200" if "H200" in device else "H100" if "H100" in device else None
@@ -511,6 +545,10 @@ def serve_and_bench(
         if not _wait_healthy(server, port, budget * 0.75):
             rec.section(f"Served, {preset}", shown, [], "the server did not become ready (see the log)")
             return "server not ready"
+        ready = dict(stage="`brisk serve` started to /health ready", s=round(time.monotonic() - started, 1))
+        note = "cold start of the server process: imports, weights, KV sizing, Triton kernels (disk cache), graphs"
+        rec.section(f"Start-up, {preset} ({model})", shown, [ready], note)
+        note = ""
         for bench in benches:
             run_logged(bench, budget - (time.monotonic() - started) - 5)
     except subprocess.TimeoutExpired:
@@ -575,10 +613,13 @@ def _wait_healthy(server: subprocess.Popen, port: int, timeout: float) -> bool:
 BODIES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e}
 
 
-def run_phase_body(letter: str, out: Path, smoke: bool, budget: float) -> int:
-    rec = PhaseRecord(out, letter)
+def run_phase_body(
+    name: str, body: Callable[[PhaseRecord, bool, float], int], out: Path, smoke: bool, budget: float
+) -> int:
+    """One phase's (or quick step's) body in this process, its record DIR/phase_NAME.json; a crash is recorded."""
+    rec = PhaseRecord(out, name)
     try:
-        return BODIES[letter](rec, smoke, budget)
+        return body(rec, smoke, budget)
     except Exception as exc:  # the report says what broke; the traceback is in the phase's log
         import traceback
 

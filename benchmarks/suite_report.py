@@ -18,23 +18,26 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
 def markdown(report: dict[str, Any]) -> str:
     suite = report.get("suite", {})
     phases = report.get("phases", {})
-    device = phases.get("a", {}).get("ceilings", {}).get("device", "unknown (phase a not run)")
+    env = phases.get("env", {}) if suite.get("plan") == "quick" else phases.get("a", {})
+    device = env.get("ceilings", {}).get("device", "unknown (the environment step did not run)")
+    order = [x for x in suite.get("order", []) if x in phases] + sorted(set(phases) - set(suite.get("order", [])))
+    window = f"; the quick plan's window: {suite['window_s']:.0f} s" if suite.get("window_s") else ""
     lines = [
         "# brisk GPU suite report",
         "",
         f"- command: `{suite.get('command', '')}`",
         f"- started: {suite.get('started', '')} (UTC){'; --smoke: toy sizes on the CPU' if suite.get('smoke') else ''}",
-        f"- device: {device}",
+        f"- device: {device}{window}",
         "",
         "| phase | what | status | seconds | budget |",
         "|---|---|---|---|---|",
     ]
-    for letter in sorted(phases):
+    for letter in order:
         p = phases[letter]
         lines.append(
             f"| {letter} | {p.get('title', '')} | {p.get('status', '')} | {p.get('seconds', '')} | {p.get('budget_s', '')} |"
         )
-    for letter in sorted(phases):
+    for letter in order:
         p = phases[letter]
         lines += ["", f"## {letter}. {p.get('title', '')}: {p.get('status', '')}", ""]
         for note in p.get("notes", []):

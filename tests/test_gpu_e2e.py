@@ -6,7 +6,9 @@ tests/test_triton_attention.py and tests/test_triton_moe.py.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import pytest
 import torch
@@ -61,6 +63,70 @@ def test_cuda_graphs_generate_what_eager_steps_do(tmp_path, batch):
         del llm
         torch.cuda.empty_cache()
     assert outputs["graphs"] == outputs["eager"]
+
+
+def test_overlap_and_graphs_generate_what_plain_eager_steps_do(tmp_path):
+    """Overlap scheduling (step N+1 prepared while step N runs), alone and with CUDA-graph replay, against eager
+    steps without overlap: the same greedy tokens, requests finishing at different steps (the wasted token of an
+    overlapped finish must never reach the output), every KV block returned."""
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)
+    make_tiny_tokenizer(path)
+    rng = random.Random(11)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(8)]
+    runs = {
+        "plain": dict(disable_overlap_scheduler=True, cuda_graph_config=None),
+        "overlap": dict(disable_overlap_scheduler=False, cuda_graph_config=None),
+        "overlap+graphs": dict(disable_overlap_scheduler=False, cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}),
+    }
+    outputs = {}
+    for name, options in runs.items():
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_batch_size=8, **options)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.pool.num_used == 0
+        del llm
+        torch.cuda.empty_cache()
+    assert [len(t) for t in outputs["plain"]] == [4 + 3 * i for i in range(8)]
+    assert outputs["overlap"] == outputs["plain"]
+    assert outputs["overlap+graphs"] == outputs["plain"]
+
+
+def test_structured_outputs_on_cuda_logits_hold_the_constraints(tmp_path):
+    """Structured outputs on a GPU: the grammar's bitmask is applied to CUDA logits (xgrammar's Triton kernel) in
+    the runner; hot sampling over many seeds must still produce only what the constraints allow, never a token of
+    the model's padded vocabulary."""
+    from brisk.structured import StructuredOutputs
+
+    path = make_tiny_model("llama", tmp_path / "m", seed=0, vocab_size=544)  # embedding padded past the tokenizer
+    make_tiny_tokenizer(path, 512)
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "level": {"const": 3}},
+        "required": ["unit", "level"],
+        "additionalProperties": False,
+    }
+    pattern = r"[0-9]{2,4}-[a-z]{3}"
+    seeds = range(16)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=StructuredOutputs(json=schema))
+        for s in seeds
+    ] + [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=30, structured_outputs=StructuredOutputs(regex=pattern))
+        for s in seeds
+    ]
+    with LLM(path, device="cuda", dtype="float32", max_batch_size=32, grammar_max_json_whitespace=1) as llm:
+        outputs = llm.generate([[5, 6, 7]] * len(params), params)
+        eos = set(llm.engine.model_config.eos_token_ids)
+        for out in outputs[: len(seeds)]:
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop" and all(t < 512 for t in completion.token_ids), completion
+            value = json.loads(llm.tokenizer.decode([t for t in completion.token_ids if t not in eos]), strict=False)
+            assert (
+                set(value) == {"unit", "level"} and value["unit"] in ("celsius", "fahrenheit") and value["level"] == 3
+            )
+        for out in outputs[len(seeds) :]:
+            assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+        assert llm.engine.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize("batch", [1, 5])

@@ -1,5 +1,5 @@
 """Loader: sharded checkpoints, weight-name errors, Hub resolution offline, dummy weights for the real
-gpt-oss configs (built on the meta device, so nothing of real size is allocated)."""
+gpt-oss configs (built on the meta device, so nothing of real size is allocated), and never through host memory."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from brisk.config import ModelConfig
 from brisk.layers.attention import Attention
@@ -23,7 +24,8 @@ from brisk.model_runner.loader import (
 )
 from tests.tiny_models import make_tiny_model
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# The gpt-oss configs as on the Hub, shipped with the GPU suite (benchmarks/suite_models.py)
+GPT_OSS_CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpt_oss_configs"
 
 
 def read_all(file: Path) -> dict[str, torch.Tensor]:
@@ -136,16 +138,9 @@ def test_dummy_weights_run_on_cpu(tmp_path):
     assert 0 < model.model.layers[0].self_attn.qkv_proj.weight.std() < 0.05
 
 
-def needs_shared(name: str) -> Path:
-    config = SHARED / "models" / name
-    if not (config / "config.json").is_file():
-        pytest.skip(f"{config} not available")
-    return config
-
-
 @pytest.mark.parametrize("name, layers, experts", [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
 def test_dummy_gpt_oss_real_config_on_meta_has_checkpoint_shapes(name, layers, experts):
-    config = ModelConfig.from_pretrained(str(needs_shared(name)), dtype="bfloat16")
+    config = ModelConfig.from_pretrained(str(GPT_OSS_CONFIGS / name), dtype="bfloat16")
     model = load_model(config, load_format="dummy", device="meta")
     params = dict(model.named_parameters())
     h, i, heads, kv_heads, d = 2880, 2880, 64, 8, 64
@@ -173,3 +168,58 @@ def test_dummy_gpt_oss_real_config_on_meta_has_checkpoint_shapes(name, layers, e
     assert len(attn) == layers
     assert [m.sliding_window for m in attn[:4]] == [128, None, 128, None]
     assert model.model.layers[0].self_attn.rotary_emb.attention_scaling == pytest.approx(1.3465735902799727)
+
+
+def test_dummy_weights_follow_the_engine_seed(tmp_path):
+    """EngineConfig.seed draws the dummy weights: the same seed gives the same model, another seed another one."""
+    from brisk import LLM
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    path = make_tiny_model("gpt_oss", tmp_path / "m", mxfp4=True)
+    make_tiny_tokenizer(path)
+    config = ModelConfig.from_pretrained(path)
+    with LLM(path, load_format="dummy", seed=7, max_num_tokens=64) as llm:
+        served = dict(llm.engine.executor.runner.model.named_parameters())
+        assert set(llm.engine.executor.runner.startup.seconds) >= {"weights", "kv_sizing", "kv_allocation"}
+    same = dict(load_model(config, load_format="dummy", device="cpu", seed=7).named_parameters())
+    other = dict(load_model(config, load_format="dummy", device="cpu", seed=8).named_parameters())
+    blocks = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    for name, param in served.items():
+        assert torch.equal(param, same[name]), name
+    assert not torch.equal(served[blocks], other[blocks])
+    assert not torch.equal(served["lm_head.weight"], other["lm_head.weight"])
+
+
+class _HostAllocations(TorchDispatchMode):
+    """Every tensor an operation creates or fills, by device: catches a weight built on the host and moved after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_bytes: list[tuple[str, int]] = []
+        self.filled_on: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                self.host_bytes.append((str(func), tensor.numel() * tensor.element_size()))
+        name = func.overloadpacket.__name__
+        if name in ("normal_", "random_", "fill_") and isinstance(args[0], torch.Tensor):
+            self.filled_on[args[0].device.type] = self.filled_on.get(args[0].device.type, 0) + 1
+        return out
+
+
+def test_dummy_gpt_oss_120b_for_another_device_never_passes_through_host_memory():
+    """The 61 GB model for a GPU: every parameter is created on the target device and its random values drawn
+    there. Watched on the meta device (the same operations, no memory): no tensor over 1 MiB is made on the host,
+    and every parameter gets its fill on the target."""
+    config = ModelConfig.from_pretrained(str(GPT_OSS_CONFIGS / "gpt-oss-120b"), dtype="bfloat16")
+    watch = _HostAllocations()
+    with watch:
+        model = load_model(config, load_format="dummy", device="meta", seed=3)
+    params = list(model.parameters())
+    assert sum(p.numel() * p.element_size() for p in params) > 60e9  # the real size, for the record
+    big = [(op, n) for op, n in watch.host_bytes if n > 1 << 20]
+    assert not big, big[:5]
+    assert sum(n for _, n in watch.host_bytes) < 16 << 20
+    assert watch.filled_on == {"meta": len(params)}

@@ -10,7 +10,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from brisk.structured.matcher import apply_token_bitmask
+
 triton_kernels = pytest.importorskip("xgrammar.kernels.apply_token_bitmask_inplace_triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel compiled on a GPU, interpreted on a CPU
 
 HARMONY_VOCAB = 201_088  # gpt-oss's vocab_size; its LM head pads to 201,088 too (the tiny case pads below)
 
@@ -33,12 +36,17 @@ def test_gpu_mask_kernel_matches_reference_and_cpu_kernel(vocab, width, rows):
     expected = _reference(logits, bitmask, rows, vocab)
     cpu = logits.clone()
     xgr.apply_token_bitmask_inplace(cpu, bitmask, vocab_size=vocab, indices=rows)
-    gpu = logits.clone()
+    gpu = logits.to(DEVICE)
     # xgrammar's launch (apply_token_bitmask_inplace_triton) with the SM count of a small GPU: it asks CUDA for it
-    indices = torch.tensor(rows, dtype=torch.int32)
+    indices = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     triton_kernels.apply_token_bitmask_inplace_kernel[(4,)](
-        gpu, bitmask, indices, len(rows), vocab, gpu.stride(0), bitmask.stride(0), NUM_SMS=4, BLOCK_SIZE=4096
+        gpu, bitmask.to(DEVICE), indices, len(rows), vocab, gpu.stride(0), bitmask.stride(0), NUM_SMS=4, BLOCK_SIZE=4096
     )
+    gpu = gpu.cpu()
+    # brisk's call, as the runner makes it on the device's logits (xgrammar picks its kernel by the device)
+    via_brisk = logits.to(DEVICE)
+    apply_token_bitmask(via_brisk, bitmask, rows, vocab)
     assert torch.equal(cpu, expected)
     assert torch.equal(gpu, expected)
+    assert torch.equal(via_brisk.cpu(), expected)
     assert (gpu[rows, :vocab] == float("-inf")).any() and torch.isfinite(gpu[:, vocab:]).all()

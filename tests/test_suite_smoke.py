@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(REPO, "benchmarks", "gpu_suite.py")
 NO_GPU = "skipped: no GPU"
+TINY = "tiny-gpt-oss"
+COLD = "cold start (seconds per stage)"
 
 
-def run_suite(*args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess, dict]:
-    env = dict(os.environ, PYTHONPATH=REPO)
+def run_suite(*args: str, timeout: float = 400, path: str | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, PYTHONPATH=REPO, PATH=path or os.environ["PATH"])
     done = subprocess.run([sys.executable, SUITE, *args], capture_output=True, text=True, env=env, timeout=timeout)
     out = args[args.index("--out") + 1]
     with open(os.path.join(out, "report.json")) as f:
@@ -170,3 +176,165 @@ def test_gpu_tables_read_the_benchmarks_json_and_hold_the_targets(tmp_path):
             verdict="short (per-kernel profile above)",
         )
     ]  # the H200-only throughput target is not held against an H100
+
+
+# ---------------------------------------------------------------- the quick plan (--quick: the GPU window)
+
+
+def test_quick_plan_fits_the_gpu_window_and_the_cpu_rehearsal_fits_two_minutes():
+    """The quick plan's budgets: at most 8 minutes on one GPU in all, the open-ended step (speed_20b) only taking
+    what the window has left; the CPU rehearsal's window under 2 minutes; gpu_window.sh's limit inside the device
+    tool's 10-minute command with room for the install."""
+    quick = _suite_module("suite_quick")
+    assert quick.WINDOW_S <= 480 and quick.SMOKE_WINDOW_S < 120
+    assert sum(step.gpu_s for step in quick.STEPS) <= quick.WINDOW_S
+    assert sum(step.smoke_s for step in quick.STEPS) <= quick.SMOKE_WINDOW_S
+    assert [step.name for step in quick.STEPS][:5] == ["env", "kernels", "e2e", "speed_120b", "served_120b"]
+    assert [step.name for step in quick.STEPS if not step.gpu_s] == ["speed_20b"]
+    script = open(os.path.join(REPO, "benchmarks", "gpu_window.sh")).read()
+    limit = int(re.search(r"^limit=(\d+)", script, re.M).group(1))
+    assert quick.WINDOW_S + 30 <= limit <= 600 - 45  # the suite's window and cleanup; the install and nvidia-smi
+
+
+def _listed_tests(quick) -> set[str]:
+    phases = _suite_module("suite_phases")
+    return {phases.short_test_id(t) for t in (*quick.KERNEL_TESTS, *quick.E2E_TESTS)}
+
+
+@pytest.fixture(scope="module")
+def quick_smoke(tmp_path_factory):
+    out, work = tmp_path_factory.mktemp("quick_out"), tmp_path_factory.mktemp("quick_work")
+    # A slow or busy CI box gets twice the rehearsal's window (the plan's own window is checked above).
+    done, report = run_suite("--quick", "--smoke", "--out", str(out), "--work", str(work), "--budget-scale", "2")
+    assert done.returncode == 0, done.stdout + done.stderr + (out / "report.md").read_text()
+    return out, work, done, report
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU run's 'skipped: no GPU' marks")
+def test_quick_smoke_runs_every_step_and_each_writes_its_rows(quick_smoke):
+    out, work, done, report = quick_smoke
+    quick = _suite_module("suite_quick")
+    names = [step.name for step in quick.STEPS]
+    assert report["suite"]["plan"] == "quick" and report["suite"]["order"] == names
+    for step in quick.STEPS:  # the budgets, printed before the first step runs
+        assert re.search(rf"^\s+{step.name}\s+(\d+ s|the rest of the window)\s", done.stdout, re.M), step.name
+    assert done.stdout.index("speed_20b ") < done.stdout.index("env: budget")
+    phases = report["phases"]
+    for name in names:
+        assert phases[name]["status"] in ("ok", NO_GPU), (name, phases[name]["status"], phases[name].get("log_tail"))
+        assert phases[name]["sections"] and all(s["rows"] and s["command"] for s in phases[name]["sections"]), name
+
+    for step in ("kernels", "e2e"):  # every listed test ran (an id that no longer exists would be an error)
+        assert sections(phases[step])["Per test"]["rows"]
+    tests = {t["test"]: t for step in ("kernels", "e2e") for t in sections(phases[step])["Per test"]["rows"]}
+    listed = _listed_tests(quick)
+    covers = _suite_module("suite_phases").covers
+    assert all(any(covers(x, t) for t in tests) for x in listed) and all(
+        any(covers(x, t) for x in listed) for t in tests
+    )
+    assert tests["test_triton_moe::test_mxfp4_nibble_order_low_first"]["result"] == "passed"
+    mask = [t for name, t in tests.items() if name.startswith("test_structured_gpu_kernel::")]
+    assert len(mask) == 2 and all(t["result"] == "passed" for t in mask)
+    gpu_only = [t for name, t in tests.items() if "_gpu_e2e::" in name or "::test_real_" in name]
+    assert gpu_only and all(t["result"] == "skipped" and t["detail"].startswith(NO_GPU) for t in gpu_only)
+
+    for step in ("speed_120b", "speed_20b"):
+        by_title = sections(phases[step])
+        cold = {r["stage"].split(" (")[0].split(":")[0]: r["s"] for r in by_title[f"brisk, {TINY}: {COLD}"]["rows"]}
+        assert {"python imports", "weights", "KV cache allocation", "LLM() in all"} <= set(cold)
+        assert all(s >= 0 for s in cold.values())
+        assert by_title[f"brisk, {TINY}: throughput (largest batch that fits)"]["rows"][0]["output_tok_s_gpu"] > 0
+    latency = sections(phases["speed_120b"])[f"brisk, {TINY}: latency"]["rows"]
+    assert latency and all(r["tok_s_user"] > 0 and 0 < r["roofline_fraction"] < 1 for r in latency)
+    assert any(NO_GPU in note for note in phases["speed_120b"]["notes"])
+
+    served = sections(phases["served_120b"])
+    rows = served[f"Served, low_latency (examples/low_latency.yaml), {TINY}"]["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 16]
+    assert all(r["failed"] == 0 and r["tok_s_gpu"] > 0 for r in rows)
+    assert served[f"Start-up, low_latency ({TINY})"]["rows"][0]["s"] > 0
+
+    # --work kept the models, logs and raw results out of --out: the device tool brings back a few files only
+    assert sorted(os.listdir(out)) == ["logs.tar.gz", "report.json", "report.md"]
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        archived = set(archive.getnames())
+    assert {f"phase_{name}.log" for name in names} <= archived and not any("models" in n for n in archived)
+    md = (out / "report.md").read_text()
+    assert [md.index(f"\n## {name}. ") for name in names] == sorted(md.index(f"\n## {name}. ") for name in names)
+
+
+def test_quick_steps_past_the_window_are_marked_not_run_and_the_plan_goes_on(tmp_path):
+    """A window too short for the steps: the first is stopped at what is left, the next is not started, both
+    recorded; and with nvidia-smi on the PATH and no phases named, the quick plan is the default."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env_path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    out = tmp_path / "out"
+    # a window of 118 x 0.1 = 11.8 s less the 10 s kept for stopping a step: env gets its 1 s (too little to
+    # import torch) and is stopped; then under a second is left, less than kernels' least (0.8 s)
+    done, report = run_suite(
+        "--smoke", "--out", str(out), "--steps", "env,kernels", "--budget-scale", "0.1", path=env_path
+    )
+    assert report["suite"]["plan"] == "quick" and report["suite"]["phases_run"] == ["env", "kernels"]
+    assert report["phases"]["env"]["status"].startswith("timeout: stopped after its budget")
+    assert report["phases"]["kernels"]["status"].startswith("not run: ")
+    assert done.returncode == 1  # the stopped step; a step not run is no failure of its own
+    done, report = run_suite("--smoke", "--out", str(tmp_path / "plain"), "--budget-scale", "0.001", path=env_path)
+    assert report["suite"]["plan"] == "quick" and all(
+        p["status"].startswith("not run") for p in report["phases"].values()
+    )
+
+
+def test_throughput_point_is_cut_to_fit_the_time_left():
+    offline = _suite_module("suite_offline")
+    config = _suite_module("suite_models").model_config("gpt-oss-120b")
+    # batch 64 x 1024 in: prefill 4 s (16k tokens/s), 127 decode steps in 2.54 s (20 ms a step)
+    latency = [dict(batch=64, input_len=1024, output_len=128, total_s=6.54, prefill_s=4.0)]
+    assert offline.fit_throughput_point(config, latency, 256, 1024, 1000.0) == (256, 1024, "")
+    # 256 x 1k/1k: 16 s of prefill and 1024 steps of ~27 ms (the KV of 256 sequences on top of the weights): ~44 s
+    assert offline.fit_throughput_point(config, latency, 256, 1024, 60.0) == (256, 1024, "")
+    batch, out, note = offline.fit_throughput_point(config, latency, 256, 1024, 25.0)  # 512 out: ~29.5 s; 256: ~23
+    assert (batch, out) == (256, 256) and "cut from 256 x 1024/1024" in note and "to 256 sequences" in note
+    batch, out, note = offline.fit_throughput_point(config, latency, 256, 1024, 12.0)
+    assert out == 128 and 8 <= batch < 256 and "to fit the 12 s" in note
+    assert offline.fit_throughput_point(config, [], 256, 1024, 1.0) == (256, 1024, "")  # nothing to estimate from
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue  # the process ended meanwhile
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_stopped_suite_ends_the_running_step_and_keeps_its_report(tmp_path):
+    """gpu_window.sh stops the suite with SIGTERM at its limit: the step running then (in its own session, which
+    the device tool would let outlive the command and hold the GPU) is ended, and the report says so."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    suite = subprocess.Popen(
+        [sys.executable, SUITE, "--smoke", "--steps", "env,kernels", "--out", str(out), "--budget-scale", "5"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not _processes_naming(f"--run-phase\0env\0--out\0{out}") and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling for the step's start, not synchronisation
+    assert _processes_naming(f"--run-phase\0env\0--out\0{out}"), "the env step never started"
+    suite.send_signal(signal.SIGTERM)
+    assert suite.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not _processes_naming(str(out))  # the step (and all it started) ended with the suite
+    report = json.loads((out / "report.json").read_text())
+    assert report["phases"]["env"]["status"] == "stopped: the suite itself was stopped (SIGTERM)"
+    assert report["phases"]["kernels"]["status"] == "pending"

@@ -393,7 +393,7 @@ def test_default_config_block_m_follows_slots_per_expert():
 
 
 @needs_cuda
-@pytest.mark.parametrize("t", [1, 8, 64, 512])
+@pytest.mark.parametrize("t", [1, 8, 64, 512, 640])
 @pytest.mark.parametrize("mxfp4", [True, False])
 def test_gpt_oss_120b_shapes_on_gpu(t, mxfp4):
     e, k, h = (128, 4, 2880) if mxfp4 else (32, 4, 2880)  # bf16 experts at E=32 (gpt-oss-20b) to save memory

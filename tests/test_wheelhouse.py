@@ -1,117 +1,170 @@
 """tools/wheelhouse.sh builds an offline wheelhouse from which brisk installs with `pip install --no-index`.
 
-Cost: about 60-80 s on 2 cores: ~10 s to download ~55 MB of wheels (pip's HTTP cache makes repeats cheaper), 40-60 s
-to install them into a fresh venv and run brisk there, ~10 s for a second, smaller build (--skip-file). Needs PyPI (or the configured index): skipped, with the reason,
-where pip cannot reach it.
+Cost: about 60-90 s on 2 cores: two builds (a few `pip download --no-deps` calls each, ~40 MB then ~12 MB; pip's
+HTTP cache makes repeats cheaper), two installs into fresh venvs, brisk run in each. Needs PyPI (or the configured
+index): skipped, with the reason, where pip cannot reach it.
 
-The fresh venv stands for the air-gapped GPU box, which has torch preinstalled and nothing else of brisk's: it sees
-torch and triton through a .pth file naming a folder of links to this environment's torch, the packages torch itself
-needs that brisk does not (sympy, mpmath, networkx), and triton, so the wheelhouse need not (and must not) hold
-them, and every other
-package brisk imports must come from the wheelhouse.
+Each fresh venv stands for an air-gapped machine. For the full wheelhouse it has torch preinstalled and nothing else
+of brisk's: torch and triton come through a .pth file naming a folder of links to this environment's torch, the
+packages torch itself needs that brisk does not (sympy, mpmath, networkx), and triton. For `--have
+tools/gpu_image_packages.txt` it has, the same way, every project of that list this environment holds (with what they
+need here), as the lent GPU machines' image does, and the wheelhouse installs beside it with `--no-deps --target`,
+as benchmarks/gpu_window.sh does there. Every other package brisk imports must come from the wheelhouse.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import venv
+from pathlib import Path
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tools", "wheelhouse.sh")
-# what the GPU box has: torch (with the packages it needs and brisk does not) and triton (xgrammar needs it)
-TORCH_ONLY = ("torch", "functorch", "torchgen", "sympy", "mpmath", "networkx", "triton")
+GPU_IMAGE = os.path.join(REPO, "tools", "gpu_image_packages.txt")
+# what every target has: torch (with the packages it needs and brisk does not) and triton (xgrammar needs it)
+TORCH_ONLY = ("torch", "sympy", "mpmath", "networkx", "triton")
 LIMIT_MB = 60
+GPU_IMAGE_LIMIT_MB = 20  # beside a checkout of a few MB, well under the device tool's 64 MiB
+# brisk on the target: the offline API on the bundled demo model, and the server and benchmark modules import
+RUN_BRISK = (
+    "import os, brisk, brisk.server.app, brisk.bench.client, pytest, hypothesis\n"
+    "from brisk import LLM, SamplingParams\n"
+    "llm = LLM(os.path.join(os.path.dirname(brisk.__file__), 'demo_model'), max_num_tokens=64)\n"
+    "out = llm.generate(['hi'], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))\n"
+    "assert len(out[0].outputs[0].token_ids) == 4\n"
+    "print(brisk.__file__)\n"
+)
 
 
-def _link_torch(into: str) -> None:
-    site = sysconfig.get_paths()["purelib"]
-    for pattern in TORCH_ONLY:
-        for path in glob.glob(os.path.join(site, pattern)) + glob.glob(os.path.join(site, f"{pattern}-*.dist-info")):
-            os.symlink(path, os.path.join(into, os.path.basename(path)))
-
-
-def test_brisk_installs_offline_from_the_wheelhouse(tmp_path):
-    wheels = tmp_path / "wheels"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHON=sys.executable, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    env.pop("PYTHONPATH", None)  # the venv must find brisk where pip put it, not in this checkout
+    env.pop("PYTHONPATH", None)  # the target finds only what it has and what was installed
+    return env
+
+
+def build(out: Path, *args: str) -> list[str]:
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
     built = subprocess.run(
-        ["bash", SCRIPT, "--python", version, "--out", str(wheels)], capture_output=True, text=True, env=env
+        ["bash", SCRIPT, "--python", version, "--out", str(out), *args], capture_output=True, text=True, env=_env()
     )
     if built.returncode != 0 and any(
         s in built.stderr for s in ("Could not find a version", "Failed to establish", "NewConnectionError")
     ):
         pytest.skip(f"the package index is unreachable: {built.stderr.strip().splitlines()[-1]}")
     assert built.returncode == 0, built.stdout + built.stderr
-    names = [os.path.basename(w) for w in glob.glob(str(wheels / "*.whl"))]
-    assert not [n for n in names if n.startswith(("torch-", "triton-", "nvidia_"))], names
+    return sorted(os.path.basename(w) for w in glob.glob(str(out / "*.whl")))
+
+
+def project(wheel: str) -> str:
+    return re.sub(r"[-_.]+", "-", wheel.split("-")[0]).lower()
+
+
+def target_with(tmp_path: Path, distributions: set[str]) -> str:
+    """A fresh venv that sees, through a .pth file, links to these distributions of this environment."""
+    target = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(target)
+    python = str(target / "bin" / "python")
+    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    image = tmp_path / "image"
+    image.mkdir()
+    here = Path(sysconfig.get_paths()["purelib"])
+    for name in sorted(distributions):
+        dist = importlib.metadata.distribution(name)
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            if (here / top).exists() and not (image / top).exists():
+                os.symlink(here / top, image / top)
+    with open(os.path.join(site.decode().strip(), "gpu_box_image.pth"), "w") as f:
+        f.write(str(image) + "\n")
+    return python
+
+
+def installed_closure(names: set[str], leave_out: set[str]) -> set[str]:
+    """These projects as installed here and what they need here, recursively, but never the `leave_out` ones."""
+    found, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+        if key in found or key in leave_out:
+            continue
+        found.add(key)
+        for req in dist.requires or []:
+            if "extra ==" not in req:
+                todo.append(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0])
+    return found
+
+
+def test_brisk_installs_offline_from_the_wheelhouse(tmp_path):
+    wheels = tmp_path / "wheels"
+    names = build(wheels)
+    assert not [n for n in names if n.startswith(("torch-", "triton-", "nvidia_", "sympy-", "networkx-"))], names
     assert any(n.startswith("transformers-") for n in names) and any(n.startswith("pytest-") for n in names)
     assert sum(os.path.getsize(wheels / n) for n in names) < LIMIT_MB * 1_000_000
     skipped = (wheels / "SKIPPED.txt").read_text()
     assert "torch" in skipped and "matplotlib" in skipped
 
-    target = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(target)
-    python = str(target / "bin" / "python")
-    site = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-    preinstalled = tmp_path / "preinstalled"
-    preinstalled.mkdir()
-    _link_torch(str(preinstalled))
-    with open(os.path.join(site.decode().strip(), "gpu_box_torch.pth"), "w") as f:
-        f.write(str(preinstalled) + "\n")
-
+    python = target_with(tmp_path, set(TORCH_ONLY))
     # --no-build-isolation is not used: pip must build brisk in isolation from the wheelhouse's setuptools.
     install = subprocess.run(
-        [
-            python,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--find-links",
-            str(wheels),
-            "-r",
-            str(wheels / "requirements.txt"),
-            REPO,
-        ],
+        [python, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
+        + ["-r", str(wheels / "requirements.txt"), REPO],
         capture_output=True,
         text=True,
-        env=env,
+        env=_env(),
         cwd=tmp_path,
     )
     assert install.returncode == 0, install.stdout + install.stderr
-    # brisk runs there: the offline API on the bundled demo model, and the server and benchmark modules import.
-    check = (
-        "import os, brisk, brisk.server.app, brisk.bench.client, pytest, hypothesis\n"
-        "from brisk import LLM, SamplingParams\n"
-        "llm = LLM(os.path.join(os.path.dirname(brisk.__file__), 'demo_model'), max_num_tokens=64)\n"
-        "out = llm.generate(['hi'], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))\n"
-        "assert len(out[0].outputs[0].token_ids) == 4\n"
-        "print(brisk.__file__)\n"
-    )
-    ran = subprocess.run([python, "-c", check], capture_output=True, text=True, env=env, cwd=tmp_path)
+    ran = subprocess.run([python, "-c", RUN_BRISK], capture_output=True, text=True, env=_env(), cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert str(target) in ran.stdout  # the installed copy, not this checkout
+    assert str(tmp_path / "venv") in ran.stdout  # the installed copy, not this checkout
 
-    # --skip-file: projects the target already has stay out (pip's cache makes this second build quick).
-    have = tmp_path / "have.txt"
-    have.write_text("Transformers==5.0.0\nhuggingface_hub==1.0\n")
-    smaller = tmp_path / "smaller"
-    built = subprocess.run(
-        ["bash", SCRIPT, "--python", version, "--out", str(smaller), "--skip-file", str(have)],
+
+def test_gpu_image_wheelhouse_holds_only_what_the_image_lacks_and_runs_beside_it(tmp_path):
+    """`--have tools/gpu_image_packages.txt`: a few MB of wheels (none of a project the image has), installed with
+    `pip install --no-index --no-deps --target` as gpu_window.sh does, run with brisk from the checkout; every
+    range of brisk's and the suite's requirements holds there (the suite's env step, as on the GPU box)."""
+    wheels = tmp_path / "wheels"
+    names = build(wheels, "--have", GPU_IMAGE)
+    have = {re.split(r"[\s=]", line, maxsplit=1)[0].lower() for line in open(GPU_IMAGE) if line[:1].isalnum()}
+    assert not [n for n in names if project(n) in have], names
+    assert {"pydantic", "fastapi", "xgrammar", "openai-harmony", "msgspec", "pyzmq"} <= {project(n) for n in names}
+    assert sum(os.path.getsize(wheels / n) for n in names) < GPU_IMAGE_LIMIT_MB * 1_000_000
+    skipped = (wheels / "SKIPPED.txt").read_text()
+    assert re.search(
+        r"^transformers<6,>=4\.56  <- brisk \(pyproject\.toml\): the target has it \(5\.17\.0\)$", skipped, re.M
+    )
+    assert "WARNING" not in skipped
+
+    image = installed_closure(have | set(TORCH_ONLY), leave_out={project(n) for n in names})
+    python = target_with(tmp_path, image)
+    site = tmp_path / "brisk-site"
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
+        + [str(wheels / n) for n in names],
         capture_output=True,
         text=True,
-        env=env,
+        env=_env(),
     )
-    assert built.returncode == 0, built.stdout + built.stderr
-    kept = [os.path.basename(w) for w in glob.glob(str(smaller / "*.whl"))]
-    assert not [n for n in kept if n.startswith(("transformers-", "huggingface_hub-"))]
-    assert len(kept) == len(names) - 2
-    assert "the target has transformers" in (smaller / "SKIPPED.txt").read_text()
+    assert install.returncode == 0, install.stdout + install.stderr
+    env = dict(_env(), PYTHONPATH=f"{site}{os.pathsep}{REPO}")
+    check = (
+        RUN_BRISK + "import sys; sys.path.insert(0, 'benchmarks')\n"
+        "from suite_phases import package_rows\n"
+        "bad = [r for r in package_rows() if r['ok'] != 'yes']\n"
+        "assert not bad, bad\n"
+    )
+    ran = subprocess.run([python, "-c", check], capture_output=True, text=True, env=env, cwd=REPO)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert os.path.join(REPO, "brisk") in ran.stdout  # brisk from the checkout, as on the GPU box

@@ -29,6 +29,7 @@ from brisk.model_runner.layout import StepBatch, lay_out_step
 from brisk.model_runner.prompt_logprobs import prompt_logprobs
 from brisk.model_runner.sampler import needs_history
 from brisk.model_runner.sampling_stage import SamplingStage
+from brisk.model_runner.startup import StartupTimes
 from brisk.model_runner.step_output import RankExtras, StepResult, last_tokens, rows_of_rank, share_packed
 from brisk.models.registry import BriskModel
 from brisk.scheduler.output import SchedulerOutput
@@ -61,6 +62,7 @@ class ModelRunner:
         self.parallel = parallel
         self.cpu_group = cpu_group
         self.block_size = config.block_size
+        self.startup: StartupTimes | None = None  # its start-up stages' seconds, filled by setup.py
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_groups = kv_groups_for(model_config)
         self.batch = InputBatch(config.max_batch_size, cdiv(max_seq_len, self.block_size), len(self.kv_groups), device)

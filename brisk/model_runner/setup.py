@@ -21,6 +21,7 @@ from brisk.model_runner.kv_tensors import num_kv_blocks_in_budget
 from brisk.model_runner.loader import load_model
 from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
 from brisk.model_runner.runner import ModelRunner
+from brisk.model_runner.startup import StartupTimes
 from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import NewRequestData, SchedulerOutput
 from brisk.spec_decode.registry import make_proposer
@@ -34,7 +35,9 @@ def load_model_runner(
     parallel: ParallelConfig = ParallelConfig(),
     cpu_group: dist.ProcessGroup | None = None,
 ) -> ModelRunner:
-    model = load_model(model_config, load_format=config.load_format, device=device, parallel=parallel)
+    startup = StartupTimes(device)  # each start-up stage's seconds (startup.py)
+    model = load_model(model_config, load_format=config.load_format, device=device, parallel=parallel, seed=config.seed)
+    startup.mark("weights")
     model.eval()
     if device.type == "cpu":
         prepare_for_cpu(model, config)
@@ -42,13 +45,17 @@ def load_model_runner(
     bind(model, kernels)
     proposer = make_proposer(config, model_config, model)
     runner = ModelRunner(config, model_config, model, kernels, device, max_seq_len, parallel, cpu_group, proposer)
+    runner.startup = startup
+    startup.mark("setup")
     if device.type == "cuda" and config.kv_cache_config.max_blocks is None:
         num_blocks = num_kv_blocks_by_profiling(runner)
     else:
         num_blocks = num_kv_blocks_in_budget(config, runner.kv_layout, device, max_seq_len)
     if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
         num_blocks = agree_min(num_blocks, cpu_group)
+    startup.mark("kv_sizing")
     runner.allocate_kv_cache(num_blocks)
+    startup.mark("kv_allocation")
     graph_config = effective_graph_config(config, device)
     sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []
     if graph_config is not None and sizes:
@@ -67,8 +74,10 @@ def load_model_runner(
         )
         runner.graphs = DecodeGraphs(target, sizes, graph_config.enable_padding, capture, 1 + runner.k)
         runner.graphs.capture_all()
+        startup.mark("graph_capture")
         if runner.drafter is not None:  # every verification then has the static shape
             runner.drafter.pad_drafts = True
+    startup.log()
     return runner
 
 

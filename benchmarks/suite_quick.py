@@ -1,0 +1,196 @@
+"""The quick plan of benchmarks/gpu_suite.py (`--quick`, the default on a GPU): the whole verdict, correctness first
+and then the headline figures, in one command of at most 8 minutes on one H100.
+
+    step        budget  what
+    env           25 s  GPU, driver, packages against brisk's ranges; measured copy GB/s and bf16 TFLOP/s
+    kernels       70 s  compiled Triton kernels vs torch at gpt-oss shapes: decode and prefill attention with sinks
+                        and the 128 window, the MXFP4 MoE at batch 1, 64 and 640, the structured-output mask on CUDA
+    e2e           80 s  greedy identity Triton vs torch on a tiny model of the real architecture; CUDA-graph replay
+                        identity for decode steps, verify steps and overlap; structured outputs on CUDA logits
+    speed_120b   200 s  dummy gpt-oss-120b in one process: cold start stage by stage, decode at batch 1, 8 and 64
+                        (tok/s, fraction of the bandwidth roofline), one max-throughput point (~1k in / 1k out)
+    served_120b  100 s  `brisk serve` dummy 120b with examples/low_latency.yaml, `brisk bench serve` at 1 and 16
+    speed_20b   the rest  dummy gpt-oss-20b as speed_120b, only where the window has time left (60 s at least)
+
+Each step is a process of its own under a hard timeout (gpu_suite.py); inside it, the speed steps fit their sizes
+to their time (batches skipped, the throughput point cut, each with a note) rather than running into the timeout.
+A step that fails or times out is recorded and the plan goes on; no step starts past the window.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from suite_models import TINY_NAME, write_model_dir
+from suite_phases import (
+    NO_GPU,
+    PhaseRecord,
+    _offline_sections,
+    ceilings,
+    has_cuda,
+    phase_a,
+    run_logged,
+    run_tests,
+    serve_and_bench,
+)
+
+WINDOW_S = 480  # the quick plan on one H100: 8 minutes
+SMOKE_WINDOW_S = 118  # --smoke on 2 CPU cores: under 2 minutes
+
+# Correctness, in the order they run (a step cut by its budget loses the last ones): each kernel family's first case
+# early, since its first compile costs most. The attention cases are gpt-oss's: 64 q / 8 KV heads, head_dim 64, sinks,
+# window 128 or none; the MoE at 640 tokens runs the prefill-sized tiles.
+KERNEL_TESTS = (
+    "tests/test_triton_moe.py::test_mxfp4_nibble_order_low_first",
+    "tests/test_triton_attention.py::test_real_decode[128-None-8]",
+    "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-1]",
+    "tests/test_triton_attention.py::test_real_chunked_prefill[128-8]",
+    "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-640]",
+    "tests/test_structured_gpu_kernel.py::test_gpu_mask_kernel_matches_reference_and_cpu_kernel",
+    "tests/test_triton_attention.py::test_real_decode[None-None-8]",
+    "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-64]",
+    "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-128-dtype0]",
+    "tests/test_triton_attention.py::test_real_chunked_prefill[None-8]",
+    "tests/test_triton_attention.py::test_real_decode[128-256-8]",
+    "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-None-dtype0]",
+    "tests/test_triton_moe.py::test_alignment_at_prefill_size_on_gpu",
+)
+E2E_TESTS = (
+    "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[mxfp4]",
+    "tests/test_gpu_e2e.py::test_cuda_graphs_generate_what_eager_steps_do[8]",
+    "tests/test_gpu_e2e.py::test_cuda_graphs_generate_what_eager_steps_do[64]",
+    "tests/test_gpu_e2e.py::test_cuda_graphs_replay_speculative_verify_steps[5]",
+    "tests/test_gpu_e2e.py::test_overlap_and_graphs_generate_what_plain_eager_steps_do",
+    "tests/test_gpu_e2e.py::test_structured_outputs_on_cuda_logits_hold_the_constraints",
+    "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[bf16-experts]",
+    "tests/test_gpu_e2e.py::test_cuda_graphs_with_eagle3_generate_what_eager_steps_do",
+)
+# The speed steps' shapes on a GPU and, in --smoke or without CUDA, on the toy gpt-oss.
+GPU_SPEED = dict(batches="1,8,64", input_len=1024, output_len=128, throughput_len=1024, max_batch=512)
+SMOKE_SPEED = dict(batches="1,4", input_len=32, output_len=16, throughput_len=32, max_batch=16)
+# Captured decode batch sizes: the latency batches exactly, and a throughput batch (set by the KV pool) padded by
+# at most a quarter; fewer graphs than brisk's default ladder of 8s (start-up time is part of the window).
+GRAPH_SIZES = "1,2,4,8,16,32,48,64,96,128,160,192,256,320,384,448,512"
+SERVED_PRESET = "low_latency"
+GPU_LOADS = [
+    ["--concurrency", "1", "--num-prompts", "4", "--input-len", "1024", "--output-len", "128"],
+    ["--concurrency", "16", "--num-prompts", "32", "--input-len", "1024", "--output-len", "128"],
+]
+SMOKE_LOADS = [
+    ["--concurrency", "1", "--num-prompts", "4", "--input-len", "32", "--output-len", "16"],
+    ["--concurrency", "16", "--num-prompts", "16", "--input-len", "32", "--output-len", "16"],
+]
+SPEED_MARGIN_S = 10  # a speed run's own time limit ends this long before its step's hard timeout
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    title: str
+    gpu_s: float  # the step's budget on a GPU; 0: whatever the window has left
+    smoke_s: float  # the same in --smoke on a CPU
+    min_s: tuple[float, float]  # (GPU, --smoke): with less time than this left in the window the step is not started
+    body: Callable[[PhaseRecord, bool, float], int]
+
+    def budget(self, smoke: bool) -> float:
+        return self.smoke_s if smoke else self.gpu_s
+
+
+def step_env(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    return phase_a(rec, smoke, budget)
+
+
+def step_kernels(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    return run_tests(rec, list(KERNEL_TESTS), budget)
+
+
+def step_e2e(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    return run_tests(rec, list(E2E_TESTS), budget)
+
+
+def step_speed_120b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    return offline_speed(rec, smoke, budget, "gpt-oss-120b")
+
+
+def step_speed_20b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    return offline_speed(rec, smoke, budget, "gpt-oss-20b")
+
+
+def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> int:
+    """benchmarks/suite_offline.py on one dummy model in one process (one load for every figure), its own time
+    limit a little inside the step's hard timeout."""
+    work = rec.path.parent
+    gpu = _on_gpu(rec, smoke, model)
+    name = model if gpu else TINY_NAME
+    sizes = GPU_SPEED if gpu else SMOKE_SPEED
+    path = work / f"{rec.path.stem.removeprefix('phase_')}.json"
+    path.unlink(missing_ok=True)
+    command = [sys.executable, "benchmarks/suite_offline.py", "brisk", "--model", name, "--out", str(path)]
+    command += ["--models-dir", str(work / "models"), "--time-budget", f"{max(5.0, budget - SPEED_MARGIN_S):.0f}"]
+    command += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
+    command += ["--graph-sizes", GRAPH_SIZES, "--profile", "short" if gpu else "always"]
+    bandwidth = ceilings(work).get("copy_gbps")
+    if bandwidth:
+        command += ["--bandwidth-gbps", f"{bandwidth:.1f}"]
+    status = "ok"
+    try:
+        done = run_logged(command, budget - 3)
+        if done.returncode != 0:
+            status = f"failed: exit code {done.returncode}"
+    except subprocess.TimeoutExpired:
+        status = "timeout: stopped at the step's budget (the rows it finished are below)"
+    shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
+    if _offline_sections(rec, path, "brisk", name, shown):
+        status = "failed: requests ended early (missing_tokens): the rates are not valid"
+    return rec.finish(status)
+
+
+def _on_gpu(rec: PhaseRecord, smoke: bool, model: str) -> bool:
+    """Whether the step runs its real model; else a note says the toy gpt-oss stands in, and why."""
+    gpu = has_cuda() and not smoke
+    if not gpu:
+        rec.data["notes"].append(f"dummy {model}: {NO_GPU if not has_cuda() else '--smoke'} (the toy model stands in)")
+    return gpu
+
+
+def step_served(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    gpu = _on_gpu(rec, smoke, "gpt-oss-120b")
+    model = "gpt-oss-120b" if gpu else TINY_NAME
+    model_dir = write_model_dir(model, rec.path.parent / "models")
+    status = serve_and_bench(rec, SERVED_PRESET, model, model_dir, GPU_LOADS if gpu else SMOKE_LOADS, budget - 5)
+    return rec.finish("ok" if status == "ok" else f"failed: {status}")
+
+
+STEPS = (
+    Step("env", "environment and ceilings", 25, 10, (10, 5), step_env),
+    Step("kernels", "correctness: Triton kernels vs torch at gpt-oss shapes", 70, 22, (30, 8), step_kernels),
+    Step("e2e", "correctness: Triton vs torch end to end, CUDA graphs, overlap", 80, 16, (30, 8), step_e2e),
+    Step("speed_120b", "speed: dummy gpt-oss-120b offline", 200, 25, (60, 15), step_speed_120b),
+    Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 100, 32, (45, 15), step_served),
+    Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (60, 8), step_speed_20b),
+)
+STEP_NAMES = tuple(step.name for step in STEPS)
+
+
+def plan(names: list[str], smoke: bool, scale: float) -> list[tuple[Step, float]]:
+    """The steps to run, in the plan's order, each with its budget (0: what the window has left)."""
+    chosen = [step for step in STEPS if step.name in names]
+    return [(step, step.budget(smoke) * scale) for step in chosen]
+
+
+def window_s(smoke: bool, scale: float) -> float:
+    return (SMOKE_WINDOW_S if smoke else WINDOW_S) * scale
+
+
+def step_budget(step: Step, nominal: float, deadline: float, smoke: bool, scale: float, grace: float) -> float:
+    """What the step may take now: its own budget (or the rest of the window), never past the window's end less
+    the time a stopped step takes to be cleaned up; 0 when that leaves less than the step's minimum."""
+    left = deadline - time.monotonic() - 2 * grace
+    budget = min(nominal, left) if nominal else left
+    least = step.min_s[1 if smoke else 0] * scale
+    return budget if budget >= least else 0.0
