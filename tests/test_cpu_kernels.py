@@ -410,6 +410,8 @@ def test_every_dense_layer_takes_the_bound_kernel(kernels, monkeypatch):
         calls.clear()
         layer(torch.randn(1, 32))
         assert calls == [layer.weight.shape], name
+        # no oneDNN copy of a weight the kernels serve (bf16 on CPU is what is otherwise prepacked)
+        assert layer.to(torch.bfloat16).prepack() == 0 and layer.packed_weight is None, name
 
 
 def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kernels):

@@ -118,12 +118,12 @@ class ModelRunner:
         self.cpu_kernels = None
         if device.type == "cpu":
             keep_freed_memory_in_the_heap()
-            if config.cpu_weight_prepack:
-                prepack_weights(self.model)
             self.cpu_kernels = load_cpu_kernels(config.cpu_kernels)
             for module in self.model.modules():  # linears, LM head, norms, MoE layers, Llama MLPs
                 if isinstance(module, UsesCpuKernels):
                     module.cpu_kernels = self.cpu_kernels
+            if config.cpu_weight_prepack:  # after binding: layers whose decode steps take the kernels skip it
+                prepack_weights(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.attention_backend = make_attention_backend(config.attn_backend, device, self.cpu_kernels)
         for layer in self.attn_layers:
