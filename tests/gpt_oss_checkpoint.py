@@ -34,8 +34,12 @@ def gpt_oss_config(num_layers: int) -> dict:
     return config
 
 
-def layer_tensors(config: dict, layer: int, gen: torch.Generator) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of one decoder layer, as the public checkpoint names and lays them out."""
+def layer_tensors(
+    config: dict, layer: int, gen: torch.Generator, blocks: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of one decoder layer, as the public checkpoint names and lays them out. `blocks`:
+    each projection's random expert blocks, drawn for the first layer; later layers XOR them with a byte of their
+    own (other codes everywhere, at memory speed: drawing 10 GB of bytes one by one took minutes)."""
     h, heads, kv_heads, d = (
         config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     )
@@ -56,7 +60,9 @@ def layer_tensors(config: dict, layer: int, gen: torch.Generator) -> Iterator[tu
         yield f"{prefix}.{norm}.weight", torch.ones(h, dtype=torch.bfloat16)
     for proj, (out, inp) in (("gate_up_proj", (2 * inter, h)), ("down_proj", (h, inter))):
         name = f"{prefix}.mlp.experts.{proj}"
-        yield f"{name}_blocks", torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        if proj not in blocks:
+            blocks[proj] = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        yield f"{name}_blocks", blocks[proj] ^ (layer * 73 % 256)
         low, high = DUMMY_MXFP4_SCALE_RANGE
         yield (
             f"{name}_scales",
@@ -92,6 +98,7 @@ def write_gpt_oss_checkpoint(path: str | Path, num_layers: int = 24, seed: int =
     gen = torch.Generator().manual_seed(seed)
     h, vocab = config["hidden_size"], config["vocab_size"]
     weight_map: dict[str, str] = {}
+    expert_blocks: dict[str, torch.Tensor] = {}
     total = 0
 
     def write(shard: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -104,7 +111,7 @@ def write_gpt_oss_checkpoint(path: str | Path, num_layers: int = 24, seed: int =
 
     write("embed", iter([("model.embed_tokens.weight", normal((vocab, h), gen))]))
     for layer in range(num_layers):
-        write(f"layer{layer:02d}", layer_tensors(config, layer, gen))
+        write(f"layer{layer:02d}", layer_tensors(config, layer, gen, expert_blocks))
     final = [("model.norm.weight", torch.ones(h, dtype=torch.bfloat16)), ("lm_head.weight", normal((vocab, h), gen))]
     write("head", iter(final))
     (path / "config.json").write_text(json.dumps(config, indent=2))

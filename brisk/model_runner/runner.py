@@ -26,7 +26,14 @@ from brisk.layers.moe import FusedMoE
 from brisk.model_runner.cuda_graph import DecodeGraphs, effective_graph_config, graph_batch_sizes
 from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.loader import load_model
-from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_run, plan_kv_cache, profile_batch_shape
+from brisk.model_runner.memory import (
+    KVGroupLayout,
+    available_host_memory,
+    log_plan,
+    measure_profile_run,
+    plan_kv_cache,
+    profile_batch_shape,
+)
 from brisk.model_runner.sampler import Sampler, SamplingBatch, row_max_and_argmax
 from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import ModelRunnerOutput, NewRequestData, PromptLogprobs, SchedulerOutput, TokenLogprobs
@@ -188,8 +195,7 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * self.config.memory_fraction
         else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(available * self.config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
+            budget = min(available_host_memory() * self.config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
         # More blocks than a full batch of max-length requests could ever hold is wasted memory.
         most_useful = len(self.kv_groups) * cdiv(self.max_seq_len, self.block_size) * self.config.max_batch_size + 1
         return max(2, min(int(budget // self.bytes_per_block), most_useful))
