@@ -157,7 +157,7 @@ def bench(
 def server_command(peer: str, args: argparse.Namespace, model_dir: Path, gguf: Path, port: int) -> list[str]:
     if peer == "brisk":
         return [
-            str(ROOT / ".venv" / "bin" / "brisk"), "serve", str(model_dir), "--host", "127.0.0.1", "--port",
+            str(args.brisk), "serve", str(model_dir), "--host", "127.0.0.1", "--port",
             str(port), "--served-model-name", SERVED_NAME, "--max_batch_size", "4", "--max_seq_len", "4096",
             "--extra_llm_api_options", str(args.out_dir / "brisk_options.yaml"),
         ]  # fmt: skip
@@ -185,6 +185,12 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=ROOT / ".peers" / "gpt-oss-20b")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench_results" / "gpt-oss-20b-cpu")
     parser.add_argument("--label-suffix", default="", help="results as <peer><suffix> (e.g. brisk-before)")
+    parser.add_argument(
+        "--brisk",
+        type=Path,
+        default=ROOT / ".venv" / "bin" / "brisk",
+        help="the brisk served (another checkout's, e.g. before a change); the client is always this checkout's",
+    )
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1))
     parser.add_argument("--llama-python", type=Path, default=ROOT / ".peers" / "llamacpp" / "bin" / "python")
     parser.add_argument("--converter", type=Path, default=ROOT / ".peers" / "llamacpp" / "convert_hf_to_gguf.py")
