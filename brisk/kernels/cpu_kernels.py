@@ -307,28 +307,34 @@ class CpuKernels:
         )
 
     @staticmethod
-    def linear_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """A decode-sized matmul, which the kernel computes reading the weight once: up to LINEAR_MAX_ROWS rows,
-        same dtype throughout (fp32 or bf16), rows contiguous."""
+    def _decode_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """x: a decode step's rows (up to LINEAR_MAX_ROWS, fp32 or bf16, rows contiguous) on the CPU; the bias (or
+        None) of x's dtype and contiguous."""
         return (
             x.dtype in (torch.float32, torch.bfloat16)
             and x.dim() == 2
             and x.stride(1) == 1
             and 0 < x.shape[0] <= LINEAR_MAX_ROWS
             and x.device.type == "cpu"
-            and weight.dtype == x.dtype
-            and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         )
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] @ weight [N, K].T + bias (see `linear_accepts`) -> [M, N] in x's dtype."""
-        (m, k), n = x.shape, weight.shape[0]
+    @classmethod
+    def linear_accepts(cls, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """A decode-sized matmul, which the kernel computes reading the weight once: up to LINEAR_MAX_ROWS rows,
+        same dtype throughout (fp32 or bf16), rows contiguous."""
+        return cls._decode_rows(x, bias) and weight.dtype == x.dtype and weight.is_contiguous()
+
+    def _matmul(
+        self, fn: Callable[..., None], x: torch.Tensor, weight: tuple[int, ...], n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The call the matmul kernels share: x, the weight's pointers, the bias, out [M, n] in x's dtype."""
+        m, k = x.shape
         out = torch.empty(m, n, dtype=x.dtype)
-        self.linear_fn(
+        fn(
             x.data_ptr(),
             x.stride(0),
-            weight.data_ptr(),
+            *weight,
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             out.stride(0),
@@ -339,6 +345,10 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ weight [N, K].T + bias (see `linear_accepts`) -> [M, N] in x's dtype."""
+        return self._matmul(self.linear_fn, x, (weight.data_ptr(),), weight.shape[0], bias)
 
     def moe_accepts(self, hidden: torch.Tensor, gate_up: torch.Tensor) -> bool:
         """A decode step's tokens through unquantized experts (the matmuls inside go through `linear`)."""
@@ -376,11 +386,7 @@ class CpuKernels:
     def moe_mxfp4_accepts(self, hidden: torch.Tensor, gate_up_blocks: torch.Tensor) -> bool:
         """A decode step's tokens (up to LINEAR_MAX_ROWS) through MXFP4 experts, read where they lie."""
         return (
-            hidden.dtype in (torch.float32, torch.bfloat16)
-            and hidden.dim() == 2
-            and hidden.stride(1) == 1
-            and 0 < hidden.shape[0] <= LINEAR_MAX_ROWS
-            and hidden.device.type == "cpu"
+            self._decode_rows(hidden, None)
             and gate_up_blocks.is_contiguous()
             and hidden.shape[1] == gate_up_blocks.shape[2] * 32
         )
@@ -457,20 +463,15 @@ class CpuKernels:
         )
         return out
 
-    @staticmethod
-    def mxfp4_linear_accepts(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    @classmethod
+    def mxfp4_linear_accepts(cls, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """A decode-sized x (up to LINEAR_MAX_ROWS rows, fp32 or bf16, rows contiguous) times an MXFP4 weight whose
         blocks are contiguous, the bias (or None) of x's dtype."""
         return (
-            x.dtype in (torch.float32, torch.bfloat16)
-            and x.dim() == 2
-            and x.stride(1) == 1
-            and 0 < x.shape[0] <= LINEAR_MAX_ROWS
-            and x.device.type == "cpu"
+            cls._decode_rows(x, bias)
             and blocks.dtype == torch.uint8
             and blocks.is_contiguous()
             and x.shape[1] == blocks.shape[-2] * 32
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         )
 
     def mxfp4_linear(
@@ -480,23 +481,7 @@ class CpuKernels:
         -> [M, N] in x's dtype, the weight decoded in registers."""
         if scales.dtype != torch.uint8 or not scales.is_contiguous():
             raise ValueError("MXFP4 scales must be a contiguous uint8 tensor")
-        (m, k), n = x.shape, blocks.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype)
-        self.mxfp4_linear_fn(
-            x.data_ptr(),
-            x.stride(0),
-            blocks.data_ptr(),
-            scales.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            out.stride(0),
-            m,
-            n,
-            k,
-            int(x.dtype == torch.bfloat16),
-            torch.get_num_threads(),
-        )
-        return out
+        return self._matmul(self.mxfp4_linear_fn, x, (blocks.data_ptr(), scales.data_ptr()), blocks.shape[0], bias)
 
     def dequantize_mxfp4(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What layers/mxfp4.py:dequantize_mxfp4 computes (the same values: fp32, or rounded once to bf16), in one
