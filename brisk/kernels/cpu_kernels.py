@@ -412,8 +412,7 @@ class CpuKernels:
             if tensor.dtype != torch.uint8 or not tensor.is_contiguous():
                 raise ValueError("MXFP4 expert blocks and scales must be contiguous uint8 tensors")
         num_experts, two_i = gate_up[0].shape[:2]
-        pointers = (gate_up[0].data_ptr(), gate_up[1].data_ptr(), gate_up_bias.data_ptr())
-        pointers += (down[0].data_ptr(), down[1].data_ptr())
+        pointers = tuple(t.data_ptr() for t in (gate_up[0], gate_up[1], gate_up_bias, down[0], down[1]))
         biases, activation = (gate_up_bias, down_bias), (halves, alpha, limit)
         return self._moe(
             self.moe_mxfp4_fn, hidden, topk_ids, topk_weights, two_i // 2, num_experts, pointers, biases, activation
