@@ -73,16 +73,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (brisk runs its engine in a child process)."""
-    total, todo = 0, [pid]
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants (brisk runs its engine in a child process of its own session)."""
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
+        tree.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return tree
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants."""
+    total = 0
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
         except OSError:
             continue
     return total
@@ -119,13 +130,18 @@ class Server:
 
     def stop(self) -> None:
         self._done.set()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        tree = process_tree(self.proc.pid)  # the engine process too: it does not share the server's group
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in tree:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in tree):
+                self.proc.poll()  # reaps the server; the engine is the server's to reap
+                time.sleep(0.5)
+        self.proc.wait()
         self.log.close()
 
 
