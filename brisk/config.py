@@ -89,7 +89,8 @@ class EngineConfig(_Strict):
     # cores but one (left to the API server) shared among the ranks (measured best, docs/performance.md).
     num_cpu_threads: int | None = Field(default=None, ge=1)
     # CPU serving of bf16 weights: reorder them once into oneDNN's blocked layout (faster matmuls, one more
-    # copy of the dense and bf16 expert weights in memory); off: plain torch matmuls on the loaded tensors.
+    # copy of the weights in memory): bf16 experts, and dense layers where brisk's CPU kernels are not bound (see
+    # layers/linear.py:prepack_cpu_weight); off: plain torch matmuls on the loaded tensors.
     cpu_weight_prepack: bool = True
     # CPU serving: brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm, gpt-oss's activation
     # and experts, decode-sized matmuls, random sampling), built with the system C compiler at first use for one

@@ -35,7 +35,8 @@ from brisk.layers.linear import (
     RowParallelLinear,
     linear,
 )
-from brisk.layers.moe import FusedMoE, clamped_swiglu
+from brisk.layers.moe import FusedMoE, clamped_swiglu, select_experts
+from brisk.layers.mxfp4 import dequantize_mxfp4
 from brisk.layers.norm import RMSNorm
 from tests.conftest import skip_unless_isa_under_test
 from tests.paged_cases import TINY, Shape, assert_close, make_case
@@ -410,6 +411,8 @@ def test_every_dense_layer_takes_the_bound_kernel(kernels, monkeypatch):
         calls.clear()
         layer(torch.randn(1, 32))
         assert calls == [layer.weight.shape], name
+        # no oneDNN copy of a weight the kernels serve (bf16 on CPU is what is otherwise prepacked)
+        assert layer.to(torch.bfloat16).prepack() == 0 and layer.packed_weight is None, name
 
 
 def test_prepacked_bf16_experts_with_the_kernels_compute_what_plain_ones_do(kernels):
@@ -501,3 +504,182 @@ def test_moe_kernel_refuses_quantized_or_prefill_sized_inputs(kernels):
     assert kernels.moe_accepts(torch.randn(4, 64), moe.gate_up_proj)
     assert not kernels.moe_accepts(torch.randn(cpu_kernels.LINEAR_MAX_ROWS + 1, 64), moe.gate_up_proj)
     assert not kernels.moe_accepts(torch.randn(4, 64).bfloat16(), moe.gate_up_proj)  # mixed dtypes
+
+
+# ---------------------------------------------------------------- MXFP4 experts
+
+
+def random_mxfp4(shape: tuple[int, ...], gen: torch.Generator, scales=(118, 130)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks [..., G, 16] (every E2M1 code, both zeros included) and scale bytes in [low, high)."""
+    blocks = torch.randint(0, 256, (*shape, 16), generator=gen, dtype=torch.uint8)
+    return blocks, torch.randint(*scales, shape, generator=gen, dtype=torch.uint8)
+
+
+def assert_fp32_exact_up_to_sum_order(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    """out = x @ weight.T + bias where every product is exact in fp32: against the fp64 sum, out may differ by the
+    rounding of K fp32 additions (bounded by K ulps of the sum of |products|), then by its own dtype's rounding."""
+    x64, w64 = x.double(), weight.double()
+    reference = x64 @ w64.T + (0 if bias is None else bias.double())
+    magnitude = x64.abs() @ w64.abs().T + (0 if bias is None else bias.double().abs())
+    bound = magnitude * x.shape[1] * 2.0**-24
+    if out.dtype == torch.bfloat16:
+        bound = bound + reference.abs() * 2.0**-8  # one bf16 rounding (half an ulp: 2^-9 relative) and its tie
+    assert ((out.double() - reference).abs() <= bound + 1e-30).all()
+
+
+def test_mxfp4_dequantize_is_dequantize_mxfp4(kernels):
+    # Every scale byte, 0 (the subnormal 2^-127) and 255 (+inf, so the zeros' values are NaN) included.
+    gen = torch.Generator().manual_seed(1)
+    blocks, _ = random_mxfp4((2, 256, 3), gen)
+    scales = torch.arange(256, dtype=torch.uint8).repeat(2, 3, 1).permute(0, 2, 1).contiguous()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        expected = dequantize_mxfp4(blocks, scales, dtype)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                out = kernels.dequantize_mxfp4(blocks, scales, dtype)
+            assert out.dtype == dtype and out.shape == (2, 256, 96)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    strided = blocks[:, ::2]  # not contiguous: copied first
+    expected = dequantize_mxfp4(blocks, scales, torch.float32)[:, ::2]
+    out = kernels.dequantize_mxfp4(strided, scales[:, ::2], torch.float32)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError):
+        kernels.dequantize_mxfp4(blocks, scales[..., :2], torch.float32)
+
+
+# K: one block, 3 blocks, gpt-oss's 90; N: fewer rows than a group of weight rows, groups with a remainder,
+# several tiles split among threads
+@pytest.mark.parametrize("k, n", [(32, 1), (96, 7), (64, 333), (2880, 70)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_mxfp4_linear_is_the_dequantized_matmul_to_fp32_rounding(kernels, k, n, with_bias):
+    gen = torch.Generator().manual_seed(k + n)
+    blocks, scales = random_mxfp4((n, k // 32), gen)
+    weight = dequantize_mxfp4(blocks, scales, torch.float32)
+    wide = torch.randn(65, k + 8, generator=gen)[:, :k]  # rows k + 8 apart
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    for dtype in (torch.float32, torch.bfloat16):
+        b = None if bias is None else bias.to(dtype)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17, 64, 65):  # 4 rows a pass, then the rest; the bound
+            x = wide[:rows].to(dtype)
+            accepted = kernels.mxfp4_linear_accepts(x, blocks, b)
+            assert accepted == (rows <= cpu_kernels.LINEAR_MAX_ROWS)
+            if not accepted:
+                continue
+            with torch_threads(2 if rows in (3, 17) else 1):
+                out = kernels.mxfp4_linear(x, blocks, scales, b)
+            assert out.dtype == dtype and out.shape == (rows, n)
+            assert_fp32_exact_up_to_sum_order(out, x, weight, b)
+            if dtype == torch.bfloat16:  # rounded once, as torch's bf16 matmul of the dequantized weight rounds
+                reference = torch.nn.functional.linear(x, weight.bfloat16(), b)
+                assert (out == reference).float().mean() >= 0.99
+
+
+def test_mxfp4_linear_rows_do_not_depend_on_their_batch_and_edge_scales_are_exact(kernels):
+    # A row's sums run in one fixed order whatever else is in the call (so a request's logits do not depend on
+    # what it is batched with); scale bytes 0 and 1 (subnormal and smallest normal) and 252 (6 x 2^125, near fp32's largest) stay exact.
+    gen = torch.Generator().manual_seed(4)
+    blocks, scales = random_mxfp4((37, 6), gen)
+    scales[0], scales[1], scales[2, :3] = 0, 1, 252
+    x = torch.randn(11, 192, generator=gen) * 2.0**-10
+    alone = kernels.mxfp4_linear(x[:1], blocks, scales, None)
+    for rows, threads in ((2, 1), (5, 2), (11, 1)):
+        with torch_threads(threads):
+            out = kernels.mxfp4_linear(x[:rows], blocks, scales, None)
+        assert torch.equal(out[:1], alone)
+    assert_fp32_exact_up_to_sum_order(alone, x[:1], dequantize_mxfp4(blocks, scales, torch.float32), None)
+    assert not kernels.mxfp4_linear_accepts(x[:, :160], blocks, None)  # K does not match the blocks
+    assert not kernels.mxfp4_linear_accepts(x, blocks, torch.zeros(37).bfloat16())  # mixed dtypes
+
+
+def mxfp4_moe(e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, parallel=None) -> FusedMoE:
+    gen = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(e, k, h, i, quantization="mxfp4", parallel=parallel or ParallelConfig())
+    full = FusedMoE(e, k, h, i, quantization="mxfp4")  # the checkpoint's tensors, loaded through the layer's loaders
+    for name, param in full.named_parameters():
+        if param.dtype == torch.uint8:
+            value = (
+                random_mxfp4(param.shape[:-1], gen)[0] if name.endswith("blocks") else random_mxfp4(param.shape, gen)[1]
+            )
+        else:
+            value = torch.randn(param.shape, generator=gen)
+        param = getattr(moe, name)
+        param.weight_loader(param, value.to(param.dtype) if param.dtype == torch.uint8 else value.to(dtype), None)
+    return moe.to(dtype) if dtype != torch.float32 else moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_mxfp4_moe_kernel_computes_what_the_torch_path_does(kernels, monkeypatch, dtype, tokens):
+    # The one-call MXFP4 MoE against the same layer's torch path (per-expert matmuls through brisk_mxfp4_linear,
+    # activation, scatter, weighting; bf16: identical) and against the reference: dequantize_mxfp4 and torch's
+    # matmuls (to fp32 rounding). Odd shapes: I = 96 (3 blocks), H = 64; some slots go to another rank (-1).
+    moe = mxfp4_moe(6, 3, 64, 96, dtype, seed=tokens)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(tokens)])
+    ids[1::3, 0] = -1
+    weights = torch.rand(tokens, 3, generator=g).to(dtype)
+    moe.cpu_kernels = kernels
+    assert kernels.moe_mxfp4_accepts(x, moe.gate_up_proj_blocks)
+    calls = []
+    one_call = kernels.moe_experts_mxfp4
+    monkeypatch.setattr(type(kernels), "moe_experts_mxfp4", lambda self, *a: calls.append(1) or one_call(*a))
+    fused = moe.backend.forward(moe, x, ids, weights)
+    assert calls == [1]
+    monkeypatch.setattr(type(kernels), "moe_mxfp4_accepts", lambda *args: False)
+    torch_path = moe.backend.forward(moe, x, ids, weights)
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused, torch_path)
+    else:
+        torch.testing.assert_close(fused, torch_path, rtol=1e-5, atol=1e-6 * fused.abs().max().item())
+    moe.cpu_kernels = None  # dequantize_mxfp4 and torch's matmuls
+    reference = moe.backend.forward(moe, x, ids, weights)
+    scale = reference.float().abs().max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6 * scale)
+    else:  # bf16 rounds each op's output: one rounding apart wherever the fp32 sums differ
+        torch.testing.assert_close(fused, reference, rtol=2**-6, atol=2**-7 * scale)
+
+
+def test_mxfp4_prompt_sized_experts_are_exact_both_ways(kernels, monkeypatch):
+    # Prompt steps (more tokens than a decode step) go through the torch path: experts with up to
+    # MXFP4_DIRECT_MAX_ROWS rows through brisk_mxfp4_linear, busier ones dequantized in one C pass and multiplied by
+    # torch. With 2 experts and top-1 routing over 80 tokens both kinds occur.
+    moe = mxfp4_moe(2, 1, 64, 64, torch.float32, seed=3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(80, 64, generator=g)
+    ids = (torch.arange(80) < 20).long()[:, None]  # 60 rows for expert 0, 20 for expert 1
+    weights = torch.rand(80, 1, generator=g)
+    reference = moe.backend.forward(moe, x, ids, weights)
+    moe.cpu_kernels = kernels
+    direct, dequantized = [], []
+    mxfp4_linear, dequantize = kernels.mxfp4_linear, kernels.dequantize_mxfp4
+    monkeypatch.setattr(type(kernels), "mxfp4_linear", lambda self, x, *a: direct.append(len(x)) or mxfp4_linear(x, *a))
+    monkeypatch.setattr(type(kernels), "dequantize_mxfp4", lambda self, *a: dequantized.append(1) or dequantize(*a))
+    assert not kernels.moe_mxfp4_accepts(x, moe.gate_up_proj_blocks)
+    out = moe.backend.forward(moe, x, ids, weights)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6 * reference.abs().max().item())
+    assert direct == [20, 20] and len(dequantized) == 2  # expert 1 both matrices; expert 0 both dequantized
+
+
+def test_mxfp4_moe_kernel_on_expert_and_tensor_parallel_slices(kernels):
+    # Each rank's layer holds a slice (ep: whole experts, ids local or -1; moe tp: whole 32-value blocks of I, I
+    # zero-padded from 80 to 128); the partial outputs of the fused kernel sum to the full layer's (what the
+    # all-reduce computes).
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 64, generator=g)
+    ids, weights = select_experts(torch.randn(7, 4, generator=g), 2)
+    full = mxfp4_moe(4, 2, 64, 80, torch.float32, seed=9)
+    full.cpu_kernels = kernels
+    expected = full.backend.forward(full, x, ids, weights)
+    for world, ep in ((2, 2), (2, 1), (4, 2)):
+        total = torch.zeros_like(expected)
+        for rank in range(world):
+            p = ParallelConfig.for_rank(rank, world, ep_size=ep)
+            part = mxfp4_moe(4, 2, 64, 80, torch.float32, seed=9, parallel=p)
+            part.cpu_kernels = kernels
+            local = ids - part.first_expert
+            here = (local >= 0) & (local < part.num_local_experts)
+            assert kernels.moe_mxfp4_accepts(x, part.gate_up_proj_blocks)
+            total += part.backend.forward(part, x, torch.where(here, local, -1), weights * here)
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)

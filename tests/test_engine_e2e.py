@@ -147,15 +147,16 @@ def test_long_context_past_sliding_window(tiny_gpt_oss):
 
 
 def test_bf16_prepacked_weights_generate_what_plain_matmuls_generate(tiny):
-    # CPU bf16: weights reordered for oneDNN at load (cpu_weight_prepack) must not change a single token.
+    # CPU bf16: weights reordered for oneDNN at load (cpu_weight_prepack) must not change a single token. Dense
+    # layers are prepacked where brisk's CPU kernels are not bound (with them, the kernels' plain weights serve).
     from brisk.layers.linear import prepack_cpu_weight
 
     if prepack_cpu_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is None:
         pytest.skip("this CPU's torch has no oneDNN bf16 matmul")
     _, path, _ = tiny
     prompts = _prompts(9)
-    packed_llm, packed = _brisk(path, prompts, dtype="bfloat16")
-    plain_llm, plain = _brisk(path, prompts, dtype="bfloat16", cpu_weight_prepack=False)
+    packed_llm, packed = _brisk(path, prompts, dtype="bfloat16", cpu_kernels="torch")
+    plain_llm, plain = _brisk(path, prompts, dtype="bfloat16", cpu_kernels="torch", cpu_weight_prepack=False)
     model = packed_llm.engine.executor.runner.model
     assert model.lm_head.packed_weight is not None
     assert all(getattr(m, "packed_weight", None) is None for m in plain_llm.engine.executor.runner.model.modules())

@@ -18,6 +18,7 @@ from brisk.model_runner.memory import (
     InsufficientKVMemoryError,
     KVGroupLayout,
     MemoryMeasurement,
+    available_host_memory,
     blocks_for_one_request,
     measure_profile_run,
     plan_kv_cache,
@@ -206,3 +207,20 @@ def test_a_profiling_step_that_runs_out_of_memory_is_a_start_up_error():
 class _NoopCuda:
     def __getattr__(self, name):
         return lambda *a, **k: 0
+
+
+def test_cpu_kv_budget_counts_reclaimable_page_cache(monkeypatch):
+    # On a CPU the KV cache takes kv_cache_free_gpu_memory_fraction of MemAvailable: the page cache a just-loaded
+    # checkpoint leaves (gpt-oss-20b: 13 GB) is reclaimable, not used. Without /proc/meminfo: the free pages.
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/meminfo") as f:
+        listed = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert 0 < available_host_memory() <= physical
+    assert abs(available_host_memory() - listed) < physical // 10  # the same figure, give or take what moved since
+
+    def no_meminfo(*args, **kwargs):
+        raise OSError("no /proc")
+
+    monkeypatch.setattr("builtins.open", no_meminfo)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert abs(available_host_memory() - free) < physical // 10

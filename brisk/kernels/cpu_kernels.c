@@ -597,19 +597,238 @@ void brisk_linear(const void *x, int64_t x_stride, const void *w, const void *bi
     free(xf);
 }
 
+/* ---- MXFP4 (gpt-oss's experts) ------------------------------------------------------------------------------------
+ * A weight [N, K] as stored in the checkpoint: blocks uint8 [N, K / 32, 16] (two E2M1 codes a byte, the low nibble
+ * the even element), scales uint8 [N, K / 32] (E8M0: 2^(byte - 127)), value = E2M1 * scale (layers/mxfp4.py).
+ * brisk_mxfp4_linear reads the blocks and scales where they lie and decodes them in registers, reading 4.25 bits a
+ * weight once per call. Per block and weight row: the 16-entry E2M1 table times the block's scale (exact: a power
+ * of two), the low and the high nibbles looked up in it (vpermps: 16 lanes with AVX-512; AVX2's 8-lane one takes
+ * the magnitudes, the sign bit set from bit 3), each vector FMA'd with the x elements its lanes hold: x is regrouped
+ * once per call (MXFP4_REGROUP), in fp32 whatever its dtype. AVX-512 broadcasts the block's 16 bytes to the four
+ * 128-bit lanes and shifts each lane's dwords by 0, 8, 16 or 24 bits (+ 4 for the high nibbles): lane 4j + q then
+ * holds byte 4q + j, with no byte-to-dword widening on the shuffle port (measured: 4.3 -> 3.5 cycles a block and
+ * weight row at one row; vdpbf16ps on bf16 lookups (vpermw) ran slower still, 5.3). Every product is exact in fp32
+ * and only the order of the sums differs from torch's matmul of the dequantized weight (tests: to fp32 rounding).
+ * Up to MXFP4_ROWS rows of x pass over 4 (AVX-512) or 2 (AVX2) weight rows together, a block decoded once for all
+ * of them; more rows pass again over an L2-sized tile of weight rows.
+ * brisk_mxfp4_dequantize: the weight in bf16 or fp32 (what dequantize_mxfp4 computes), for prompt-sized matmuls. */
+#define MXFP4_BLOCK 32
+#define MXFP4_ROWS 4
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* 2^(byte - 127) as fp32 bits: byte 0 is the subnormal 2^-127, 255 is +inf (as dequantize_mxfp4's exp2). */
+#define E8M0_4(s) (s) << 23, (s + 1) << 23, (s + 2) << 23, (s + 3) << 23
+#define E8M0_16(s) E8M0_4(s), E8M0_4(s + 4), E8M0_4(s + 8), E8M0_4(s + 12)
+#define E8M0_64(s) E8M0_16(s), E8M0_16(s + 16), E8M0_16(s + 32), E8M0_16(s + 48)
+static const union {
+    uint32_t bits[256];
+    float value[256];
+} E8M0 = {{0x00400000u, 1u << 23, 2u << 23, 3u << 23, E8M0_4(4u), E8M0_4(8u), E8M0_4(12u), E8M0_16(16u),
+           E8M0_16(32u), E8M0_16(48u), E8M0_64(64u), E8M0_64(128u), E8M0_64(192u)}};
+
+/* Sums of R rows of x against 4 / 2 weight rows (w[j]: the blocks, s[j]: the scales of weight row j), into sums[r][j]. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MXFP4_WROWS 4
+/* Regrouped position p of a block holds element MXFP4_REGROUP(p): lane L = 4j + q of the low nibbles holds byte
+ * 4q + j (its element 2 (4q + j)), then the high nibbles' lanes. */
+#define MXFP4_REGROUP(p) (2 * (4 * ((p) % 16 % 4) + (p) % 16 / 4) + (p) / 16)
+#define MXFP4_SUMS512(r) if (R > r) _mm_storeu_ps(sums[r], hsum4_512(a##r##0, a##r##1, a##r##2, a##r##3));
+static inline __attribute__((always_inline)) void mxfp4_sums_fp32(const int R, const float *x, int64_t x_stride,
+                                                                  const uint8_t *const w[4], const uint8_t *const s[4],
+                                                                  int G, float sums[][4]) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const __m512i lo_shift = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    const __m512i hi_shift = _mm512_add_epi32(lo_shift, _mm512_set1_epi32(4));
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    for (int g = 0; g < G; g++) {
+#define MXFP4_FP32_DECODE(j)                                                                               \
+    const __m512i d##j = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(w[j] + 16 * g)));       \
+    const __m512 t##j = _mm512_mul_ps(lut, _mm512_set1_ps(E8M0.value[s[j][g]]));                          \
+    const __m512 lo##j = _mm512_permutexvar_ps(_mm512_srlv_epi32(d##j, lo_shift), t##j);                   \
+    const __m512 hi##j = _mm512_permutexvar_ps(_mm512_srlv_epi32(d##j, hi_shift), t##j);
+        MXFP4_FP32_DECODE(0) MXFP4_FP32_DECODE(1) MXFP4_FP32_DECODE(2) MXFP4_FP32_DECODE(3)
+#undef MXFP4_FP32_DECODE
+#define MXFP4_FP32_ROW(r)                                                                                  \
+    if (R > r) {                                                                                           \
+        const __m512 xe = _mm512_loadu_ps(x + r * x_stride + MXFP4_BLOCK * g), xo = _mm512_loadu_ps(x + r * x_stride + MXFP4_BLOCK * g + 16); \
+        a##r##0 = _mm512_fmadd_ps(hi0, xo, _mm512_fmadd_ps(lo0, xe, a##r##0));                             \
+        a##r##1 = _mm512_fmadd_ps(hi1, xo, _mm512_fmadd_ps(lo1, xe, a##r##1));                             \
+        a##r##2 = _mm512_fmadd_ps(hi2, xo, _mm512_fmadd_ps(lo2, xe, a##r##2));                             \
+        a##r##3 = _mm512_fmadd_ps(hi3, xo, _mm512_fmadd_ps(lo3, xe, a##r##3));                             \
+    }
+        MXFP4_FP32_ROW(0) MXFP4_FP32_ROW(1) MXFP4_FP32_ROW(2) MXFP4_FP32_ROW(3)
+#undef MXFP4_FP32_ROW
+    }
+    MXFP4_SUMS512(0) MXFP4_SUMS512(1) MXFP4_SUMS512(2) MXFP4_SUMS512(3)
+#undef MXFP4_SUMS512
+}
+#else
+#define MXFP4_WROWS 2
+/* Regrouped: a block's 16 even elements (the low nibbles of its bytes in order), then its 16 odd ones. */
+#define MXFP4_REGROUP(p) (2 * ((p) % 16) + (p) / 16)
+/* The weights of one block as fp32: e[0], e[1] its even elements 0-14 and 16-30, o[0], o[1] the odd ones. */
+static inline __attribute__((always_inline)) void mxfp4_decode256(const uint8_t *p, float scale, __m256 e[2],
+                                                                  __m256 o[2]) {
+    const __m256 lut = _mm256_mul_ps(_mm256_loadu_ps(E2M1), _mm256_set1_ps(scale)); /* the 8 magnitudes */
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    for (int h = 0; h < 2; h++) {
+        const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        const __m256i hi = _mm256_srli_epi32(d, 4);
+        e[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, d), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
+        o[h] = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, hi), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign)));
+    }
+}
+static inline __attribute__((always_inline)) void mxfp4_sums_fp32(const int R, const float *x, int64_t x_stride,
+                                                                  const uint8_t *const w[2], const uint8_t *const s[2],
+                                                                  int G, float sums[][4]) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int g = 0; g < G; g++) {
+        __m256 e[2], o[2];
+#define MXFP4_AVX2_ROW(r, j)                                                                                     \
+    if (R > r) {                                                                                                 \
+        const float *xr = x + r * x_stride + MXFP4_BLOCK * g;                                                    \
+        a##r##j = _mm256_fmadd_ps(e[0], _mm256_loadu_ps(xr), a##r##j);                                            \
+        a##r##j = _mm256_fmadd_ps(e[1], _mm256_loadu_ps(xr + 8), a##r##j);                                       \
+        a##r##j = _mm256_fmadd_ps(o[0], _mm256_loadu_ps(xr + 16), a##r##j);                                      \
+        a##r##j = _mm256_fmadd_ps(o[1], _mm256_loadu_ps(xr + 24), a##r##j);                                      \
+    }
+        mxfp4_decode256(w[0] + 16 * g, E8M0.value[s[0][g]], e, o);
+        MXFP4_AVX2_ROW(0, 0) MXFP4_AVX2_ROW(1, 0) MXFP4_AVX2_ROW(2, 0) MXFP4_AVX2_ROW(3, 0)
+        mxfp4_decode256(w[1] + 16 * g, E8M0.value[s[1][g]], e, o);
+        MXFP4_AVX2_ROW(0, 1) MXFP4_AVX2_ROW(1, 1) MXFP4_AVX2_ROW(2, 1) MXFP4_AVX2_ROW(3, 1)
+#undef MXFP4_AVX2_ROW
+    }
+#define MXFP4_SUMS256(r) if (R > r) sums[r][0] = hsum256(a##r##0), sums[r][1] = hsum256(a##r##1);
+    MXFP4_SUMS256(0) MXFP4_SUMS256(1) MXFP4_SUMS256(2) MXFP4_SUMS256(3)
+#undef MXFP4_SUMS256
+}
+#endif
+
+/* y[m, n] for the R rows of x from row m0 and weight rows [n, n + nw) (nw <= MXFP4_WROWS; missing ones repeat the
+ * last, their sums not stored). */
+static inline __attribute__((always_inline)) void mxfp4_rows(const int R, const float *x, int64_t x_stride, int m0,
+                                                             const uint8_t *blocks, const uint8_t *scales,
+                                                             const void *bias, void *y, int64_t y_stride, int y_bf16,
+                                                             int n, int nw, int G) {
+    const uint8_t *w[MXFP4_WROWS], *s[MXFP4_WROWS];
+    for (int j = 0; j < MXFP4_WROWS; j++) {
+        const int64_t row = n + (j < nw ? j : nw - 1);
+        w[j] = blocks + row * G * 16, s[j] = scales + row * G;
+    }
+    float sums[MXFP4_ROWS][4];
+    mxfp4_sums_fp32(R, x + m0 * x_stride, x_stride, w, s, G, sums);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < nw; j++) {
+            const int64_t at = (int64_t)(m0 + r) * y_stride + n + j;
+            if (y_bf16)
+                ((uint16_t *)y)[at] = float_to_bf16(sums[r][j] + (bias ? bf16_to_float(((const uint16_t *)bias)[n + j]) : 0.0f));
+            else
+                ((float *)y)[at] = sums[r][j] + (bias ? ((const float *)bias)[n + j] : 0.0f);
+        }
+}
+
+void brisk_mxfp4_linear(const void *x, int64_t x_stride, const uint8_t *blocks, const uint8_t *scales,
+                        const void *bias, void *y, int64_t y_stride, int M, int N, int K, int is_bf16,
+                        int num_threads) {
+    const int G = K / MXFP4_BLOCK;
+    float *regrouped = malloc((size_t)M * K * sizeof(float)); /* x in fp32, each block regrouped */
+    for (int m = 0; m < M; m++) {
+        float row[K], *dst = regrouped + (size_t)m * K;
+        load_row(x, is_bf16, (int64_t)m * x_stride, K, row);
+        for (int g = 0; g < G; g++)
+            for (int p = 0; p < MXFP4_BLOCK; p++) dst[MXFP4_BLOCK * g + p] = row[MXFP4_BLOCK * g + MXFP4_REGROUP(p)];
+    }
+    /* Tiles of weight rows that stay in L2 (~128 KB of blocks) while every group of rows of x passes over them. */
+    int tile = (int)((128 << 10) / ((size_t)G * 17));
+    const int per_thread = (N + num_threads - 1) / num_threads;
+    if (tile > per_thread) tile = per_thread;
+    tile = (tile + MXFP4_WROWS - 1) / MXFP4_WROWS * MXFP4_WROWS;
+    const int num_tiles = (N + tile - 1) / tile;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int t = 0; t < num_tiles; t++) {
+        const int n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
+        for (int m = 0; m < M; m += MXFP4_ROWS)
+            for (int n = n0; n < n1; n += MXFP4_WROWS) {
+                const int nw = n1 - n < MXFP4_WROWS ? n1 - n : MXFP4_WROWS;
+                switch (M - m < MXFP4_ROWS ? M - m : MXFP4_ROWS) {
+                case 1: mxfp4_rows(1, regrouped, K, m, blocks, scales, bias, y, y_stride, is_bf16, n, nw, G); break;
+                case 2: mxfp4_rows(2, regrouped, K, m, blocks, scales, bias, y, y_stride, is_bf16, n, nw, G); break;
+                case 3: mxfp4_rows(3, regrouped, K, m, blocks, scales, bias, y, y_stride, is_bf16, n, nw, G); break;
+                default: mxfp4_rows(4, regrouped, K, m, blocks, scales, bias, y, y_stride, is_bf16, n, nw, G); break;
+                }
+            }
+    }
+    free(regrouped);
+}
+
+/* out [rows, G * 32] = the weight in bf16 (is_bf16, rounded to nearest even) or fp32, rows split among threads. */
+void brisk_mxfp4_dequantize(const uint8_t *blocks, const uint8_t *scales, void *out, int64_t rows, int G, int is_bf16,
+                            int num_threads) {
+    const int64_t num_blocks = rows * G;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *p = blocks + 16 * b;
+        const float scale = E8M0.value[scales[b]];
+        float v[MXFP4_BLOCK];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 lut = _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(scale));
+        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        const __m512 lo = _mm512_permutexvar_ps(d, lut), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
+        const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        _mm512_storeu_ps(v, _mm512_permutex2var_ps(lo, first, hi));
+        _mm512_storeu_ps(v + 16, _mm512_permutex2var_ps(lo, _mm512_add_epi32(first, _mm512_set1_epi32(8)), hi));
+#else
+        __m256 e[2], o[2];
+        mxfp4_decode256(p, scale, e, o);
+        for (int h = 0; h < 2; h++) {
+            const __m256 a = _mm256_unpacklo_ps(e[h], o[h]), c = _mm256_unpackhi_ps(e[h], o[h]);
+            _mm256_storeu_ps(v + 16 * h, _mm256_permute2f128_ps(a, c, 0x20));
+            _mm256_storeu_ps(v + 16 * h + 8, _mm256_permute2f128_ps(a, c, 0x31));
+        }
+#endif
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out + MXFP4_BLOCK * b;
+            for (int i = 0; i < MXFP4_BLOCK; i++) dst[i] = float_to_bf16(v[i]);
+        } else {
+            memcpy((float *)out + MXFP4_BLOCK * b, v, sizeof(v));
+        }
+    }
+}
+
+/* One expert matrix of every expert: dense [E, N, K] in the activations' dtype (weight), or MXFP4 (blocks
+ * [E, N, K / 32, 16], scales [E, N, K / 32]); bias [E, N] in the activations' dtype or NULL. */
+typedef struct {
+    const void *weight;
+    const uint8_t *blocks, *scales;
+    const void *bias;
+} expert_matrix;
+
+static void expert_matmul(const expert_matrix *w, int e, const char *x, char *y, int M, int N, int K, int is_bf16,
+                          int num_threads) {
+    const size_t elt = is_bf16 ? 2 : 4;
+    const void *bias = w->bias ? (const char *)w->bias + (size_t)e * N * elt : NULL;
+    if (w->weight)
+        brisk_linear(x, K, (const char *)w->weight + (size_t)e * N * K * elt, bias, y, N, M, N, K, is_bf16,
+                     num_threads);
+    else
+        brisk_mxfp4_linear(x, K, w->blocks + (size_t)e * N * (K / 2), w->scales + (size_t)e * N * (K / MXFP4_BLOCK),
+                           bias, y, N, M, N, K, is_bf16, num_threads);
+}
+
 /* gpt-oss's experts for a decode step: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j], in one
  * call instead of a sort, a gather, two matmuls per picked expert, the activation and a scatter in torch ops. The
- * (token, j) slots are grouped by expert (counting sort, stable), each expert's rows go through brisk_linear
- * together, all rows through brisk_clamped_swiglu at once. An id outside [0, num_experts) (-1: another rank's
- * expert) contributes nothing. bf16 rounds where torch's ops round: each matmul and activation output, each
- * weighted row, the sum over j once at the end (tests: identical to the torch path with these kernels).
- * x [T, H] rows x_stride apart, out [T, H] rows out_stride apart, ids int64 [T, top_k], weights fp32 [T, top_k],
- * gate_up [E, 2I, H] (+ bias [E, 2I]), down [E, H, I] (+ bias [E, H] or NULL), all bf16 (is_bf16) or fp32; gate and
- * up columns as `halves` says (see brisk_clamped_swiglu). */
-void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_stride, const int64_t *ids,
-                       const float *weights, int T, int top_k, int num_experts, int H, int I, const void *gate_up,
-                       const void *gate_up_bias, const void *down, const void *down_bias, int is_bf16, int halves,
-                       float alpha, float limit, int num_threads) {
+ * (token, j) slots are grouped by expert (counting sort, stable), each expert's rows go through the matmul kernel
+ * together (brisk_linear, or brisk_mxfp4_linear for MXFP4 experts), all rows through brisk_clamped_swiglu at once.
+ * An id outside [0, num_experts) (-1: another rank's expert) contributes nothing. bf16 rounds where torch's ops
+ * round: each matmul and activation output, each weighted row, the sum over j once at the end (tests: identical to
+ * the torch path with these kernels). x [T, H] rows x_stride apart, out [T, H] rows out_stride apart, ids int64
+ * [T, top_k], weights fp32 [T, top_k], gate_up [E, 2I, H], down [E, H, I] (see expert_matrix), x, out and biases
+ * bf16 (is_bf16) or fp32; gate and up columns as `halves` says (see brisk_clamped_swiglu). */
+static void moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_stride, const int64_t *ids,
+                        const float *weights, int T, int top_k, int num_experts, int H, int I,
+                        const expert_matrix *gate_up, const expert_matrix *down, int is_bf16, int halves,
+                        float alpha, float limit, int num_threads) {
     const size_t elt = is_bf16 ? 2 : 4;
     const int num_slots = T * top_k;
     int start[num_experts + 1], fill[num_experts], row_of_slot[num_slots];
@@ -631,17 +850,15 @@ void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_s
     for (int e = 0; e < num_experts; e++) {
         const int n = start[e + 1] - start[e];
         if (n == 0) continue;
-        brisk_linear(xs + (size_t)start[e] * H * elt, H, (const char *)gate_up + (size_t)e * 2 * I * H * elt,
-                     (const char *)gate_up_bias + (size_t)e * 2 * I * elt, gate_up_out + (size_t)start[e] * 2 * I * elt,
-                     2 * I, n, 2 * I, H, is_bf16, num_threads);
+        expert_matmul(gate_up, e, xs + (size_t)start[e] * H * elt, gate_up_out + (size_t)start[e] * 2 * I * elt, n,
+                      2 * I, H, is_bf16, num_threads);
     }
     brisk_clamped_swiglu(gate_up_out, 2 * I, act, I, is_bf16, halves, rows, I, alpha, limit);
     for (int e = 0; e < num_experts; e++) {
         const int n = start[e + 1] - start[e];
         if (n == 0) continue;
-        brisk_linear(act + (size_t)start[e] * I * elt, I, (const char *)down + (size_t)e * H * I * elt,
-                     down_bias ? (const char *)down_bias + (size_t)e * H * elt : NULL, ys + (size_t)start[e] * H * elt,
-                     H, n, H, I, is_bf16, num_threads);
+        expert_matmul(down, e, act + (size_t)start[e] * I * elt, ys + (size_t)start[e] * H * elt, n, H, I, is_bf16,
+                      num_threads);
     }
     for (int t = 0; t < T; t++) {
         float sum[H], y[H];
@@ -664,6 +881,29 @@ void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_s
         }
     }
     free(xs);
+}
+
+/* Unquantized experts: gate_up [E, 2I, H] (+ bias [E, 2I]), down [E, H, I] (+ bias [E, H] or NULL). */
+void brisk_moe_experts(const void *x, int64_t x_stride, void *out, int64_t out_stride, const int64_t *ids,
+                       const float *weights, int T, int top_k, int num_experts, int H, int I, const void *gate_up,
+                       const void *gate_up_bias, const void *down, const void *down_bias, int is_bf16, int halves,
+                       float alpha, float limit, int num_threads) {
+    const expert_matrix gu = {gate_up, NULL, NULL, gate_up_bias}, dn = {down, NULL, NULL, down_bias};
+    moe_experts(x, x_stride, out, out_stride, ids, weights, T, top_k, num_experts, H, I, &gu, &dn, is_bf16, halves,
+                alpha, limit, num_threads);
+}
+
+/* MXFP4 experts, read where they lie: gate_up blocks [E, 2I, H / 32, 16] and scales [E, 2I, H / 32], down blocks
+ * [E, H, I / 32, 16] and scales [E, H, I / 32]; biases as for brisk_moe_experts. */
+void brisk_moe_experts_mxfp4(const void *x, int64_t x_stride, void *out, int64_t out_stride, const int64_t *ids,
+                             const float *weights, int T, int top_k, int num_experts, int H, int I,
+                             const uint8_t *gate_up_blocks, const uint8_t *gate_up_scales, const void *gate_up_bias,
+                             const uint8_t *down_blocks, const uint8_t *down_scales, const void *down_bias,
+                             int is_bf16, int halves, float alpha, float limit, int num_threads) {
+    const expert_matrix gu = {NULL, gate_up_blocks, gate_up_scales, gate_up_bias};
+    const expert_matrix dn = {NULL, down_blocks, down_scales, down_bias};
+    moe_experts(x, x_stride, out, out_stride, ids, weights, T, top_k, num_experts, H, I, &gu, &dn, is_bf16, halves,
+                alpha, limit, num_threads);
 }
 
 /* One token per row of fp32 logits [B, V] (rows `stride` apart) drawn from softmax(row) by inverse transform: the

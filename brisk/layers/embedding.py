@@ -56,8 +56,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None
         self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
-    def prepack(self) -> int:
-        self.packed_weight = prepack_cpu_weight(self.weight)
+    def prepack(self) -> int:  # not where the kernels are bound: see prepack_cpu_weight
+        self.packed_weight = None if self.cpu_kernels is not None else prepack_cpu_weight(self.weight)
         return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

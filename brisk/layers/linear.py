@@ -68,7 +68,10 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shar
 def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's own (blocked) layout of a bf16 CPU weight [out, in], made once after loading; None where it
     does not apply. A bf16 matmul on a prepacked weight skips the per-call reorder: 1.3-2.5x faster than
-    F.linear at 1-32 rows on an AVX512-BF16 CPU, with bit-identical results (docs/performance.md)."""
+    F.linear at 1-32 rows on an AVX512-BF16 CPU, with bit-identical results (docs/performance.md). Dense layers
+    with brisk's CPU kernels bound skip it: their decode steps take the kernels on the plain weight, and at prompt
+    sizes the reorder is lost in the matmul (2880 x 5120 at 128 / 512 rows: 7.3 / 19.7 ms plain, 7.0 / 23.7
+    packed), so the copy would only cost memory (gpt-oss-20b: 2.4 GB of attention and LM head)."""
     if (
         weight.device.type != "cpu"
         or weight.dtype != torch.bfloat16
@@ -130,7 +133,7 @@ class LinearBase(nn.Module):
         self.cpu_kernels: CpuKernels | None = None  # bound by the CPU model runner (cpu_kernels: true)
 
     def prepack(self) -> int:
-        self.packed_weight = prepack_cpu_weight(self.weight)
+        self.packed_weight = None if self.cpu_kernels is not None else prepack_cpu_weight(self.weight)
         return self.packed_weight is not None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
-from brisk.kernels.cpu_kernels import CpuKernels
+from brisk.kernels.cpu_kernels import MXFP4_DIRECT_MAX_ROWS, CpuKernels
 from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight, set_weight_loader
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
@@ -79,13 +79,31 @@ class MoEBackend:
 class TorchMoEBackend(MoEBackend):
     """Reference, and the CPU path: the (token, k) slots sorted by expert, one matmul pair per expert that
     was picked, the activation and the weighting done once over all slots. MXFP4 experts are dequantized
-    on the fly; bf16 experts on CPU use their prepacked weights (FusedMoE.prepack). Where brisk's CPU kernels are
-    bound, a decode step's tokens through unquantized experts are one C call (the same computation)."""
+    on the fly (FusedMoE.expert_linear); bf16 experts on CPU use their prepacked weights (FusedMoE.prepack). Where
+    brisk's CPU kernels are bound, a decode step's tokens are one C call (the same computation), MXFP4 experts read
+    in place, 4.25 bits a weight."""
 
     name = "torch"
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         kernels = layer.cpu_kernels
+        if (
+            kernels is not None
+            and layer.quantization == "mxfp4"
+            and kernels.moe_mxfp4_accepts(hidden, layer.gate_up_proj_blocks)
+        ):
+            return kernels.moe_experts_mxfp4(
+                hidden,
+                topk_ids,
+                topk_weights,
+                (layer.gate_up_proj_blocks, layer.gate_up_proj_scales),
+                layer.gate_up_proj_bias,
+                (layer.down_proj_blocks, layer.down_proj_scales),
+                layer.down_proj_bias if layer.moe_tp_rank == 0 else None,
+                layer.gate_up_halves,
+                layer.swiglu_alpha,
+                layer.swiglu_limit,
+            )
         if kernels is not None and layer.quantization is None and kernels.moe_accepts(hidden, layer.gate_up_proj):
             return kernels.moe_experts(
                 hidden,
@@ -238,10 +256,21 @@ class FusedMoE(nn.Module):
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert in `dtype`, dequantized if stored packed."""
         if self.quantization == "mxfp4":
-            gate_up = dequantize_mxfp4(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype)
-            down = dequantize_mxfp4(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
-            return gate_up, down
+            return self._dequantized(expert, "gate_up", dtype), self._dequantized(expert, "down", dtype)
         return self.gate_up_proj[expert].to(dtype), self.down_proj[expert].to(dtype)
+
+    def _mxfp4(self, expert: int, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks, scales) of one expert's gate_up or down projection."""
+        if which == "down":
+            return self.down_proj_blocks[expert], self.down_proj_scales[expert]
+        return self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert]
+
+    def _dequantized(self, expert: int, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound, else torch ops."""
+        blocks, scales = self._mxfp4(expert, which)
+        if self.cpu_kernels is not None and blocks.device.type == "cpu":
+            return self.cpu_kernels.dequantize_mxfp4(blocks, scales, dtype)
+        return dequantize_mxfp4(blocks, scales, dtype)
 
     def expert_linear(self, expert: int, which: str, x: torch.Tensor) -> torch.Tensor:
         """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]."""
@@ -253,6 +282,16 @@ class FusedMoE(nn.Module):
         if self.quantization is None and (self.packed_experts is not None or self.cpu_kernels is not None):
             packed = None if self.packed_experts is None else self.packed_experts[expert][down]
             return linear(x, (self.down_proj if down else self.gate_up_proj)[expert], bias, packed, self.cpu_kernels)
+        if self.quantization == "mxfp4":
+            kernels = self.cpu_kernels
+            blocks, scales = self._mxfp4(expert, which)
+            if (
+                kernels is not None
+                and x.shape[0] <= MXFP4_DIRECT_MAX_ROWS
+                and kernels.mxfp4_linear_accepts(x, blocks, bias)
+            ):
+                return kernels.mxfp4_linear(x, blocks, scales, bias)
+            return F.linear(x, self._dequantized(expert, which, x.dtype), bias)
         return F.linear(x, self.expert_weights(expert, x.dtype)[down], bias)
 
     def activation(self, gate_up: torch.Tensor, halves: bool) -> torch.Tensor:

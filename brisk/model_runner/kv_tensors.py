@@ -8,7 +8,6 @@ same blocks. `allocate_kv_cache` binds the tensors to the attention layers (and 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from brisk.config import EngineConfig
 from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention
+from brisk.model_runner.memory import available_host_memory
 from brisk.spec_decode.proposer import Proposer
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
@@ -61,8 +61,7 @@ def num_kv_blocks_in_budget(
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * config.memory_fraction
     else:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(available * config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
+        budget = min(available_host_memory() * config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
     useful = layout.most_useful_blocks(max_seq_len, config.max_batch_size)
     return max(2, min(int(budget // layout.bytes_per_block), useful))
 

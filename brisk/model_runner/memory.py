@@ -17,6 +17,7 @@ out-of-memory error in the middle of a request. The arithmetic (`plan_kv_cache`)
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,20 @@ def measure_profile_run(
     # what the device has in use belongs to the CUDA context and libraries outside torch's allocator.
     other = max(0, (total - free) - cuda.memory_reserved(device))
     return MemoryMeasurement(total=total, weights=weights, activations=activations, graphs=graphs, other=other)
+
+
+def available_host_memory() -> int:
+    """Bytes of RAM a new allocation can take without swapping: the kernel's MemAvailable (free pages plus the
+    page cache and other memory it can reclaim; loading a checkpoint of N GB leaves about N GB of its pages cached,
+    which MemFree counts as used), else the free pages where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def profile_batch_shape(max_num_tokens: int, max_batch_size: int) -> list[int]:

@@ -39,10 +39,10 @@ def load_model_runner(
     model = load_model(model_config, load_format=config.load_format, device=device, parallel=parallel, seed=config.seed)
     startup.mark("weights")
     model.eval()
-    if device.type == "cpu":
-        prepare_for_cpu(model, config)
     kernels = make_kernels(config, device)
     bind(model, kernels)
+    if device.type == "cpu":  # after binding: layers whose decode steps take the C kernels skip the prepacking
+        prepare_for_cpu(model, config)
     proposer = make_proposer(config, model_config, model)
     runner = ModelRunner(config, model_config, model, kernels, device, max_seq_len, parallel, cpu_group, proposer)
     runner.startup = startup
