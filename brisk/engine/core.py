@@ -14,6 +14,8 @@ import itertools
 import logging
 from dataclasses import replace
 
+import torch
+
 from brisk.config import EngineConfig, ModelConfig
 from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
@@ -46,6 +48,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)  # vLLM's --seed: requests without a seed of their own draw from it
+        self._iteration = 0  # steps launched (print_iter_log)
         self.model_config, self.max_seq_len = load_model_config(config, self.device, model_config)
         self.executor = make_executor(config, self.model_config, self.device, self.max_seq_len)
         spec = self.executor.kv_cache_spec
@@ -236,6 +240,8 @@ class EngineCore:
                 self.structured.fill_bitmasks(sched, scheduler.requests)
         self.last_step_num_tokens = sum(s.num_tokens for s in scheds)
         handle = self.executor.execute_model(scheds) if any(scheds) else None
+        if self.config.print_iter_log and handle is not None:
+            self._log_iteration()
         if synchronous:
             return drained + self._update(scheds, handle.result()) if handle is not None else drained
         previous = self._in_flight
@@ -243,6 +249,19 @@ class EngineCore:
         if previous is None:
             return []
         return self._update(previous[0], previous[1].result())
+
+    def _log_iteration(self) -> None:
+        """trtllm's print_iter_log: one line per step launched."""
+        self._iteration += 1
+        stats = self.stats()
+        logger.info(
+            "iteration %d: %d tokens, %d requests running, %d waiting, KV cache %.1f%% used",
+            self._iteration,
+            self.last_step_num_tokens,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_usage,
+        )
 
     def _poll_grammars(self) -> None:
         """Matchers for the requests whose grammar compiled; a failed or timed-out compile fails its request. An

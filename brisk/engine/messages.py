@@ -65,6 +65,13 @@ class EngineInfo(msgspec.Struct, tag=True):
     num_kv_groups: int
 
 
+class EngineStartupError(msgspec.Struct, tag=True):
+    """Sent instead of EngineInfo when the engine cannot start for a reason the user can act on (a ConfigError:
+    the KV cache does not fit, a layout the devices cannot run); the API server reports it as one line."""
+
+    message: str
+
+
 class RequestFailure(msgspec.Struct, array_like=True):
     request_id: str
     message: str
@@ -95,4 +102,4 @@ class EngineOutputs(msgspec.Struct, tag=True):
 
 
 ToEngine = AddRequest | AbortRequests | ProfileRequest
-FromEngine = EngineInfo | EngineOutputs
+FromEngine = EngineInfo | EngineStartupError | EngineOutputs
