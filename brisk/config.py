@@ -65,6 +65,7 @@ class KvCacheConfig(_Strict):
         True,
         "prefix caching: full KV blocks are kept and shared by requests with the same prefix",
         vllm="enable_prefix_caching",
+        trtllm="kv_cache_config.enable_block_reuse",
     )
     tokens_per_block: int = option(
         32,
@@ -73,12 +74,13 @@ class KvCacheConfig(_Strict):
         aliases="tokens_per_block",
         ge=1,
         le=1024,
+        trtllm="kv_cache_config.tokens_per_block",
     )
     free_gpu_memory_fraction: float = option(
         0.9,
         "the share of GPU memory left after the weights and a profiled step's activations that the KV cache takes "
         "(on a CPU: that share of the available RAM, at most 2 GiB)",
-        trtllm="kv_cache_free_gpu_memory_fraction",
+        trtllm=("kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction"),
         gt=0.0,
         le=1.0,
     )
@@ -87,6 +89,7 @@ class KvCacheConfig(_Strict):
         "auto",
         "the KV cache's dtype; auto: the model's compute dtype (FP8 is not implemented yet)",
         vllm="kv_cache_dtype",
+        trtllm="kv_cache_config.dtype",
     )
 
     @field_validator("dtype", mode="before")
@@ -109,10 +112,19 @@ class CudaGraphConfig(_Strict):
     """cuda_graph_config"""
 
     max_batch_size: int = option(
-        256, "decode batches up to this size run as captured CUDA graphs (padded to a captured size)", ge=0
+        256,
+        "decode batches up to this size run as captured CUDA graphs (padded to a captured size)",
+        ge=0,
+        trtllm="cuda_graph_config.max_batch_size",
     )
-    enable_padding: bool = option(True, "pad a decode batch to the next captured size (else only exact sizes replay)")
-    batch_sizes: list[int] | None = option(None, "the batch sizes to capture (default: from max_batch_size)")
+    enable_padding: bool = option(
+        True,
+        "pad a decode batch to the next captured size (else only exact sizes replay)",
+        trtllm="cuda_graph_config.enable_padding",
+    )
+    batch_sizes: list[int] | None = option(
+        None, "the batch sizes to capture (default: from max_batch_size)", trtllm="cuda_graph_config.batch_sizes"
+    )
 
 
 class MoeConfig(_Strict):
@@ -123,7 +135,7 @@ class MoeConfig(_Strict):
         "MoE kernels: triton (fused MXFP4 grouped GEMM, GPU), torch (reference), auto (triton on a GPU, the CPU "
         "path on a CPU); trtllm's names run brisk's equivalent: CUTLASS, TRTLLM, CUTEDSL, DEEPGEMM, WIDEEP, "
         "DENSEGEMM -> auto, VANILLA -> torch, TRITON -> triton",
-        aliases="moe_backend",
+        trtllm=("moe_config.backend", "moe_backend"),
     )
 
     @field_validator("backend", mode="before")
@@ -182,31 +194,53 @@ class EngineConfig(_Strict):
     """Engine options (`LLM(...)` and `brisk serve`)"""
 
     model: str
-    tokenizer: str | None = option(None, "tokenizer folder or Hub id (default: the model's)", vllm="tokenizer")
-    revision: str | None = option(None, "the Hub revision (branch, tag or commit) of a model id")
+    tokenizer: str | None = option(
+        None, "tokenizer folder or Hub id (default: the model's)", vllm="tokenizer", trtllm="tokenizer"
+    )
+    revision: str | None = option(
+        None, "the Hub revision (branch, tag or commit) of a model id", trtllm="revision", vllm="revision"
+    )
     load_format: Literal["auto", "safetensors", "dummy"] = option(
-        "auto", "dummy: random weights of the checkpoint's shapes (no weights read)"
+        "auto",
+        "dummy: random weights of the checkpoint's shapes (no weights read)",
+        trtllm="load_format",
+        vllm="load_format",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "compute dtype; auto: the checkpoint's on a GPU, bf16 or fp32 on a CPU (README)"
+        "auto",
+        "compute dtype; auto: the checkpoint's on a GPU, bf16 or fp32 on a CPU (README)",
+        trtllm="dtype",
+        vllm="dtype",
     )
     device: str = option("auto", "auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda, cuda:N")
-    seed: int = option(0, "seeds the engine's random generator at start-up: requests without a seed draw from it")
+    seed: int = option(
+        0, "seeds the engine's random generator at start-up: requests without a seed draw from it", vllm="seed"
+    )
     trust_remote_code: bool = option(
-        False, "accepted for compatibility: brisk runs no code from checkpoints (no effect)", vllm="trust_remote_code"
+        False,
+        "accepted for compatibility: brisk runs no code from checkpoints (no effect)",
+        vllm="trust_remote_code",
+        trtllm="trust_remote_code",
     )
     backend: Literal["pytorch", "tensorrt", "_autodeploy"] = option(
-        "pytorch", "trtllm's engine choice: pytorch is brisk's engine; tensorrt and _autodeploy are not available"
+        "pytorch",
+        "trtllm's engine choice: pytorch is brisk's engine; tensorrt and _autodeploy are not available",
+        trtllm="backend",
     )
 
     max_batch_size: int = option(
-        256, "requests running at once at most (with attention DP: per rank)", vllm="max_num_seqs", ge=1
+        256,
+        "requests running at once at most (with attention DP: per rank)",
+        vllm="max_num_seqs",
+        ge=1,
+        trtllm="max_batch_size",
     )
     max_num_tokens: int = option(
         8192,
         "tokens one step computes at most (prefill chunks and decodes together)",
         vllm="max_num_batched_tokens",
         ge=1,
+        trtllm="max_num_tokens",
     )
     max_seq_len: int | None = option(
         None,
@@ -214,10 +248,18 @@ class EngineConfig(_Strict):
         vllm="max_model_len",
         parse=_parse_token_count,
         ge=1,
+        trtllm="max_seq_len",
     )
     max_num_waiting: int = option(4096, "requests queued beyond max_batch_size before new ones get 429", ge=0)
-    enable_chunked_prefill: bool = option(True, "split long prompts into max_num_tokens chunks across steps")
-    kv_cache_config: KvCacheConfig = option(default_factory=KvCacheConfig, help="KV cache options")
+    enable_chunked_prefill: bool = option(
+        True,
+        "split long prompts into max_num_tokens chunks across steps",
+        trtllm="enable_chunked_prefill",
+        vllm="enable_chunked_prefill",
+    )
+    kv_cache_config: KvCacheConfig = option(
+        default_factory=KvCacheConfig, help="KV cache options", trtllm="kv_cache_config"
+    )
     gpu_memory_utilization: float | None = option(
         None,
         "vLLM's sizing: weights, activations and KV cache within this share of the whole GPU; converted to "
@@ -231,23 +273,30 @@ class EngineConfig(_Strict):
         help="CUDA graphs of decode steps (null: none); on a CPU, given explicitly, the same padded static buffers "
         "run uncaptured",
         vllm=Alias("enforce_eager", sets=None),
+        trtllm="cuda_graph_config",
     )
     disable_overlap_scheduler: bool | None = option(
         None,
         "no overlap scheduling (step N+1 prepared while step N runs); default: overlap on GPUs, off on CPUs",
         vllm=Alias("async_scheduling", invert=True),
+        trtllm="disable_overlap_scheduler",
     )
-    moe_config: MoeConfig = option(default_factory=MoeConfig, help="MoE options")
+    moe_config: MoeConfig = option(default_factory=MoeConfig, help="MoE options", trtllm="moe_config")
     attn_backend: Literal["auto", "torch", "triton", "cpu"] = option(
         "auto",
         "attention kernels: triton (GPU), cpu (brisk's C kernels), torch (reference), auto; trtllm's TRTLLM and "
         "FLASHINFER run auto, VANILLA torch",
+        trtllm="attn_backend",
     )
     check_kv_invariants: bool = option(
         False, "check KV block accounting after every step (soak tests and debugging; walks every block)"
     )
     stream_interval: int = option(
-        1, "a streamed chunk every this many tokens (the first one included)", vllm="stream_interval", ge=1
+        1,
+        "a streamed chunk every this many tokens (the first one included)",
+        vllm="stream_interval",
+        ge=1,
+        trtllm="stream_interval",
     )
     grammar_compile_timeout_s: float = option(
         10.0, "structured outputs: a grammar not compiled within this many seconds is a 400", gt=0.0
@@ -268,19 +317,22 @@ class EngineConfig(_Strict):
         "auto", "CPU: which build of brisk's C kernels runs (auto: the best this CPU runs; torch: none)"
     )
     enable_attention_dp: bool = option(
-        False, "attention data parallel: each of the tp_size ranks runs its own batch; the MoE stays split"
+        False,
+        "attention data parallel: each of the tp_size ranks runs its own batch; the MoE stays split",
+        trtllm="enable_attention_dp",
     )
     speculative_config: SpeculativeConfig | None = option(
         None,
         "speculative decoding: trtllm's keys ({decoding_type: NGram, max_draft_len: 4}) or vLLM's JSON "
         '({"method": "ngram", "num_speculative_tokens": 4})',
         vllm="speculative_config",
+        trtllm="speculative_config",
     )
     tp_size: int = option(
         1,
         "ranks (GPUs) the model runs on (trtllm's meaning: attention split tp_size ways, or data parallel with "
         "enable_attention_dp)",
-        trtllm="tensor_parallel_size",
+        trtllm=("tp_size", "tensor_parallel_size"),
         vllm="tensor_parallel_size",
         short=("-tp",),
         ge=1,
@@ -288,7 +340,7 @@ class EngineConfig(_Strict):
     ep_size: int = option(
         1,
         "MoE experts split this many ways (must divide tp_size; the rest splits each expert)",
-        trtllm="moe_expert_parallel_size",
+        trtllm=("ep_size", "moe_expert_parallel_size"),
         ge=1,
     )
     pp_size: int = option(
@@ -316,8 +368,11 @@ class EngineConfig(_Strict):
         False,
         "trtllm's per-request sampling switch: brisk always samples each request with its own parameters, so true "
         "and false both do that (no effect)",
+        trtllm="enable_mixed_sampler",
     )
-    print_iter_log: bool = option(False, "log one line per engine step: requests running and waiting, tokens, KV use")
+    print_iter_log: bool = option(
+        False, "log one line per engine step: requests running and waiting, tokens, KV use", trtllm="print_iter_log"
+    )
     max_logprobs: int = option(
         20,
         "the most logprobs (and prompt_logprobs) a request may ask for; brisk returns at most 20",
@@ -513,8 +568,8 @@ def _origins(text: str) -> list[str]:
 class ServerConfig(_Strict):
     """Server options (`brisk serve` only)"""
 
-    host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
-    port: int = option(8000, "the port to listen on", ge=0, le=65535)
+    host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)", trtllm="host", vllm="host")
+    port: int = option(8000, "the port to listen on", ge=0, le=65535, trtllm="port", vllm="port")
     served_model_name: list[str] | None = option(
         None,
         "the model's name in the API (default: MODEL as given); several names: the first is reported, all are served",
@@ -523,7 +578,7 @@ class ServerConfig(_Strict):
         metavar="NAME",
     )
     api_key: str | None = option(
-        None, "require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)"
+        None, "require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)", vllm="api_key"
     )
     api_key_file: str | None = option(None, "read the API key from the first line of this file (keeps it out of `ps`)")
     max_request_body_size: int = option(8 << 20, "bytes; larger bodies get 413, chunked uploads included", ge=1)
@@ -573,6 +628,7 @@ class ServerConfig(_Strict):
         "trtllm's detokenizing processes: brisk detokenizes in the API server process (0 or 1; more are not "
         "implemented yet)",
         ge=0,
+        trtllm="num_postprocess_workers",
     )
     tool_call_parser: str | None = option(
         None,
@@ -669,7 +725,9 @@ class OptionFiles(_Strict):
         vllm="config",
     )
     extra_llm_api_options: str | None = option(
-        None, "a YAML file of options (trtllm's LLM API keys; any spelling of this table); overrides --config"
+        None,
+        "a YAML file of options (trtllm's LLM API keys; any spelling of this table); overrides --config",
+        trtllm="extra_llm_api_options",
     )
 
 

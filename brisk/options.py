@@ -170,7 +170,7 @@ class OptionRow:
     def flags(self) -> list[str]:
         """Every flag of the option (the first one is how --help and the docs show it)."""
         names = [self.path] if self.spellings.flag and "." not in self.path else []
-        names += [a.name for a in self.aliases if not a.invert and not a.is_switch]
+        names += [a.name for a in self.aliases if not a.invert and not a.is_switch and "." not in a.name]
         flags: list[str] = []
         for name in names:
             for spelled in (name.replace("_", "-"), name.replace("-", "_")):
@@ -265,7 +265,8 @@ class OptionTable:
             if "." not in row.path:
                 self._add_key(row.path, row, None)
             for alias in row.aliases:
-                self._add_key(alias.name, row, alias)
+                if "." not in alias.name:  # a dotted spelling is the option's own path in a group (docs only)
+                    self._add_key(alias.name, row, alias)
 
     def _add_key(self, name: str, row: OptionRow, alias: Alias | None) -> None:
         key = name.replace("-", "_")
@@ -389,8 +390,9 @@ class OptionTable:
         return {k.removeprefix("option:"): v for k, v in vars(namespace).items() if k.startswith("option:")}
 
     # ---- docs ------------------------------------------------------------------------------------------------
-    def markdown(self, preamble: str) -> str:
-        lines = [preamble.rstrip(), ""]
+    def markdown(self) -> str:
+        """The table as markdown, one section per model (docs/options.md holds it between its markers)."""
+        lines: list[str] = []
         for model in self.models:
             title = (model.__doc__ or model.__name__).strip().split("\n")[0]
             lines += [
@@ -403,7 +405,7 @@ class OptionTable:
                 if row.model is model:
                     lines.append(_markdown_row(row))
             lines.append("")
-        return "\n".join(lines)
+        return "\n".join(lines).rstrip() + "\n"
 
 
 class _Switch(argparse.Action):
@@ -429,15 +431,17 @@ def _help_text(row: OptionRow) -> str:
     return text.replace("%", "%%")
 
 
-def _spelled(aliases: tuple[Alias, ...]) -> str:
+def _spelled(aliases: tuple[Alias, ...], as_flags: bool) -> str:
+    """Spellings for the docs: vLLM's as flags (`--max-num-seqs`), trtllm's as its flags and YAML keys are."""
     out = []
     for a in aliases:
+        name = f"--{a.name.replace('_', '-')}" if as_flags and "." not in a.name else a.name
         if a.invert:
-            out.append(f"`{a.name}` (inverted)")
+            out.append(f"`{name}` (inverted)")
         elif a.is_switch:
-            out.append(f"`{a.name}` (= {_text_of(a.sets)})")
+            out.append(f"`{name}` (= `{_text_of(a.sets)}`)")
         else:
-            out.append(f"`{a.name}`")
+            out.append(f"`{name}`")
     return ", ".join(out)
 
 
@@ -449,8 +453,8 @@ def _markdown_row(row: OptionRow) -> str:
     cells = [
         f"`{row.path}`",
         flags,
-        _spelled(s.trtllm),
-        _spelled(s.vllm),
+        _spelled(s.trtllm, as_flags=False),
+        _spelled(s.vllm, as_flags=True),
         row.type_text(),
         "" if row.group else f"`{_text_of(row.default)}`",
         row.range_text(),
