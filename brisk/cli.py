@@ -31,6 +31,10 @@ class _Parser(argparse.ArgumentParser):
             parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
         return parsed
 
+    def error(self, message: str):  # type: ignore[override]
+        """One line (argparse would print the whole usage first: ~60 lines for `brisk serve`)."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
     def _subparser(self, name: str) -> argparse.ArgumentParser:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):

@@ -479,7 +479,7 @@ class EngineConfig(_Strict):
         by `yaml_path` (trtllm's extra_llm_api_options) and the `config` / `extra_llm_api_options` options;
         ConfigError naming the bad key. Server options are refused here. find_model: `model` is MODEL as a user
         gives it (a folder or a Hub id), looked for once the options are valid."""
-        given = {k: v for k, v in options.items() if v is not None}
+        given = dict(options)
         if yaml_path is not None:
             given["extra_llm_api_options"] = str(yaml_path)
         merged = resolve_with_files(given, "the keyword arguments")
@@ -837,7 +837,7 @@ def kv_fraction_for_utilization(config: EngineConfig, gpu: bool) -> tuple[float,
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     weights = checkpoint_bytes(config.model) // config.tp_size if config.load_format != "dummy" else 0
-    fraction = (u * total - weights) / (total - weights)
+    fraction = kv_fraction(u, total, weights)
     gib = 1 << 30
     if fraction <= 0.0:
         raise ConfigError(
@@ -849,6 +849,12 @@ def kv_fraction_for_utilization(config: EngineConfig, gpu: bool) -> tuple[float,
         f"{total / gib:.1f} GiB): the weights take ~{weights / gib:.1f} GiB a rank, so the KV cache gets "
         f"kv_cache_free_gpu_memory_fraction {min(fraction, 1.0):.3f} of the memory they and a step's activations leave"
     )
+
+
+def kv_fraction(utilization: float, total: int, weights: int) -> float:
+    """The KV cache's share f of what `weights` leave of `total` bytes such that weights + f (total - weights) is
+    `utilization` of the total (see kv_fraction_for_utilization); <= 0 where the weights alone exceed it."""
+    return (utilization * total - weights) / (total - weights)
 
 
 def checkpoint_bytes(path: str) -> int:
@@ -923,7 +929,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         key = ".".join(str(p) for p in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
         row = OPTIONS.by_path.get(key)
-        spelled = f" ({', '.join(a.name for a in row.aliases)})" if row is not None and row.aliases else ""
+        others = [a.name for a in row.aliases if a.name not in (row.name, row.path)] if row is not None else []
+        spelled = f" ({', '.join(dict.fromkeys(others))})" if others else ""
         if not key:
             parts.append(message)
         elif err["type"] == "extra_forbidden":

@@ -43,7 +43,9 @@ class LLM:
     ):
         """`options`: engine options in any spelling of the option table (docs/options.md): trtllm's
         (max_batch_size, kv_cache_config={...}) or vLLM's (max_num_seqs, gpu_memory_utilization...)."""
-        self.config = EngineConfig.build(model, extra_llm_api_options, find_model=True, tokenizer=tokenizer, **options)
+        if tokenizer is not None:
+            options["tokenizer"] = tokenizer
+        self.config = EngineConfig.build(model, extra_llm_api_options, find_model=True, **options)
         path = self.config.model
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer) if tokenizer else path)
         chat_template = load_chat_template(self.config)

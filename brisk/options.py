@@ -146,6 +146,7 @@ class OptionRow:
     info: FieldInfo
     spellings: Spellings
     group: bool = False  # a nested model of options (given whole as a mapping, or null where that is allowed)
+    default: Any = None  # as declared (a test session may change a field's default later: conftest's cpu_kernels)
 
     @property
     def name(self) -> str:
@@ -154,12 +155,6 @@ class OptionRow:
     @property
     def help(self) -> str:
         return self.spellings.help
-
-    @property
-    def default(self) -> Any:
-        if self.info.default_factory is not None:
-            return None if self.group else self.info.default_factory()  # type: ignore[call-arg]
-        return None if self.info.default is PydanticUndefined else self.info.default
 
     @property
     def aliases(self) -> tuple[Alias, ...]:
@@ -192,6 +187,12 @@ class OptionRow:
         if choices:
             parts.append(" \\| ".join(str(c) for c in choices))
         return ", ".join(parts)
+
+
+def _declared_default(info: FieldInfo, group: bool) -> Any:
+    if info.default_factory is not None:
+        return None if group else info.default_factory()  # type: ignore[call-arg]
+    return None if info.default is PydanticUndefined else info.default
 
 
 def _unwrap(annotation: Any) -> tuple[Any, bool]:
@@ -282,7 +283,7 @@ class OptionTable:
             path = prefix + name
             nested = _model_of(info.annotation)
             grouped = nested is not None and any(spellings_of(i) for i in nested.model_fields.values())
-            yield OptionRow(owner, path, info.annotation, info, spellings, group=grouped)
+            yield OptionRow(owner, path, info.annotation, info, spellings, grouped, _declared_default(info, grouped))
             if grouped and nested is not None:
                 yield from self._rows(owner, nested, path + ".")
 
@@ -346,7 +347,8 @@ class OptionTable:
 
     def _add_row_arguments(self, parser: Any, row: OptionRow) -> None:
         flags = row.flags
-        key = row.path if "." not in row.path else next((a.name for a in row.aliases if not a.is_switch), None)
+        plain = (a.name for a in row.aliases if not (a.is_switch or a.invert or "." in a.name))
+        key = row.path if "." not in row.path else next(plain, None)
         if flags and key is not None:
             kwargs = self._argument_kwargs(row)
             parser.add_argument(*flags, dest=f"option:{key}", default=argparse.SUPPRESS, help=_help_text(row), **kwargs)

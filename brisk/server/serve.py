@@ -145,9 +145,7 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         server=server,
         api_key=api_key,
         model_aliases=tuple(names[1:]),
-        response_store=ResponseStore(
-            server.state_dir or default_state_dir(), server.response_ttl, server.max_stored_responses
-        ),
+        response_store=response_store_for(server),
         observability=observability,
     )
     app = build_app(state)
@@ -185,6 +183,11 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         if state.response_store is not None:
             state.response_store.close()
     return exit_code["value"]
+
+
+def response_store_for(server: ServerConfig) -> ResponseStore:
+    """The stored Responses of a server: under --state-dir, kept --response-ttl seconds, --max-stored-responses."""
+    return ResponseStore(server.state_dir or default_state_dir(), server.response_ttl, server.max_stored_responses)
 
 
 def default_state_dir() -> Path:
