@@ -15,11 +15,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import msgspec
 import torch
 import zmq
+from tqdm import tqdm
 
 from brisk.config import ConfigError, EngineConfig
 from brisk.engine.core import EngineCore, InvalidRequestError
@@ -57,6 +59,9 @@ def encode_config(config: EngineConfig) -> bytes:
 
 def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    # tqdm's default lock (the weight loader's progress bar) is a multiprocessing semaphore: this process ends by
+    # SIGKILL or a start-up error, and the parent's resource tracker then warns about it on the user's terminal.
+    tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
