@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -243,7 +244,7 @@ def invalid_request_error(exc: InvalidRequest, field_names: dict[str, str] | Non
     param = (field_names or {}).get(exc.param, exc.param)
     message = exc.message
     if param != exc.param and exc.param != "prompt":  # say the field as the client named it
-        message = message.replace(exc.param, param)
+        message = re.sub(rf"\b{re.escape(exc.param)}\b", param, message)  # the word, not within max_logprobs
     return APIError(400, message, param=param, code=exc.code)
 
 
