@@ -253,6 +253,8 @@ def _serve_the_guide(command: str, guide_dir: Path, hf_home: Path) -> None:
 
 @pytest.mark.parametrize("name", SERVE_COMMANDS)
 def test_the_guides_commands(name, guide_dir, hf_home):
+    """Each command as written: --host 0.0.0.0 --port 8000 --backend pytorch --tp_size --ep_size --max_batch_size
+    --trust_remote_code --extra_llm_api_options (the YAML files) --kv_cache_free_gpu_memory_fraction."""
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not installed (Debian's openmpi-bin; .ci/run installs it): the guide's mpirun form")
     _serve_the_guide(BLOCKS[name], guide_dir, hf_home)

@@ -25,7 +25,7 @@ from brisk.config import (
     kv_fraction,
 )
 from brisk.sampling_params import InvalidRequest
-from brisk.server.serve import response_store_for
+from brisk.server.serve import observability_for, response_store_for
 from tools.options_doc import DOC, with_table
 
 DEMO = str(Path(__file__).resolve().parents[1] / "brisk" / "demo_model")
@@ -176,6 +176,13 @@ def default_llm():
         yield llm
 
 
+ITERATION = re.compile(r"iteration \d+: (\d+) tokens, (\d+) requests running, (\d+) waiting")
+
+
+def _step_tokens(caplog) -> list[int]:
+    return [int(m.group(1)) for m in (ITERATION.search(r.message) for r in caplog.records) if m]
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "Friends, Romans", "O Romeo, Romeo"]
 
@@ -183,18 +190,21 @@ PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "Friend
 def test_max_num_seqs_batched_tokens_and_iteration_log(vllm_llm, caplog):
     with caplog.at_level(logging.INFO, logger="brisk.engine.core"):
         vllm_llm.generate(PROMPTS, GREEDY)
-    steps = [
-        tuple(map(int, m.groups()))
-        for m in (
-            re.search(r"iteration \d+: (\d+) tokens, (\d+) requests running, (\d+) waiting", r.message)
-            for r in caplog.records
-        )
-        if m
-    ]
+    steps = [tuple(map(int, m.groups())) for m in (ITERATION.search(r.message) for r in caplog.records) if m]
     assert steps, "print_iter_log logs a line per step"
     assert max(running for _, running, _ in steps) == 2  # 4 requests, at most 2 at once
     assert max(waiting for _, _, waiting in steps) >= 1
     assert max(tokens for tokens, _, _ in steps) <= 64
+
+
+@pytest.mark.parametrize("chunked, first_step", [(True, 128), (False, 100)])
+def test_chunked_prefill_switch(chunked, first_step, caplog):
+    """Two 100-token prompts, a 128-token budget: chunked prefill fills the first step with a chunk of the second
+    prompt; without it the second prompt waits for a step of its own."""
+    options = dict(max_num_tokens=128, max_seq_len=128, enable_chunked_prefill=chunked, print_iter_log=True)
+    with LLM(DEMO, device="cpu", **options) as llm, caplog.at_level(logging.INFO, logger="brisk.engine.core"):
+        llm.generate([{"prompt_token_ids": [7] * 100}] * 2, SamplingParams(max_tokens=1))
+    assert _step_tokens(caplog)[0] == first_step
 
 
 def test_max_model_len_and_block_size(vllm_llm):
@@ -264,16 +274,17 @@ def test_overlap_scheduling_spelled_either_way(options, overlap):
 
 
 def test_kv_memory_share_and_fixed_blocks(caplog):
-    with caplog.at_level(logging.INFO, logger="brisk.config"):
-        with LLM(DEMO, max_seq_len=2048, device="cpu", kv_cache_free_gpu_memory_fraction=1e-4) as small:
-            by_fraction = small.engine.num_kv_blocks
-        with LLM(DEMO, max_seq_len=2048, device="cpu", gpu_memory_utilization=1e-4) as small:
-            by_utilization = small.engine.num_kv_blocks
+    """On a CPU the KV cache takes kv_cache_free_gpu_memory_fraction of the available RAM, and vLLM's
+    gpu_memory_utilization is that same share (the available RAM moves while other processes run: compared with
+    the default share, not with each other)."""
     with LLM(DEMO, max_seq_len=2048, device="cpu") as full:
-        assert by_fraction < full.engine.num_kv_blocks
-    # on a CPU vLLM's utilization is the same share of RAM (the available RAM may move a little in between)
-    assert abs(by_utilization - by_fraction) <= max(2, by_fraction // 10)
+        default_blocks = full.engine.num_kv_blocks
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        for options in ({"kv_cache_free_gpu_memory_fraction": 1e-4}, {"gpu_memory_utilization": 1e-4}):
+            with LLM(DEMO, max_seq_len=2048, device="cpu", **options) as small:
+                assert small.engine.num_kv_blocks < default_blocks / 10, options
     assert "gpu_memory_utilization 0.0001 on a CPU" in caplog.text
+    assert EngineConfig.build("m", device="cpu", gpu_memory_utilization=0.3).memory_fraction == 0.3
     with LLM(DEMO, max_seq_len=128, device="cpu", kv_cache_config={"max_blocks": 40}) as fixed:
         assert fixed.engine.num_kv_blocks == 40
     with pytest.raises(ConfigError, match="give one of them"):
@@ -320,6 +331,13 @@ def test_moe_backend_on_a_gpu_names_the_triton_kernels():
     cfg = EngineConfig.build("m", moe_config={"backend": "CUTLASS"}, device="cpu")
     _, notes = cfg.on_device("cuda", "CUTLASS")
     assert "moe_config.backend CUTLASS: brisk's Triton MXFP4 grouped GEMM runs on this GPU" in notes
+
+
+def test_device_picks_the_paths(vllm_llm):
+    """device: which device runs the model, and so which paths (cpu: the CPU MoE / attention paths)."""
+    assert vllm_llm.engine.device.type == "cpu"
+    assert EngineConfig.build("m", device="cpu", moe_backend="triton").moe_config.backend == "auto"
+    assert EngineConfig.build("m", device="cuda", moe_backend="triton").moe_config.backend == "triton"
 
 
 def test_attention_backend_names_of_trtllm():
@@ -450,6 +468,18 @@ def test_response_store_options(tmp_path):
         store.close()
 
 
+def test_observability_options(tmp_path):
+    server = ServerConfig(otlp_traces_endpoint="http://127.0.0.1:4318", log_format="json", profile_dir=str(tmp_path))
+    observability = observability_for(server)
+    try:
+        exporter = observability.tracer_provider._active_span_processor._span_processors[0].span_exporter
+        assert exporter._endpoint == "http://127.0.0.1:4318/v1/traces"
+        assert (observability.log_format, observability.profile_dir) == ("json", str(tmp_path))
+    finally:
+        observability.tracer_provider.shutdown()
+    assert observability_for(ServerConfig()).tracer_provider is None
+
+
 def test_log_levels():
     assert ServerConfig(log_level="verbose").log_level == "debug"  # trtllm's names
     assert ServerConfig(log_level="INTERNAL_ERROR").log_level == "error"
@@ -475,12 +505,18 @@ OPTION_TESTS: dict[str, list[str]] = {
     "log_prompts": ["tests/test_security.py::test_log_prompts_flag"],
     "request_timeout": ["tests/test_security.py::test_server_request_timeout_caps_every_request"],
     "shutdown_timeout": ["tests/test_reliability.py::test_sigterm_drains_then_exits_zero"],
-    "otlp_traces_endpoint": ["tests/test_tracing.py::test_otlp_exporter_targets_the_traces_path"],
-    "log_format": ["tests/test_tracing.py::test_json_log_has_one_line_per_request_with_id_and_timings"],
+    "otlp_traces_endpoint": [f"{HERE}::test_observability_options"],
+    "log_format": [
+        f"{HERE}::test_observability_options",
+        "tests/test_tracing.py::test_json_log_has_one_line_per_request_with_id_and_timings",
+    ],
     "log_level": [f"{DROPIN}::test_start_up_errors_are_one_line", f"{HERE}::test_log_levels"],
     "uvicorn_log_level": [f"{DROPIN}::test_vllm_command_serves"],
     "disable_log_requests": [f"{DROPIN}::test_vllm_command_serves", f"{HERE}::test_switches_and_inverted_spellings"],
-    "profile_dir": ["tests/test_tracing.py::test_profiling_endpoints_are_off_without_profile_dir"],
+    "profile_dir": [
+        f"{HERE}::test_observability_options",
+        "tests/test_tracing.py::test_profiling_endpoints_are_off_without_profile_dir",
+    ],
     "state_dir": [f"{HERE}::test_response_store_options"],
     "response_ttl": [f"{HERE}::test_response_store_options"],
     "max_stored_responses": [f"{HERE}::test_response_store_options"],
@@ -493,7 +529,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     "revision": [f"{DROPIN}::test_model_id_from_the_hf_cache_without_the_hub"],
     "load_format": ["tests/test_loader.py::test_dummy_weights_run_on_cpu"],
     "dtype": [f"{HERE}::test_dtype_spelled_the_vllm_way"],
-    "device": ["tests/test_engine_e2e.py::test_batch_matches_transformers"],
+    "device": [f"{HERE}::test_device_picks_the_paths"],
     "seed": [f"{HERE}::test_seed_makes_a_fresh_engine_sample_the_same_tokens"],
     "trust_remote_code": [f"{HERE}::test_no_effect_options_say_so_at_start_up"],
     "backend": [f"{HERE}::test_backend", f"{DROPIN}::test_the_guides_commands"],
@@ -504,7 +540,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     "max_num_tokens": [f"{HERE}::test_max_num_seqs_batched_tokens_and_iteration_log"],
     "max_seq_len": [f"{HERE}::test_max_model_len_and_block_size", f"{DROPIN}::test_vllm_command_serves"],
     "max_num_waiting": ["tests/test_server.py::test_api_key_queue_limit_and_stream_interval"],
-    "enable_chunked_prefill": ["tests/test_engine_e2e.py::test_chunked_prefill_matches"],
+    "enable_chunked_prefill": [f"{HERE}::test_chunked_prefill_switch"],
     "kv_cache_config": [f"{HERE}::test_flags_and_files_precedence"],
     "kv_cache_config.enable_block_reuse": [
         f"{HERE}::test_prefix_caching_off_gives_no_hits",

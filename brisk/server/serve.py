@@ -86,12 +86,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -> int:
     """Serve `config`'s model (MODEL as given: `model`, the default API name) as `server` says."""
     api_key = resolve_api_key(server.api_key, server.api_key_file)
-    observability = ObservabilityConfig(
-        server.otlp_traces_endpoint,
-        server.log_format,
-        server.profile_dir,
-        make_tracer_provider(server.otlp_traces_endpoint) if server.otlp_traces_endpoint else None,
-    )
+    observability = observability_for(server)
     env = launcher_env()
     if env is not None and env["RANK"] > 0:  # torchrun: ranks > 0 hold model shards, rank 0 serves HTTP
         run_worker(config, rank_place(config, env))
@@ -183,6 +178,12 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         if state.response_store is not None:
             state.response_store.close()
     return exit_code["value"]
+
+
+def observability_for(server: ServerConfig) -> ObservabilityConfig:
+    """Traces (--otlp-traces-endpoint), log format and profiling (--profile-dir) of a server."""
+    provider = make_tracer_provider(server.otlp_traces_endpoint) if server.otlp_traces_endpoint else None
+    return ObservabilityConfig(server.otlp_traces_endpoint, server.log_format, server.profile_dir, provider)
 
 
 def response_store_for(server: ServerConfig) -> ResponseStore:
