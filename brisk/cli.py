@@ -21,7 +21,7 @@ DEBUG_LOG_LEVELS = ("debug", "trace", "verbose")
 class _Parser(argparse.ArgumentParser):
     """argparse, with a "did you mean" from the option table for an unknown flag."""
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args=None, namespace=None):
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             sub = getattr(parsed, "command", None)
@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
             parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
         return parsed
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         """One line (argparse would print the whole usage first: ~60 lines for `brisk serve`)."""
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 

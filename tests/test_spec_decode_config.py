@@ -63,7 +63,9 @@ def test_invalid_combinations_name_the_key(spec, message):
 
 
 def test_cli_takes_vllm_json(capsys):
-    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )
     assert OPTIONS.given(args)["speculative_config"]["method"] == "ngram"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])

@@ -1,6 +1,6 @@
 """Write the option table (brisk/config.py) into docs/options.md, between its markers.
 
-    .venv/bin/python tools/options_doc.py          # tests/test_options.py fails until the file matches the code
+.venv/bin/python tools/options_doc.py          # tests/test_options.py fails until the file matches the code
 """
 
 from __future__ import annotations
