@@ -13,7 +13,19 @@ dotted paths. Everything else comes from these declarations, through `OptionTabl
 - `markdown()`                docs/options.md (tests/test_options.py checks the file matches)
 
 Every spelling works both as a flag (`--max-num-seqs`, `--max_num_seqs`) and as a YAML key or keyword
-(`max-num-seqs:`, `max_num_seqs:`): vLLM's `--config` YAML holds flags by name, trtllm's YAML holds keys.
+(`max-num-seqs:`, `max_num_seqs:`): vLLM's `--config` YAML holds flags by name, trtllm's YAML holds keys. A dotted
+spelling (trtllm="kv_cache_config.dtype") is the option's own path in its group, listed in the docs only.
+
+Adding an option: one field in the model it belongs to, e.g. in KvCacheConfig
+
+    host_cache_size: int = option(0, "bytes of host memory for KV blocks evicted from the GPU", ge=0,
+                                  trtllm="kv_cache_config.host_cache_size")
+
+(a top-level field gets its flag `--name`; a field of a group gets flags only through its spellings); where vLLM's
+word means the same, vllm="..." adds its flag and key; where it means something else or counts in other units (vLLM's
+--kv-offloading-size, GiB), it is an option of its own, converted where the config is built (as
+gpu_memory_utilization is in EngineConfig.on_device). Then a test of its effect named in tests/test_options.py's
+OPTION_TESTS, and `tools/options_doc.py` to regenerate docs/options.md.
 """
 
 from __future__ import annotations
