@@ -392,6 +392,7 @@ def test_vllm_command_serves(vllm_server):
         r = _chat(url, model=name)
         assert r.status_code == 200 and r.json()["model"] == "gpt-oss", r.text
     assert _chat(url, model="other").status_code == 404
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["gpt-oss", MODEL_ID]
     # --max-model-len 512: a longer prompt is a 400
     r = _chat(url, messages=[{"role": "user", "content": "Speak " * 600}])
     assert r.status_code == 400 and "512" in r.json()["error"]["message"]
