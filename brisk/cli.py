@@ -12,7 +12,7 @@ import argparse
 import sys
 import traceback
 
-from brisk.config import OPTIONS, EngineConfig, OptionFiles, ServerConfig
+from brisk.config import OPTIONS, ConfigError, EngineConfig, OptionFiles, ServerConfig
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; brisk's for every start-up error a user can act on
 DEBUG_LOG_LEVELS = ("debug", "trace", "verbose")
@@ -92,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run(args.model, given)
         return _generate(args, given)
-    except Exception as exc:
-        from brisk.config import ConfigError
-
-        if not isinstance(exc, ConfigError):
-            raise
+    except ConfigError as exc:
         # one line: what is wrong and which option to change; the traceback is for --log-level debug
         print(f"brisk {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         if debug:

@@ -520,12 +520,12 @@ class EngineConfig(_Strict):
         changes: dict[str, Any] = {}
         gpu = device_type == "cuda"
         if isinstance(requested_moe, str) and requested_moe.lower() in TRTLLM_MOE_BACKENDS:
-            runs = {
-                ("auto", True): "brisk's Triton MXFP4 grouped GEMM runs on this GPU",
-                ("auto", False): "the CPU MoE path runs on this CPU",
-                ("torch", True): "brisk's torch reference MoE runs",
-                ("torch", False): "brisk's torch reference MoE runs",
-            }[(self.moe_config.backend, gpu)]
+            if self.moe_config.backend == "torch":
+                runs = "brisk's torch reference MoE runs"
+            else:
+                runs = (
+                    "brisk's Triton MXFP4 grouped GEMM runs on this GPU" if gpu else "the CPU MoE path runs on this CPU"
+                )
             notes.append(f"moe_config.backend {requested_moe}: {runs}")
         if not gpu:
             if "cuda_graph_config" in given and self.cuda_graph_config is not None:
