@@ -1,12 +1,17 @@
-"""Engine configuration: trtllm-serve option names, from CLI-style keyword args plus a YAML file.
+"""Engine and server configuration: the option table's models, from flags, YAML files and keyword arguments.
 
-`EngineConfig.build(model, yaml_path=..., **options)` is the one way in. Options are validated by
-pydantic (unknown keys and wrong types fail, naming the key); defaults that depend on the model are
-filled in from its `config.json` / `generation_config.json` through `ModelConfig`.
+Every option is declared once, as a field of `EngineConfig` (the engine: `LLM(...)` and `brisk serve`),
+`ServerConfig` (`brisk serve` only) or `OptionFiles` (the YAML files), with `brisk.options.option`: its type,
+default, range, help and trtllm / vLLM spellings. `OPTIONS` (an `OptionTable`) derives the flags, the key
+resolution and docs/options.md from them. `EngineConfig.build(model, yaml_path=..., **options)` (the offline API)
+and `build_serve_configs(model, given)` (`brisk serve`) are the ways in: unknown keys and bad values fail naming
+the key; options that run something else on this machine are logged once at start-up. Defaults that depend on the
+model are filled in from its `config.json` / `generation_config.json` through `ModelConfig`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -14,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
+from brisk.options import Alias, OptionError, OptionTable, option
 from brisk.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("brisk.config")
@@ -27,82 +33,417 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
 
 
+# trtllm's MoE backends (moe_config.backend) and what brisk runs for each: its Triton MXFP4 grouped GEMM where
+# trtllm would run a fused GPU kernel (auto picks it on a GPU, the CPU path on a CPU), its torch reference where
+# trtllm would run its unfused reference (VANILLA).
+TRTLLM_MOE_BACKENDS = {
+    "cutlass": "auto",
+    "trtllm": "auto",
+    "cutedsl": "auto",
+    "deepgemm": "auto",
+    "wideep": "auto",
+    "densegemm": "auto",
+    "vanilla": "torch",
+}
+# trtllm's attention backends likewise: its fused GPU kernels -> brisk's auto choice, VANILLA -> the torch reference
+TRTLLM_ATTENTION_BACKENDS = {
+    "trtllm": "auto",
+    "flashinfer": "auto",
+    "flashinfer_star_attention": "auto",
+    "vanilla": "torch",
+}
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 class KvCacheConfig(_Strict):
-    enable_block_reuse: bool = True
-    tokens_per_block: int = Field(default=32, ge=1, le=1024)
-    free_gpu_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
-    # CPU / explicit sizing: a fixed number of blocks overrides the memory fraction.
-    max_blocks: int | None = Field(default=None, ge=2)
+    """kv_cache_config"""
+
+    enable_block_reuse: bool = option(
+        True,
+        "prefix caching: full KV blocks are kept and shared by requests with the same prefix",
+        vllm="enable_prefix_caching",
+        trtllm="kv_cache_config.enable_block_reuse",
+    )
+    tokens_per_block: int = option(
+        32,
+        "tokens per KV cache block (the unit of paging and prefix caching)",
+        vllm="block_size",
+        aliases="tokens_per_block",
+        ge=1,
+        le=1024,
+        trtllm="kv_cache_config.tokens_per_block",
+    )
+    free_gpu_memory_fraction: float = option(
+        0.9,
+        "the share of GPU memory left after the weights and a profiled step's activations that the KV cache takes "
+        "(on a CPU: that share of the available RAM, at most 2 GiB)",
+        trtllm=("kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction"),
+        gt=0.0,
+        le=1.0,
+    )
+    max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
+    dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
+        "auto",
+        "the KV cache's dtype; auto: the model's compute dtype (FP8 is not implemented yet)",
+        vllm="kv_cache_dtype",
+        trtllm="kv_cache_config.dtype",
+    )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _lower_dtype(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_fp8_yet(cls, value: str) -> str:
+        if value in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"an FP8 KV cache ({value}) is not implemented yet; use auto (the model's dtype), or "
+                "kv_cache_config.max_blocks / --gpu-memory-utilization for more KV capacity"
+            )
+        return value
 
 
 class CudaGraphConfig(_Strict):
-    max_batch_size: int = Field(default=256, ge=0)
-    enable_padding: bool = True
-    batch_sizes: list[int] | None = None
+    """cuda_graph_config"""
+
+    max_batch_size: int = option(
+        256,
+        "decode batches up to this size run as captured CUDA graphs (padded to a captured size)",
+        ge=0,
+        trtllm="cuda_graph_config.max_batch_size",
+    )
+    enable_padding: bool = option(
+        True,
+        "pad a decode batch to the next captured size (else only exact sizes replay)",
+        trtllm="cuda_graph_config.enable_padding",
+    )
+    batch_sizes: list[int] | None = option(
+        None, "the batch sizes to capture (default: from max_batch_size)", trtllm="cuda_graph_config.batch_sizes"
+    )
 
 
 class MoeConfig(_Strict):
-    backend: Literal["auto", "torch", "triton"] = "auto"
+    """moe_config"""
+
+    backend: Literal["auto", "torch", "triton"] = option(
+        "auto",
+        "MoE kernels: triton (fused MXFP4 grouped GEMM, GPU), torch (reference), auto (triton on a GPU, the CPU "
+        "path on a CPU); trtllm's names run brisk's equivalent: CUTLASS, TRTLLM, CUTEDSL, DEEPGEMM, WIDEEP, "
+        "DENSEGEMM -> auto, VANILLA -> torch, TRITON -> triton",
+        trtllm=("moe_config.backend", "moe_backend"),
+    )
 
     @field_validator("backend", mode="before")
     @classmethod
-    def _lower_case(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value  # TensorRT-LLM's YAMLs write TRITON
+    def _brisk_backend(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        return TRTLLM_MOE_BACKENDS.get(value.lower(), value.lower())  # TensorRT-LLM's YAMLs write TRITON
+
+
+class StructuredOutputsConfig(_Strict):
+    """structured_outputs_config"""
+
+    disable_any_whitespace: bool = option(
+        True,
+        "constrained JSON is compact (no whitespace outside strings, as OpenAI's structured outputs); false: any "
+        "whitespace between JSON tokens, up to grammar_max_json_whitespace a run (a request's "
+        "structured_outputs.disable_any_whitespace overrides it)",
+    )
+    backend: Literal["auto", "xgrammar"] = option(
+        "auto", "the grammar engine: brisk's structured outputs run on xgrammar"
+    )
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _only_xgrammar(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in ("auto", "xgrammar"):
+            raise ValueError(f"brisk's structured outputs run on xgrammar; backend {value!r} is not available")
+        return value
+
+
+def _token_count(value: Any) -> Any:
+    """vLLM's human-readable lengths: 32k, 1M (powers of 1000, as vLLM reads them; 1Ki for 1024)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.lower().endswith(suffix):
+            try:
+                return int(float(text[: -len(suffix)]) * units[suffix])
+            except ValueError:
+                return value
+    return value
+
+
+def _parse_token_count(text: str) -> int:
+    value = _token_count(text)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (e.g. 4096, 32k)") from None
 
 
 class EngineConfig(_Strict):
-    """Everything the engine core needs. Field names follow trtllm-serve's LLM API options."""
+    """Engine options (`LLM(...)` and `brisk serve`)"""
 
     model: str
-    tokenizer: str | None = None
-    revision: str | None = None
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    seed: int = 0
-    trust_remote_code: bool = False
+    tokenizer: str | None = option(
+        None, "tokenizer folder or Hub id (default: the model's)", vllm="tokenizer", trtllm="tokenizer"
+    )
+    revision: str | None = option(
+        None, "the Hub revision (branch, tag or commit) of a model id", trtllm="revision", vllm="revision"
+    )
+    load_format: Literal["auto", "safetensors", "dummy"] = option(
+        "auto",
+        "dummy: random weights of the checkpoint's shapes (no weights read)",
+        trtllm="load_format",
+        vllm="load_format",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto",
+        "compute dtype; auto: the checkpoint's on a GPU, bf16 or fp32 on a CPU (README)",
+        trtllm="dtype",
+        vllm="dtype",
+    )
+    device: str = option("auto", "auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda, cuda:N")
+    seed: int = option(
+        0, "seeds the engine's random generator at start-up: requests without a seed draw from it", vllm="seed"
+    )
+    trust_remote_code: bool = option(
+        False,
+        "accepted for compatibility: brisk runs no code from checkpoints (no effect)",
+        vllm="trust_remote_code",
+        trtllm="trust_remote_code",
+    )
+    backend: Literal["pytorch", "tensorrt", "_autodeploy"] = option(
+        "pytorch",
+        "trtllm's engine choice: pytorch is brisk's engine; tensorrt and _autodeploy are not available",
+        trtllm="backend",
+    )
 
-    max_batch_size: int = Field(default=256, ge=1)
-    max_num_tokens: int = Field(default=8192, ge=1)
-    max_seq_len: int | None = Field(default=None, ge=1)
-    max_num_waiting: int = Field(default=4096, ge=0)
-    enable_chunked_prefill: bool = True
-    kv_cache_free_gpu_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
-    kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
-    tokens_per_block: int | None = Field(default=None, ge=1, le=1024)
-    cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
-    # Overlap scheduling: schedule and prepare step N+1 while step N runs (trtllm's key). None: on for GPUs; off
-    # on CPUs, where the device work is not asynchronous and overlap only adds a wasted token per finish.
-    disable_overlap_scheduler: bool | None = None
-    moe_config: MoeConfig = Field(default_factory=MoeConfig)
-    attn_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
-    # Verify KV block accounting (free + used = total, one reference per table entry) after every step:
-    # for soak tests and debugging, it walks every block.
-    check_kv_invariants: bool = False
-    stream_interval: int = Field(default=1, ge=1)
-    # Structured outputs: a grammar (JSON schema, regex...) not compiled within this many seconds is a 400.
-    grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)
-    # The longest whitespace run constrained JSON may hold (indentation included): bounded so that a model cannot
-    # loop on whitespace until max_tokens (a known failure of unbounded JSON grammars).
-    grammar_max_json_whitespace: int = Field(default=32, ge=1)
-    # CPU serving: torch intra-op threads of the engine process and of each worker rank. None: the host's
-    # cores but one (left to the API server) shared among the ranks (measured best, docs/performance.md).
-    num_cpu_threads: int | None = Field(default=None, ge=1)
-    # CPU serving of bf16 weights: reorder them once into oneDNN's blocked layout (faster matmuls, one more
-    # copy of the weights in memory): bf16 experts, and dense layers where brisk's CPU kernels are not bound (see
-    # layers/linear.py:prepack_cpu_weight); off: plain torch matmuls on the loaded tensors.
-    cpu_weight_prepack: bool = True
-    # CPU serving: brisk's C kernels (brisk/kernels/cpu_kernels.c: decode attention, RMSNorm, gpt-oss's activation
-    # and experts, decode-sized matmuls, random sampling), built with the system C compiler at first use for one
-    # instruction set. auto (or true): the best this CPU runs, AVX-512 then AVX2 + FMA, PyTorch ops where neither
-    # (or no compiler); avx512 / avx2: that build, an error if the CPU lacks it (avx2 on an AVX-512 machine runs
-    # what AVX2-only CPUs run); torch (or false): PyTorch ops only, the reference paths.
-    cpu_kernels: Literal["auto", "avx512", "avx2", "torch"] = "auto"
-    enable_attention_dp: bool = False
-    # Speculative decoding (brisk/spec_decode): trtllm's keys, or vLLM's speculative config (a dict with "method").
-    speculative_config: SpeculativeConfig | None = None
-    tp_size: int = Field(default=1, ge=1)
-    ep_size: int = Field(default=1, ge=1)
+    max_batch_size: int = option(
+        256,
+        "requests running at once at most (with attention DP: per rank)",
+        vllm="max_num_seqs",
+        ge=1,
+        trtllm="max_batch_size",
+    )
+    max_num_tokens: int = option(
+        8192,
+        "tokens one step computes at most (prefill chunks and decodes together)",
+        vllm="max_num_batched_tokens",
+        ge=1,
+        trtllm="max_num_tokens",
+    )
+    max_seq_len: int | None = option(
+        None,
+        "prompt + output tokens of a request at most (default: the model's max_position_embeddings); 32k works",
+        vllm="max_model_len",
+        parse=_parse_token_count,
+        ge=1,
+        trtllm="max_seq_len",
+    )
+    max_num_waiting: int = option(4096, "requests queued beyond max_batch_size before new ones get 429", ge=0)
+    enable_chunked_prefill: bool = option(
+        True,
+        "split long prompts into max_num_tokens chunks across steps",
+        trtllm="enable_chunked_prefill",
+        vllm="enable_chunked_prefill",
+    )
+    kv_cache_config: KvCacheConfig = option(
+        default_factory=KvCacheConfig, help="KV cache options", trtllm="kv_cache_config"
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "vLLM's sizing: weights, activations and KV cache within this share of the whole GPU; converted to "
+        "kv_cache_config.free_gpu_memory_fraction at start-up (logged); on a CPU the share of RAM the KV cache takes",
+        vllm="gpu_memory_utilization",
+        gt=0.0,
+        le=1.0,
+    )
+    cuda_graph_config: CudaGraphConfig | None = option(
+        default_factory=CudaGraphConfig,
+        help="CUDA graphs of decode steps (null: none); on a CPU, given explicitly, the same padded static buffers "
+        "run uncaptured",
+        vllm=Alias("enforce_eager", sets=None),
+        trtllm="cuda_graph_config",
+    )
+    disable_overlap_scheduler: bool | None = option(
+        None,
+        "no overlap scheduling (step N+1 prepared while step N runs); default: overlap on GPUs, off on CPUs",
+        vllm=Alias("async_scheduling", invert=True),
+        trtllm="disable_overlap_scheduler",
+    )
+    moe_config: MoeConfig = option(default_factory=MoeConfig, help="MoE options", trtllm="moe_config")
+    attn_backend: Literal["auto", "torch", "triton", "cpu"] = option(
+        "auto",
+        "attention kernels: triton (GPU), cpu (brisk's C kernels), torch (reference), auto; trtllm's TRTLLM and "
+        "FLASHINFER run auto, VANILLA torch",
+        trtllm="attn_backend",
+    )
+    check_kv_invariants: bool = option(
+        False, "check KV block accounting after every step (soak tests and debugging; walks every block)"
+    )
+    stream_interval: int = option(
+        1,
+        "a streamed chunk every this many tokens (the first one included)",
+        vllm="stream_interval",
+        ge=1,
+        trtllm="stream_interval",
+    )
+    grammar_compile_timeout_s: float = option(
+        10.0, "structured outputs: a grammar not compiled within this many seconds is a 400", gt=0.0
+    )
+    grammar_max_json_whitespace: int = option(
+        32, "with whitespace allowed in constrained JSON, the longest whitespace run it may hold", ge=1
+    )
+    structured_outputs_config: StructuredOutputsConfig = option(
+        default_factory=StructuredOutputsConfig, help="structured outputs options"
+    )
+    num_cpu_threads: int | None = option(
+        None, "CPU: torch threads of each rank (default: the cores but one, shared among the ranks)", ge=1
+    )
+    cpu_weight_prepack: bool = option(
+        True,
+        "CPU: reorder bf16 weights once into oneDNN's blocked layout (faster matmuls, one more weight copy): "
+        "bf16 experts, and dense layers whose decode steps do not take brisk's C kernels",
+    )
+    cpu_kernels: Literal["auto", "avx512", "avx2", "torch"] = option(
+        "auto", "CPU: which build of brisk's C kernels runs (auto: the best this CPU runs; torch: none)"
+    )
+    enable_attention_dp: bool = option(
+        False,
+        "attention data parallel: each of the tp_size ranks runs its own batch; the MoE stays split",
+        trtllm="enable_attention_dp",
+    )
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        "speculative decoding: trtllm's keys ({decoding_type: NGram, max_draft_len: 4}) or vLLM's JSON "
+        '({"method": "ngram", "num_speculative_tokens": 4})',
+        vllm="speculative_config",
+        trtllm="speculative_config",
+    )
+    tp_size: int = option(
+        1,
+        "ranks (GPUs) the model runs on (trtllm's meaning: attention split tp_size ways, or data parallel with "
+        "enable_attention_dp)",
+        trtllm=("tp_size", "tensor_parallel_size"),
+        vllm="tensor_parallel_size",
+        short=("-tp",),
+        ge=1,
+    )
+    ep_size: int = option(
+        1,
+        "MoE experts split this many ways (must divide tp_size; the rest splits each expert)",
+        trtllm=("ep_size", "moe_expert_parallel_size"),
+        ge=1,
+    )
+    pp_size: int = option(
+        1,
+        "pipeline parallel stages: brisk has none (1 only)",
+        vllm="pipeline_parallel_size",
+        short=("-pp",),
+        ge=1,
+        le=1,
+    )
+    data_parallel_size: int = option(
+        1,
+        "vLLM's data parallel: N ranks, each with its own batch and attention (brisk's tp_size N with "
+        "enable_attention_dp); with tensor_parallel_size > 1 too is not available",
+        vllm="data_parallel_size",
+        short=("-dp",),
+        ge=1,
+    )
+    enable_expert_parallel: bool = option(
+        False,
+        "vLLM's expert parallel: experts split over all ranks (ep_size = the number of ranks)",
+        vllm="enable_expert_parallel",
+    )
+    enable_mixed_sampler: bool = option(
+        False,
+        "trtllm's per-request sampling switch: brisk always samples each request with its own parameters, so true "
+        "and false both do that (no effect)",
+        trtllm="enable_mixed_sampler",
+    )
+    print_iter_log: bool = option(
+        False, "log one line per engine step: requests running and waiting, tokens, KV use", trtllm="print_iter_log"
+    )
+    max_logprobs: int = option(
+        20,
+        "the most logprobs (and prompt_logprobs) a request may ask for; brisk returns at most 20",
+        vllm="max_logprobs",
+        ge=0,
+        le=20,
+    )
+    generation_config: str = option(
+        "auto",
+        "default sampling parameters: auto (the model's generation_config.json), vllm (none: brisk's defaults), or a "
+        "folder holding a generation_config.json",
+        vllm="generation_config",
+    )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template (a file, or the template itself) instead of the tokenizer's",
+        vllm="chat_template",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_parallel_layout(cls, data: Any) -> Any:
+        """vLLM's data_parallel_size and enable_expert_parallel as brisk's tp_size / enable_attention_dp / ep_size."""
+        if not isinstance(data, dict):
+            return data
+        dp = data.get("data_parallel_size", 1)
+        if isinstance(dp, int) and dp > 1:
+            converted = data.get("tp_size") == dp and data.get("enable_attention_dp") is True  # validated before
+            if not converted and (data.get("tp_size", 1) != 1 or data.get("enable_attention_dp") is False):
+                raise ValueError(
+                    f"data_parallel_size {dp} with tensor_parallel_size {data.get('tp_size')}: brisk runs attention "
+                    "either data parallel over all ranks or tensor parallel over all ranks, not both; give "
+                    f"--data-parallel-size {dp} alone, or trtllm's --tp_size N --enable_attention_dp"
+                )
+            data = {**data, "tp_size": dp, "enable_attention_dp": True}
+        if data.get("enable_expert_parallel"):
+            world = data.get("tp_size", 1)
+            if data.get("ep_size", world) != world:
+                raise ValueError(
+                    f"enable_expert_parallel splits the experts over all {world} ranks, but ep_size is "
+                    f"{data['ep_size']}: give one of them"
+                )
+            data = {**data, "ep_size": world}
+        return data
+
+    @field_validator("backend")
+    @classmethod
+    def _pytorch_only(cls, value: str) -> str:
+        if value != "pytorch":
+            raise ValueError(
+                f"brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave "
+                "--backend out)"
+            )
+        return value
+
+    @field_validator("attn_backend", mode="before")
+    @classmethod
+    def _brisk_attention(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        return TRTLLM_ATTENTION_BACKENDS.get(value.lower(), value.lower())
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_spellings(cls, value: Any) -> Any:
+        aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        return aliases.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("max_seq_len", mode="before")
+    @classmethod
+    def _human_length(cls, value: Any) -> Any:
+        return _token_count(value)
 
     @field_validator("cpu_kernels", mode="before")
     @classmethod
@@ -119,7 +460,7 @@ class EngineConfig(_Strict):
 
     @property
     def block_size(self) -> int:
-        return self.tokens_per_block or self.kv_cache_config.tokens_per_block
+        return self.kv_cache_config.tokens_per_block
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -127,20 +468,35 @@ class EngineConfig(_Strict):
 
     @property
     def memory_fraction(self) -> float:
-        return self.kv_cache_config.free_gpu_memory_fraction or self.kv_cache_free_gpu_memory_fraction
+        return self.kv_cache_config.free_gpu_memory_fraction
 
     @classmethod
-    def build(cls, model: str, yaml_path: str | os.PathLike | None = None, **options: Any) -> EngineConfig:
-        """Merge YAML (lower precedence) and keyword options (higher); validate; name the bad key on error."""
-        merged: dict[str, Any] = {}
+    def build(
+        cls, model: str, yaml_path: str | os.PathLike | None = None, *, find_model: bool = False, **options: Any
+    ) -> EngineConfig:
+        """The engine config from keyword options in any spelling of the option table, over the YAML files named
+        by `yaml_path` (trtllm's extra_llm_api_options) and the `config` / `extra_llm_api_options` options;
+        ConfigError naming the bad key. Server options are refused here. find_model: `model` is MODEL as a user
+        gives it (a folder or a Hub id), looked for once the options are valid."""
+        given = dict(options)
         if yaml_path is not None:
-            merged.update(load_yaml_options(yaml_path))
-        merged.update({k.replace("-", "_"): v for k, v in options.items() if v is not None})
-        merged["model"] = model
+            given["extra_llm_api_options"] = str(yaml_path)
+        merged = resolve_with_files(given, "the keyword arguments")
+        if merged[ServerConfig]:
+            raise ConfigError(f"'{next(iter(merged[ServerConfig]))}' is an option of brisk serve, not of the engine")
+        return cls.from_options(model, merged[EngineConfig], find_model=find_model)
+
+    @classmethod
+    def from_options(cls, model: str, options: dict[str, Any], find_model: bool = False) -> EngineConfig:
+        """Validate resolved options (each at its option's path) into the config in effect on this machine;
+        the start-up notes of options that run something else here are logged. find_model: `model` is MODEL as
+        given, looked for (resolve_model) after the options are checked, so a bad value is reported first."""
         try:
-            cfg = cls(**merged)
+            cfg = cls(**options, model=model)
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            raise ConfigError(describe_validation_error(exc)) from None
+        if find_model:
+            cfg = cfg.model_copy(update={"model": resolve_model(model, cfg.revision)})
         if cfg.tp_size % cfg.ep_size != 0:
             raise ConfigError(
                 f"ep_size ({cfg.ep_size}) must divide tp_size ({cfg.tp_size}): the MoE runs on the tp_size ranks, "
@@ -150,33 +506,437 @@ class EngineConfig(_Strict):
             raise ConfigError(
                 f"max_seq_len ({cfg.max_seq_len}) > max_num_tokens ({cfg.max_num_tokens}) needs enable_chunked_prefill"
             )
-        if _device_type(cfg.device) == "cpu":
-            cfg, notes = cfg.without_gpu_only_options()
-            for note in notes:
-                logger.info("%s", note)
+        requested_moe = (options.get("moe_config") or {}).get("backend")
+        cfg, notes = cfg.on_device(_device_type(cfg.device), requested_moe)
+        for note in notes:
+            logger.info("%s", note)
         return cfg
 
-    def without_gpu_only_options(self) -> tuple[EngineConfig, list[str]]:
-        """For a CPU: the options given that only a CUDA GPU acts on, as log lines (one YAML serves both, so they
-        are accepted, not rejected), and the config with the Triton backends back to auto."""
+    def on_device(self, device_type: str, requested_moe: Any = None) -> tuple[EngineConfig, list[str]]:
+        """The config in effect on a `device_type` device, and one log line per option given that runs something
+        else here (or nothing): GPU-only options on a CPU, trtllm's backend names, vLLM's memory sizing."""
         given, notes = self.model_fields_set, []
         changes: dict[str, Any] = {}
-        if "cuda_graph_config" in given and self.cuda_graph_config is not None:
-            notes.append(
-                "cuda_graph_config on a CPU: decode steps run on the padded static buffers, uncaptured (no CUDA graphs)"
-            )
-        if self.moe_config.backend == "triton":
-            notes.append("moe_config.backend 'triton' means nothing on a CPU: the CPU MoE path runs")
-            changes["moe_config"] = MoeConfig(backend="auto")
-        if self.attn_backend == "triton":
-            notes.append("attn_backend 'triton' means nothing on a CPU: the CPU attention path runs")
-            changes["attn_backend"] = "auto"
-        if "kv_cache_free_gpu_memory_fraction" in given or self.kv_cache_config.free_gpu_memory_fraction is not None:
-            notes.append(
-                "kv_cache_free_gpu_memory_fraction is a share of GPU memory; on a CPU the KV cache takes that share "
-                "of the available RAM, at most 2 GiB (kv_cache_config.max_blocks sets it exactly)"
-            )
+        gpu = device_type == "cuda"
+        if isinstance(requested_moe, str) and requested_moe.lower() in TRTLLM_MOE_BACKENDS:
+            if self.moe_config.backend == "torch":
+                runs = "brisk's torch reference MoE runs"
+            else:
+                runs = (
+                    "brisk's Triton MXFP4 grouped GEMM runs on this GPU" if gpu else "the CPU MoE path runs on this CPU"
+                )
+            notes.append(f"moe_config.backend {requested_moe}: {runs}")
+        if not gpu:
+            if "cuda_graph_config" in given and self.cuda_graph_config is not None:
+                notes.append(
+                    "cuda_graph_config on a CPU: decode steps run on the padded static buffers, uncaptured "
+                    "(no CUDA graphs)"
+                )
+            if self.moe_config.backend == "triton":
+                notes.append("moe_config.backend 'triton' means nothing on a CPU: the CPU MoE path runs")
+                changes["moe_config"] = MoeConfig(backend="auto")
+            if self.attn_backend == "triton":
+                notes.append("attn_backend 'triton' means nothing on a CPU: the CPU attention path runs")
+                changes["attn_backend"] = "auto"
+            if "free_gpu_memory_fraction" in self.kv_cache_config.model_fields_set:
+                notes.append(
+                    "kv_cache_free_gpu_memory_fraction is a share of GPU memory; on a CPU the KV cache takes that "
+                    "share of the available RAM, at most 2 GiB (kv_cache_config.max_blocks sets it exactly)"
+                )
+        if self.gpu_memory_utilization is not None:
+            fraction, note = kv_fraction_for_utilization(self, gpu)
+            notes.append(note)
+            changes["kv_cache_config"] = self.kv_cache_config.model_copy(update={"free_gpu_memory_fraction": fraction})
+        if "enable_mixed_sampler" in given:
+            notes.append("enable_mixed_sampler: brisk always samples each request with its own parameters")
+        if self.trust_remote_code:
+            notes.append("trust_remote_code: brisk runs no code from checkpoints; its own model code runs")
         return (self.model_copy(update=changes) if changes else self), notes
+
+
+def _origins(text: str) -> list[str]:
+    """CORS origins: a JSON list (vLLM's form) or comma-separated."""
+    if text.strip().startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list):
+            raise argparse.ArgumentTypeError("must be a JSON list of origins")
+        return [str(v) for v in value]
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+class ServerConfig(_Strict):
+    """Server options (`brisk serve` only)"""
+
+    host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)", trtllm="host", vllm="host")
+    port: int = option(8000, "the port to listen on", ge=0, le=65535, trtllm="port", vllm="port")
+    served_model_name: list[str] | None = option(
+        None,
+        "the model's name in the API (default: MODEL as given); several names: the first is reported, all are served",
+        vllm="served_model_name",
+        nargs="+",
+        metavar="NAME",
+    )
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)", vllm="api_key"
+    )
+    api_key_file: str | None = option(None, "read the API key from the first line of this file (keeps it out of `ps`)")
+    max_request_body_size: int = option(8 << 20, "bytes; larger bodies get 413, chunked uploads included", ge=1)
+    allowed_origins: list[str] | None = option(
+        None,
+        "origins allowed by CORS, comma-separated or a JSON list ('*' for any); CORS is off without it",
+        vllm="allowed_origins",
+        parse=_origins,
+        metavar="ORIGINS",
+    )
+    log_prompts: bool = option(False, "log each request's prompt (request logs carry no prompt text otherwise)")
+    request_timeout: float | None = option(
+        None, "seconds; longer-running requests are aborted (finish_reason 'abort')", gt=0.0
+    )
+    shutdown_timeout: float = option(
+        30.0, "seconds in-flight requests may run after SIGTERM before being aborted", gt=0.0
+    )
+    otlp_traces_endpoint: str | None = option(
+        None, "export OpenTelemetry traces by OTLP/HTTP to this URL (the otel extra)", vllm="otlp_traces_endpoint"
+    )
+    log_format: Literal["text", "json"] = option(
+        "text", "json: one JSON object a log line, and one line per finished request with its id and timings"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = option(
+        "info", "brisk's log level; debug also prints the traceback of a start-up error", trtllm="log_level"
+    )
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
+        "info", "the HTTP server's (uvicorn's) log level", vllm="uvicorn_log_level"
+    )
+    disable_log_requests: bool = option(
+        False,
+        "no log line per request (method, path, status, time; prompts only with --log-prompts); vLLM's "
+        "--enable-log-requests is its opposite",
+        vllm=("disable_log_requests", Alias("enable_log_requests", invert=True)),
+    )
+    profile_dir: str | None = option(
+        None, "enable POST /start_profile and /stop_profile, writing torch profiler traces here"
+    )
+    state_dir: str | None = option(None, "folder of the server's state: stored Responses; default ~/.local/state/brisk")
+    response_ttl: float = option(30 * 24 * 3600.0, "seconds a stored Response is kept (default 30 days)", gt=0.0)
+    max_stored_responses: int = option(100_000, "stored Responses kept at most; the oldest go first", ge=1)
+    api_server_count: int = option(
+        1, "API server processes: one (several are not implemented yet)", vllm="api_server_count", short=("-asc",), ge=1
+    )
+    num_postprocess_workers: int = option(
+        0,
+        "trtllm's detokenizing processes: brisk detokenizes in the API server process (0 or 1; more are not "
+        "implemented yet)",
+        ge=0,
+        trtllm="num_postprocess_workers",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "harmony models (gpt-oss) have their tool calls parsed by brisk's harmony parser: openai is accepted for them",
+        vllm="tool_call_parser",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "harmony models (gpt-oss) have their reasoning parsed by brisk's harmony parser: openai_gptoss (GptOss) is "
+        "accepted for them",
+        vllm="reasoning_parser",
+        trtllm="reasoning_parser",
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        "tool_choice auto: always on for harmony models (gpt-oss), where brisk parses tool calls (no effect there)",
+        vllm="enable_auto_tool_choice",
+    )
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origin_text(cls, value: Any) -> Any:
+        return _origins(value) if isinstance(value, str) else value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _trtllm_log_levels(cls, value: Any) -> Any:
+        trtllm = {"trace": "debug", "verbose": "debug", "internal_error": "error"}
+        return trtllm.get(value.lower(), value.lower()) if isinstance(value, str) else value
+
+    @field_validator("api_server_count")
+    @classmethod
+    def _one_api_server(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(f"{value} API server processes are not implemented yet; use 1")
+        return value
+
+    @field_validator("num_postprocess_workers")
+    @classmethod
+    def _no_postprocess_workers(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(
+                f"{value} postprocess workers are not implemented yet: brisk detokenizes in the API server; use 0"
+            )
+        return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        if value is not None and value != "openai":
+            raise ValueError(
+                f"brisk has no tool-call parser {value!r}: it parses the tool calls of harmony models (gpt-oss) "
+                "itself (--tool-call-parser openai, or leave it out)"
+            )
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value.replace("_", "").replace("-", "").lower() not in HARMONY_REASONING_PARSERS:
+            raise ValueError(
+                f"brisk has no reasoning parser {value!r}: it parses the reasoning of harmony models (gpt-oss) "
+                "itself (--reasoning-parser openai_gptoss, or leave it out)"
+            )
+        return value
+
+    def check_model(self, is_harmony: bool) -> None:
+        """The parser options name harmony's parsers, which only harmony models speak."""
+        if is_harmony:
+            return
+        for name in ("tool_call_parser", "reasoning_parser", "enable_auto_tool_choice"):
+            if getattr(self, name):
+                raise ConfigError(
+                    f"--{name.replace('_', '-')}: brisk parses tool calls and reasoning of harmony models (gpt-oss) "
+                    "only, and this model is not one; leave the option out"
+                )
+
+
+# vLLM's gpt-oss reasoning parser (openai_gptoss) and trtllm's / the issue's spellings, without '_' / '-', lower case
+HARMONY_REASONING_PARSERS = frozenset({"openaigptoss", "gptoss", "openai", "harmony"})
+
+
+class OptionFiles(_Strict):
+    """Option files (`brisk serve`; `LLM(extra_llm_api_options=...)`)"""
+
+    config: str | None = option(
+        None,
+        "a YAML file of options in any spelling of this table (vLLM's --config: flags by name; trtllm's keys too)",
+        vllm="config",
+    )
+    extra_llm_api_options: str | None = option(
+        None,
+        "a YAML file of options (trtllm's LLM API keys; any spelling of this table); overrides --config",
+        trtllm="extra_llm_api_options",
+    )
+
+
+OPTIONS = OptionTable(OptionFiles, ServerConfig, EngineConfig)
+
+
+def resolve_options(given: dict[str, Any], source: str) -> dict[type[BaseModel], dict[str, Any]]:
+    """`given` keys in any spelling -> each option model's keyword dict; ConfigError naming an unknown key."""
+    try:
+        return OPTIONS.resolve(given, source)
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def merge_options(*sources: dict[type[BaseModel], dict[str, Any]]) -> dict[type[BaseModel], dict[str, Any]]:
+    """Resolved option sources, later ones overriding earlier ones option by option (groups merged key by key)."""
+    out: dict[type[BaseModel], dict[str, Any]] = {model: {} for model in OPTIONS.models}
+    for source in sources:
+        for model, values in source.items():
+            _deep_update(out[model], values)
+    return out
+
+
+def _deep_update(into: dict[str, Any], values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_update(into[key], value)
+        else:
+            into[key] = value
+
+
+def resolve_with_files(given: dict[str, Any], source: str) -> dict[type[BaseModel], dict[str, Any]]:
+    """Options in any spelling (`given`), over the YAML files they name: the `config` file, then the
+    `extra_llm_api_options` file, then `given` itself, each overriding the one before option by option."""
+    flags = resolve_options(given, source)
+    files = OptionFiles(**flags[OptionFiles])
+    sources = [
+        resolve_options(load_yaml_options(path), path)
+        for path in (files.config, files.extra_llm_api_options)
+        if path is not None
+    ]
+    return merge_options(*sources, flags)
+
+
+def build_serve_configs(
+    model: str | None, given: dict[str, Any], default_model: str
+) -> tuple[EngineConfig, ServerConfig]:
+    """`brisk serve`'s configs from the flags given (keys in any spelling) and the option files they name, for
+    MODEL (`model`: a folder or a Hub id, looked for once the options are valid; None: the `default_model`
+    folder)."""
+    merged = resolve_with_files(given, "the command line")
+    try:
+        server = ServerConfig(**merged[ServerConfig])
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    return EngineConfig.from_options(model or default_model, merged[EngineConfig], find_model=bool(model)), server
+
+
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """MODEL's folder: a local folder, or a Hub id from the Hub, or from the local Hugging Face cache when the Hub
+    cannot be reached (huggingface_hub falls back to it; HF_HUB_OFFLINE skips the Hub). ConfigError in one line
+    saying what to do when it is in neither."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    from brisk.model_runner.loader import ModelNotAvailableError, resolve_model_path
+
+    try:
+        return resolve_model_path(model, revision)
+    except ModelNotAvailableError as exc:
+        cause = exc.__cause__
+        if cause is None:  # a path that is not a folder
+            raise ConfigError(f"{exc}: pass a model folder or a Hugging Face model id as MODEL") from None
+        if isinstance(cause, GatedRepoError):
+            why = "is gated on the Hugging Face Hub: accept its terms there and set HF_TOKEN"
+        elif isinstance(cause, RepositoryNotFoundError):
+            why = "is not on the Hugging Face Hub (or is private: set HF_TOKEN): check the name"
+        elif isinstance(cause, RevisionNotFoundError):
+            why = f"has no revision {revision!r} on the Hugging Face Hub: check --revision"
+        else:
+            why = (
+                f"is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be reached: "
+                f"download it where the network is up (`hf download {model}`) into that cache (HF_HOME), "
+                "or pass a local folder"
+            )
+        raise ConfigError(f"model '{model}' {why}") from None
+
+
+def kv_fraction_for_utilization(config: EngineConfig, gpu: bool) -> tuple[float, str]:
+    """vLLM's gpu_memory_utilization u (weights + activations + KV within u of the device) as brisk's
+    free_gpu_memory_fraction f (the KV cache's share of what the weights and a profiled step leave), and the log
+    line saying so. With the device's memory T and the weights W per rank (estimated from the checkpoint's files):
+    f = (u * T - W) / (T - W), so that W + f * (T - W) = u * T (activations come out of the same budget)."""
+    u = config.gpu_memory_utilization
+    assert u is not None  # the caller checks
+    if "free_gpu_memory_fraction" in config.kv_cache_config.model_fields_set:
+        raise ConfigError(
+            "gpu_memory_utilization (vLLM's sizing) and kv_cache_free_gpu_memory_fraction (trtllm's) both size the "
+            "KV cache: give one of them"
+        )
+    if not gpu:
+        return u, (
+            f"gpu_memory_utilization {u:g} on a CPU: the KV cache takes {u:.0%} of the available RAM (at most 2 GiB), "
+            "as kv_cache_free_gpu_memory_fraction does"
+        )
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    weights = checkpoint_bytes(config.model) // config.tp_size if config.load_format != "dummy" else 0
+    fraction = kv_fraction(u, total, weights)
+    gib = 1 << 30
+    if fraction <= 0.0:
+        raise ConfigError(
+            f"--gpu-memory-utilization {u:g} leaves no memory for the KV cache: the weights take "
+            f"~{weights / gib:.1f} GiB of each GPU's {total / gib:.1f} GiB; raise it, or use more GPUs (--tp_size)"
+        )
+    return min(fraction, 1.0), (
+        f"gpu_memory_utilization {u:g} (vLLM: weights, activations and KV cache within {u:.0%} of the GPU's "
+        f"{total / gib:.1f} GiB): the weights take ~{weights / gib:.1f} GiB a rank, so the KV cache gets "
+        f"kv_cache_free_gpu_memory_fraction {min(fraction, 1.0):.3f} of the memory they and a step's activations leave"
+    )
+
+
+def kv_fraction(utilization: float, total: int, weights: int) -> float:
+    """The KV cache's share f of what `weights` leave of `total` bytes such that weights + f (total - weights) is
+    `utilization` of the total (see kv_fraction_for_utilization); <= 0 where the weights alone exceed it."""
+    return (utilization * total - weights) / (total - weights)
+
+
+def checkpoint_bytes(path: str) -> int:
+    """The size of a model folder's safetensors files (0 where there are none)."""
+    if not os.path.isdir(path):
+        return 0
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def check_fits_machine(config: EngineConfig, model_config: ModelConfig, launched_externally: bool) -> None:
+    """A layout this machine or this model cannot run, as one ConfigError naming the option to change: more ranks
+    than devices (GPUs; on a CPU its cores, a rank each), or a model that does not split tp_size / ep_size ways."""
+    if not launched_externally:  # torchrun / mpirun with several ranks: each node checks its own (resolve_device)
+        if _device_type(config.device) == "cuda":
+            import torch
+
+            devices, what = torch.cuda.device_count(), "GPUs"
+        else:
+            devices, what = os.cpu_count() or 1, "CPU cores (no CUDA GPU; one CPU rank a core)"
+        if config.tp_size > devices:
+            raise ConfigError(
+                f"tp_size {config.tp_size} needs {config.tp_size} devices, and this machine has {devices} {what}: "
+                f"lower --tp_size (--tensor-parallel-size) to at most {devices}"
+            )
+    attention_tp = 1 if config.enable_attention_dp else config.tp_size
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    if heads % attention_tp or (kv_heads % attention_tp if attention_tp < kv_heads else attention_tp % kv_heads):
+        raise ConfigError(
+            f"tp_size {config.tp_size} does not split the model's {heads} attention heads ({kv_heads} KV heads) "
+            "evenly: choose a tp_size that divides them, or enable_attention_dp (attention data parallel)"
+        )
+    experts = getattr(model_config.text_config, "num_local_experts", None) or getattr(
+        model_config.text_config, "num_experts", None
+    )
+    if isinstance(experts, int) and experts % config.ep_size:
+        raise ConfigError(
+            f"ep_size {config.ep_size} does not split the model's {experts} experts evenly: choose an ep_size "
+            "that divides them"
+        )
+
+
+def generation_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """The default sampling parameters (vLLM's --generation-config): the model's generation_config.json (auto),
+    none (vllm), or those of the folder named."""
+    if config.generation_config == "auto":
+        return dict(model_config.generation_defaults)
+    if config.generation_config == "vllm":
+        return {}
+    if not os.path.isfile(os.path.join(config.generation_config, "generation_config.json")):
+        raise ConfigError(f"--generation-config {config.generation_config}: no generation_config.json there")
+    return _generation_defaults(_read_generation_config(config.generation_config))
+
+
+def load_chat_template(config: EngineConfig) -> str | None:
+    """The --chat-template text: a file's contents, or the argument itself when it is no file."""
+    template = config.chat_template
+    if template is None:
+        return None
+    if os.path.isfile(template):
+        with open(template) as f:
+            return f.read()
+    if "{" not in template:  # neither a file nor a template: a path with a typo
+        raise ConfigError(f"--chat-template {template}: no such file")
+    return template
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """pydantic's errors as one line, each naming the option (and its other spellings, one of which the user
+    may have written)."""
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        row = OPTIONS.by_path.get(key)
+        others = [a.name for a in row.aliases if a.name not in (row.name, row.path)] if row is not None else []
+        spelled = f" ({', '.join(dict.fromkeys(others))})" if others else ""
+        if not key:
+            parts.append(message)
+        elif err["type"] == "extra_forbidden":
+            parts.append(f"unknown option '{key}'")
+        else:
+            parts.append(f"option '{key}'{spelled}: {message} (got {err.get('input')!r})")
+    return "; ".join(parts)
 
 
 def _device_type(device: str) -> str:
@@ -197,21 +957,10 @@ def load_yaml_options(path: str | os.PathLike) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read options file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"options file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"options file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"options file {path} must hold a mapping of option names to values")
     return data
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            parts.append(f"unknown option '{key}'")
-        else:
-            parts.append(f"option '{key}': {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(parts)
 
 
 @dataclass
@@ -273,9 +1022,7 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=window if "sliding_attention" in layer_types else None,
             eos_token_ids=eos_ids,
-            generation_defaults={
-                k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen
-            },
+            generation_defaults=_generation_defaults(gen),
         )
 
 
@@ -291,6 +1038,10 @@ def _read_generation_config(path: str) -> dict[str, Any]:
         return {}
     with open(file) as f:
         return json.load(f)
+
+
+def _generation_defaults(gen: dict[str, Any]) -> dict[str, Any]:
+    return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
 
 
 CPU_BF16_MIN_HIDDEN_SIZE = 128

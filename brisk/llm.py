@@ -5,17 +5,26 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from brisk.config import EngineConfig
+from brisk.config import (
+    EngineConfig,
+    ModelConfig,
+    check_fits_machine,
+    generation_defaults,
+    load_chat_template,
+    resolve_model,
+)
+from brisk.distributed.launch import launcher_env
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
 from brisk.engine.output_processor import OutputProcessor
 from brisk.harmony.chat import is_harmony_model, render_chat
-from brisk.model_runner.loader import resolve_model_path
 from brisk.outputs import RequestOutput
 from brisk.sampling_params import SamplingParams
 
@@ -32,9 +41,19 @@ class LLM:
     def __init__(
         self, model: str, *, tokenizer: str | None = None, extra_llm_api_options: str | None = None, **options
     ):
-        path = resolve_model_path(model, options.get("revision"))
-        self.config = EngineConfig.build(path, extra_llm_api_options, tokenizer=tokenizer, **options)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
+        """`options`: engine options in any spelling of the option table (docs/options.md): trtllm's
+        (max_batch_size, kv_cache_config={...}) or vLLM's (max_num_seqs, gpu_memory_utilization...)."""
+        if tokenizer is not None:
+            options["tokenizer"] = tokenizer
+        self.config = EngineConfig.build(model, extra_llm_api_options, find_model=True, **options)
+        path = self.config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer) if tokenizer else path)
+        chat_template = load_chat_template(self.config)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        model_config = ModelConfig.from_pretrained(path)
+        check_fits_machine(self.config, model_config, launched_externally=launcher_env() is not None)
+        self.generation_defaults = generation_defaults(self.config, model_config)
         self._engine = EngineCore(self.config)
         self._engine.structured.tokenizer = self.tokenizer  # loaded once, for the grammars too
         # Holds the engine, not self: the finalizer runs when this object goes (or at exit, or on close()).
@@ -65,7 +84,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults, as vLLM applies them."""
-        return SamplingParams(**self.engine.model_config.generation_defaults)
+        return SamplingParams(**self.generation_defaults)
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(
@@ -87,9 +106,11 @@ class LLM:
         # Every request is checked (the same checks as the server's) before any is queued.
         tokenized = [self._tokenize(prompt) for prompt in prompt_list]
         vocab_size, max_seq_len = self.engine.model_config.vocab_size, self.engine.max_seq_len
-        for (_, token_ids), params in zip(tokenized, params_list):
+        for i, ((_, token_ids), params) in enumerate(zip(tokenized, params_list)):
             params.validate()
+            params.check_max_logprobs(self.config.max_logprobs)
             params.check_for_model(token_ids, vocab_size, max_seq_len)
+            params_list[i] = params = self._resolve_structured_outputs(params)
             self._check_structured_outputs(params)
         order: list[str] = []
         try:
@@ -121,6 +142,14 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _resolve_structured_outputs(self, params: SamplingParams) -> SamplingParams:
+        """The params with their JSON whitespace left to the engine (None) set from structured_outputs_config."""
+        spec = params.structured_outputs
+        if spec is None or spec.disable_any_whitespace is not None:
+            return params
+        whitespace = self.config.structured_outputs_config.disable_any_whitespace
+        return replace(params, structured_outputs=msgspec.structs.replace(spec, disable_any_whitespace=whitespace))
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the grammar now with the engine's compiler (cached, so the engine's own compile is a hit):

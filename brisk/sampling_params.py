@@ -48,6 +48,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
+    def check_max_logprobs(self, limit: int) -> None:
+        """The engine's max_logprobs (vLLM's --max-logprobs): asking for more is an InvalidRequest naming the field."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise InvalidRequest(name, f"{name} {value} is more than this server's max_logprobs ({limit}).")
+
     def validate(self) -> None:
         """Check each field on its own (ranges, finiteness); raises InvalidRequest naming the field."""
 

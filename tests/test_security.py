@@ -23,7 +23,7 @@ import pytest
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from brisk.config import ConfigError
+from brisk.config import ConfigError, ServerConfig
 from brisk.engine.output_processor import CompletionDelta
 from brisk.outputs import CompletionOutput, RequestOutput
 from brisk.sampling_params import SamplingParams
@@ -194,7 +194,7 @@ def fake_state(**overrides) -> ServerState:
     config = SimpleNamespace(
         model="fake", max_batch_size=4, max_num_waiting=4, stream_interval=1, enable_prefix_caching=True, dtype="auto"
     )
-    return ServerState(client, None, config, "fake", {}, False, **overrides)
+    return ServerState(client, None, config, "fake", {}, False, server=ServerConfig(**overrides))
 
 
 def test_cors_is_off_by_default():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from brisk.cli import _json_object
-from brisk.config import ConfigError, EngineConfig
+from brisk.cli import build_parser
+from brisk.config import OPTIONS, ConfigError, EngineConfig
 
 
 def test_trtllm_and_vllm_dialects_mean_the_same(tmp_path):
@@ -62,7 +62,11 @@ def test_invalid_combinations_name_the_key(spec, message):
     assert "speculative_config" in str(info.value)
 
 
-def test_cli_takes_vllm_json():
-    assert _json_object('{"method": "ngram", "num_speculative_tokens": 2}')["method"] == "ngram"
-    with pytest.raises(Exception, match="JSON"):
-        _json_object("{method: ngram}")
+def test_cli_takes_vllm_json(capsys):
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )
+    assert OPTIONS.given(args)["speculative_config"]["method"] == "ngram"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])
+    assert "not valid JSON" in capsys.readouterr().err

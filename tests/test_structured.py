@@ -128,7 +128,7 @@ def test_plain_model_whole_output_constrained(tokenizer, plain):
 
 def test_rollback_and_fork(tokenizer, plain):
     matcher = plain.matcher(plain.compile(StructuredOutputs(json=SCHEMA)))
-    prefix = ids(tokenizer, '{"city": "Rome", "days": ')
+    prefix = ids(tokenizer, '{"city":"Rome","days":')
     assert matcher.accept_tokens(prefix) == len(prefix)
     before = allowed(matcher)
     sibling = matcher.fork()
@@ -161,7 +161,7 @@ RETURN, CALL, END = 200002, 200012, 200007
 CHANNEL, MESSAGE, START, CONSTRAIN = 200005, 200008, 200006, 200003
 STRUCTURAL = (RETURN, CALL, END, CHANNEL, MESSAGE, START, CONSTRAIN)
 ANALYSIS = "<|channel|>analysis<|message|>The user wants {json-ish: [unbalanced. Think freely.<|end|><|start|>assistant"
-ANSWER = json.dumps({"city": "Rome", "days": 3})
+ANSWER = json.dumps({"city": "Rome", "days": 3}, separators=(",", ":"))  # compact, as constrained JSON is
 
 
 def accepts_whole(tokenizer, compiler, spec, text: str, prompt: list[int] | None = None) -> bool:
@@ -200,15 +200,15 @@ def test_harmony_turn_reasoning_free_final_constrained(tokenizer, harmony):
 def test_harmony_json_violations_masked(tokenizer, harmony):
     matcher = harmony.matcher(harmony.compile(StructuredOutputs(json=SCHEMA)))
     matcher.accept_tokens(harmony_ids(tokenizer, "<|channel|>final<|message|>"))
-    prefix = harmony_ids(tokenizer, '{"city": "Rome", "days": ')
+    prefix = harmony_ids(tokenizer, '{"city":"Rome","days":')
     assert matcher.accept_tokens(prefix) == len(prefix)
     for bad in ("0", '"3"', "-1", "true"):
         assert not matcher.accept_token(harmony_ids(tokenizer, bad)[0]), bad
-    extra = harmony_ids(tokenizer, '7, "extra": 1}')
+    extra = harmony_ids(tokenizer, '7,"extra":1}')
     assert matcher.accept_tokens(extra) == 1  # additionalProperties: false refuses the comma's key
     # harmony's special tokens are no text: not even inside a JSON string (the parser would read them as structure)
     string = harmony.matcher(harmony.compile(StructuredOutputs(json=SCHEMA)))
-    string.accept_tokens(harmony_ids(tokenizer, '<|channel|>final<|message|>{"city": "R'))
+    string.accept_tokens(harmony_ids(tokenizer, '<|channel|>final<|message|>{"city":"R'))
     assert not any(string.fork().accept_token(special) for special in STRUCTURAL)
     assert all(t < 199_998 for t in allowed(string).tolist())
 
@@ -262,7 +262,7 @@ def test_harmony_strict_tool_arguments(tokenizer, harmony):
         tokens = harmony_ids(tokenizer, ANALYSIS + header)
         assert matcher.accept_tokens(tokens) == len(tokens), header
         assert not matcher.accept_token(harmony_ids(tokenizer, "city")[0])
-        arguments = harmony_ids(tokenizer, '{"city": "Oslo"}')
+        arguments = harmony_ids(tokenizer, '{"city":"Oslo"}')
         assert matcher.accept_tokens(arguments) == len(arguments)
         assert allowed(matcher).tolist() == [CALL]  # a call ends with <|call|>
         assert matcher.accept_token(CALL) and matcher.is_terminated()
@@ -294,7 +294,7 @@ def test_harmony_response_format_and_tools_together(tokenizer, harmony):
     call = harmony.matcher(harmony.compile(spec))
     tokens = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
     assert call.accept_tokens(tokens) == len(tokens)
-    wrong = harmony_ids(tokenizer, '{"days": 2}')  # the answer's schema, not the tool's
+    wrong = harmony_ids(tokenizer, '{"days":2}')  # the answer's schema, not the tool's
     assert call.accept_tokens(wrong) < len(wrong)
 
 
@@ -315,7 +315,7 @@ def test_harmony_turn_taken_up_where_the_prompt_leaves_it(tokenizer, harmony):
     forced = StructuredOutputs(json=WEATHER.parameters, from_start=True)
     header = harmony_ids(tokenizer, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
     matcher = harmony.matcher(harmony.compile(forced), forced, chat + header)
-    arguments = harmony_ids(tokenizer, '{"city": "Oslo"}')
+    arguments = harmony_ids(tokenizer, '{"city":"Oslo"}')
     assert matcher.accept_tokens(arguments) == len(arguments)
     assert allowed(matcher).tolist() == [CALL]
 

@@ -22,13 +22,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from brisk.config import EngineConfig
+from brisk.config import ConfigError, EngineConfig
 from brisk.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineCoreRequest,
     EngineInfo,
     EngineOutputs,
+    EngineStartupError,
     FromEngine,
     ProfileRequest,
     SchedulerStats,
@@ -151,6 +152,8 @@ class AsyncEngineClient:
                 if isinstance(msg, EngineInfo):
                     self.info = msg
                     break
+                if isinstance(msg, EngineStartupError):
+                    raise ConfigError(msg.message)
             elif not self._proc.is_alive():
                 raise EngineDeadError(f"the engine process exited with code {self._proc.exitcode} while starting")
         self._output_task = asyncio.create_task(self._output_loop(), name="brisk-engine-outputs")

@@ -14,6 +14,8 @@ import itertools
 import logging
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from brisk.config import EngineConfig, ModelConfig, load_model_config
 from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
@@ -47,6 +49,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)  # vLLM's --seed: requests without a seed of their own draw from it
+        self._iteration = 0  # steps launched (print_iter_log)
         self.model_config, self.max_seq_len = load_model_config(config, self.device, model_config)
         self.executor = make_executor(config, self.model_config, self.device, self.max_seq_len)
         spec = self.executor.kv_cache_spec
@@ -232,6 +236,8 @@ class EngineCore:
                 self.structured.fill_bitmasks(sched, scheduler.requests)
         result.num_tokens = sum(s.num_tokens for s in scheds)
         handle = self.executor.execute_model(scheds) if any(scheds) else None
+        if self.config.print_iter_log and handle is not None:
+            self._log_iteration(result.num_tokens)
         if synchronous:
             if handle is not None:
                 result.outputs += self._update(scheds, handle.result())
@@ -241,6 +247,19 @@ class EngineCore:
         if previous is not None:
             result.outputs = self._update(previous[0], previous[1].result())
         return result
+
+    def _log_iteration(self, num_tokens: int) -> None:
+        """trtllm's print_iter_log: one line per step launched."""
+        self._iteration += 1
+        stats = self.stats()
+        logger.info(
+            "iteration %d: %d tokens, %d requests running, %d waiting, KV cache %.1f%% used",
+            self._iteration,
+            num_tokens,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_usage,
+        )
 
     def _poll_grammars(self) -> list[tuple[str, InvalidRequest]]:
         """Matchers for the requests whose grammar compiled; a failed or timed-out compile fails its request (the

@@ -65,6 +65,13 @@ class EngineInfo(msgspec.Struct, tag=True):
     num_kv_groups: int
 
 
+class EngineStartupError(msgspec.Struct, tag=True):
+    """Sent instead of EngineInfo when the engine cannot start for a reason the user can act on (a ConfigError:
+    the KV cache does not fit, a layout the devices cannot run); the API server reports it as one line."""
+
+    message: str
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     """Scheduler and KV gauges for /metrics, sampled after a step."""
 
@@ -91,4 +98,4 @@ class EngineOutputs(msgspec.Struct, tag=True):
 
 
 ToEngine = AddRequest | AbortRequests | ProfileRequest
-FromEngine = EngineInfo | EngineOutputs
+FromEngine = EngineInfo | EngineStartupError | EngineOutputs

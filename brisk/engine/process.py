@@ -15,21 +15,37 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import msgspec
 import torch
 import zmq
+from tqdm import tqdm
 
-from brisk.config import EngineConfig
+from brisk.config import ConfigError, EngineConfig
 from brisk.engine.core import EngineCore
-from brisk.engine.messages import AbortRequests, AddRequest, EngineInfo, EngineOutputs, ProfileRequest, ToEngine
+from brisk.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineInfo,
+    EngineOutputs,
+    EngineStartupError,
+    ProfileRequest,
+    ToEngine,
+)
 from brisk.engine.profiler import EngineProfiler
 from brisk.errors import InvalidRequest
 from brisk.host import cpu_threads_per_rank, resolve_device
 
 logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
+STARTUP_ERROR_EXIT = 2  # the engine could not start for a reason it reported (EngineStartupError)
+OUT_OF_MEMORY = (
+    "the model does not fit in GPU memory (out of memory while loading it and sizing the KV cache): use more GPUs "
+    "(--tp_size {config.tp_size} -> more), or lower max_num_tokens ({config.max_num_tokens}) / max_batch_size "
+    "({config.max_batch_size})"
+)
 
 
 def encode_config(config: EngineConfig) -> bytes:
@@ -42,6 +58,9 @@ def encode_config(config: EngineConfig) -> bytes:
 
 def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    # tqdm's default lock (the weight loader's progress bar) is a multiprocessing semaphore: this process ends by
+    # SIGKILL or a start-up error, and the parent's resource tracker then warns about it on the user's terminal.
+    tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -53,7 +72,14 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
         config = EngineConfig.model_validate_json(config_json)
         if resolve_device(config.device).type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
-        core = EngineCore(config)
+        try:
+            core = EngineCore(config)
+        except (ConfigError, torch.OutOfMemoryError) as exc:
+            message = str(exc) if isinstance(exc, ConfigError) else OUT_OF_MEMORY.format(config=config)
+            logger.debug("engine start-up failed:\n%s", traceback.format_exc())
+            outbox.send(msgspec.msgpack.encode(EngineStartupError(message)))
+            outbox.close(linger=10_000)  # delivered before the process goes
+            sys.exit(STARTUP_ERROR_EXIT)
         _serve(core, inbox, outbox)
     except Exception:
         logger.error("engine core failed:\n%s", traceback.format_exc())

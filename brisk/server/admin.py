@@ -35,13 +35,11 @@ async def version() -> VersionInfo:
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(state: ServerState = Depends(server_state)) -> ModelList:
-    card = ModelCard(
-        id=state.model_name,
-        created=int(state.started),
-        root=state.config.model,
-        max_model_len=state.info.max_seq_len,
-    )
-    return ModelList(data=[card])
+    cards = [
+        ModelCard(id=name, created=int(state.started), root=state.config.model, max_model_len=state.info.max_seq_len)
+        for name in (state.model_name, *state.model_aliases)  # every --served-model-name, as vLLM lists them
+    ]
+    return ModelList(data=cards)
 
 
 @router.get(

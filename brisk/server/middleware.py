@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from brisk.server.errors import error_body
+from brisk.server.tracing import REQUEST_LOGGER
 
 if TYPE_CHECKING:
     from brisk.server.state import ServerState
 
-logger = logging.getLogger("brisk.server.requests")
+logger = logging.getLogger(REQUEST_LOGGER)
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -144,13 +145,15 @@ GUIDED_REMOVED = "guided_* fields were removed in vLLM 0.12; use structured_outp
 
 
 class StructuredOutputsField(_Request):
-    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of these constrains the output."""
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of these constrains the output, or,
+    beside response_format, none (only its options); disable_any_whitespace: false allows whitespace in JSON."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     grammar: str | None = Field(None, min_length=1)
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
@@ -161,8 +164,12 @@ class StructuredOutputsField(_Request):
             regex=self.regex,
             choice=self.choice,
             grammar=self.grammar,
+            disable_any_whitespace=self.disable_any_whitespace,
             param="structured_outputs",
         )
+
+    def options_only(self) -> bool:
+        return (self.json_, self.regex, self.choice, self.grammar, self.json_object) == (None,) * 5
 
 
 def combine_structured(
@@ -187,6 +194,7 @@ def combine_structured(
         grammar=answer.grammar,
         tools=strict,
         free_tools=free,
+        disable_any_whitespace=answer.disable_any_whitespace,
         param=answer.param,
     )
 
@@ -322,8 +330,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs logprobs: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         answer = self.response_format.spec() if self.response_format is not None else None
-        if answer is not None and self.structured_outputs is not None:
-            raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
+        vllm = self.structured_outputs
+        if answer is not None and vllm is not None:
+            if not vllm.options_only():
+                raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
+            # vLLM's way to set structured_outputs' options for a response_format
+            answer = msgspec.structs.replace(answer, disable_any_whitespace=vllm.disable_any_whitespace)
         answer = answer or self._vllm_structured_outputs()
         offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
         tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]

@@ -1,24 +1,37 @@
-"""`brisk serve`: start the engine-core process, then the HTTP server; exit non-zero if the engine dies."""
+"""`brisk serve`: check the configs against the machine, bind the port, start the engine-core process, then the HTTP
+server; exit non-zero if the engine dies. A start-up error a user can act on is a ConfigError (brisk/cli.py prints
+it as one line)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
+import socket
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from transformers import AutoTokenizer
 
-from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.config import (
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+    build_serve_configs,
+    check_fits_machine,
+    generation_defaults,
+    load_chat_template,
+)
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.harmony.chat import is_harmony_model
-from brisk.model_runner.loader import resolve_model_path
 from brisk.server.app import build_app
-from brisk.server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_S, ResponseStore
+from brisk.server.response_store import ResponseStore
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
 from brisk.server.state import ServerState
 from brisk.server.tracing import ObservabilityConfig, configure_logging, make_tracer_provider
@@ -52,49 +65,50 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
     return api_key
 
 
-async def serve(
-    model: str | None,
-    *,
-    host: str,
-    port: int,
-    served_model_name: str | None,
-    api_key: str | None,
-    extra_llm_api_options: str | None,
-    max_request_body_size: int,
-    api_key_file: str | None = None,
-    allowed_origins: list[str] | None = None,
-    log_prompts: bool = False,
-    request_timeout: float | None = None,
-    shutdown_timeout: float = 30.0,
-    otlp_traces_endpoint: str | None = None,
-    log_format: str = "text",
-    profile_dir: str | None = None,
-    state_dir: str | None = None,
-    response_ttl: float = DEFAULT_TTL_S,
-    max_stored_responses: int = DEFAULT_MAX_RESPONSES,
-    **engine_options,
-) -> int:
-    api_key = resolve_api_key(api_key, api_key_file)
-    observability = ObservabilityConfig(
-        otlp_traces_endpoint,
-        "json" if log_format == "json" else "text",
-        profile_dir,
-        make_tracer_provider(otlp_traces_endpoint) if otlp_traces_endpoint else None,
-    )
-    path = resolve_model_path(model) if model else str(DEMO_MODEL)
-    config = EngineConfig.build(path, extra_llm_api_options, **engine_options)
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine starts: a port in use is a start-up error naming --port,
+    not a failure minutes later once the model has loaded. uvicorn serves on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port left in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} on {host} is in use by another process: stop it, or pass --port with a free port"
+            ) from None
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host and --port") from None
+    return sock
+
+
+async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -> int:
+    """Serve `config`'s model (MODEL as given: `model`, the default API name) as `server` says."""
+    api_key = resolve_api_key(server.api_key, server.api_key_file)
+    observability = observability_for(server)
     env = launcher_env()
     if env is not None and env["RANK"] > 0:  # torchrun: ranks > 0 hold model shards, rank 0 serves HTTP
         run_worker(config, rank_place(config, env))
         return 0
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
-    model_config = ModelConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    chat_template = load_chat_template(config)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    model_config = ModelConfig.from_pretrained(config.model)
+    check_fits_machine(config, model_config, launched_externally=env is not None)
     is_harmony = is_harmony_model(model_config.hf_config.model_type, tokenizer)
-    name = served_model_name or (model or "brisk-demo")
-    if log_format == "json":  # every line of a JSON log is one JSON object
-        logger.info("configuration in effect", extra={"brisk": {"config": config.model_dump(mode="json")}})
+    server.check_model(is_harmony)
+    names = server.served_model_name or [model or "brisk-demo"]
+    sock = bind_socket(server.host, server.port)
+    in_effect = {
+        "engine": config.model_dump(mode="json"),
+        "server": server.model_dump(mode="json", exclude={"api_key"}),
+    }
+    if server.log_format == "json":  # every line of a JSON log is one JSON object
+        logger.info("configuration in effect", extra={"brisk": {"config": in_effect}})
     else:
-        print("brisk serve: configuration in effect:\n" + json.dumps(config.model_dump(), indent=2), flush=True)
+        print("brisk serve: configuration in effect:\n" + json.dumps(in_effect, indent=2), flush=True)
 
     exit_code = {"value": 0}
     server_box: dict[str, uvicorn.Server] = {}
@@ -110,30 +124,33 @@ async def serve(
     except EngineDeadError as exc:
         logger.error("%s", exc)
         await client.shutdown()
+        sock.close()
         return 1
+    except BaseException:  # a start-up error the engine reported (ConfigError): the caller prints it
+        await client.shutdown()
+        sock.close()
+        raise
     state = ServerState(
         client,
         tokenizer,
         config,
-        name,
-        model_config.generation_defaults,
+        names[0],
+        generation_defaults(config, model_config),
         is_harmony,
-        api_key,
-        max_request_body_size,
-        request_timeout,
-        log_prompts,
-        list(allowed_origins or []),
-        response_store=ResponseStore(state_dir or default_state_dir(), response_ttl, max_stored_responses),
+        server=server,
+        api_key=api_key,
+        model_aliases=tuple(names[1:]),
+        response_store=response_store_for(server),
         observability=observability,
     )
     app = build_app(state)
     # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
-    server = DrainingServer(
+    http = DrainingServer(
         uvicorn.Config(
             app,
-            host=host,
-            port=port,
-            log_level="info",
+            host=server.host,
+            port=server.port,
+            log_level=server.uvicorn_log_level,
             access_log=False,
             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
             # uvicorn annotates this int | None but only passes it to asyncio.wait_for, which takes a float
@@ -141,19 +158,19 @@ async def serve(
             log_config=None,  # uvicorn's records go through the root handler (text or JSON, --log-format)
         ),
         state,
-        shutdown_timeout,
+        server.shutdown_timeout,
     )
-    server_box["server"] = server
+    server_box["server"] = http
     ready = (
-        f"brisk serve: ready: '{name}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{host}:{port}"
+        f"brisk serve: ready: '{names[0]}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{server.host}:{server.port}"
     )
-    if log_format == "json":
+    if server.log_format == "json":
         logger.info(ready)
     else:
         print(ready, flush=True)
     try:
-        await server.serve()
+        await http.serve(sockets=[sock])
     finally:
         await client.shutdown()
         if observability.tracer_provider is not None:
@@ -163,11 +180,26 @@ async def serve(
     return exit_code["value"]
 
 
+def observability_for(server: ServerConfig) -> ObservabilityConfig:
+    """Traces (--otlp-traces-endpoint), log format and profiling (--profile-dir) of a server."""
+    provider = make_tracer_provider(server.otlp_traces_endpoint) if server.otlp_traces_endpoint else None
+    return ObservabilityConfig(server.otlp_traces_endpoint, server.log_format, server.profile_dir, provider)
+
+
+def response_store_for(server: ServerConfig) -> ResponseStore:
+    """The stored Responses of a server: under --state-dir, kept --response-ttl seconds, --max-stored-responses."""
+    return ResponseStore(server.state_dir or default_state_dir(), server.response_ttl, server.max_stored_responses)
+
+
 def default_state_dir() -> Path:
     """Where stored Responses live unless --state-dir says otherwise (XDG's state folder)."""
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "brisk"
 
 
-def run(model: str | None, **kwargs) -> int:
-    configure_logging(kwargs.get("log_format") or "text")
-    return asyncio.run(serve(model, **kwargs))
+def run(model: str | None, given: dict[str, Any]) -> int:
+    """`brisk serve MODEL` with the options `given` (flags, as the option table's keys)."""
+    # The flags' logging until the configs are built (their start-up notes are logged), then the configs'.
+    configure_logging(given.get("log_format") or "text", str(given.get("log_level") or "info"))
+    config, server = build_serve_configs(model, given, default_model=str(DEMO_MODEL))
+    configure_logging(server.log_format, server.log_level, quiet_requests=server.disable_log_requests)
+    return asyncio.run(serve(model, config, server))

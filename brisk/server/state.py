@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 
-from brisk.config import EngineConfig
+from brisk.config import EngineConfig, ServerConfig
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.engine.messages import EngineInfo
 from brisk.engine.output_processor import CompletionDelta
@@ -40,14 +42,12 @@ class ServerState:
     client: AsyncEngineClient
     tokenizer: Any
     config: EngineConfig
-    model_name: str
+    model_name: str  # the name responses report (the first --served-model-name)
     generation_defaults: dict[str, Any]
     is_harmony: bool
-    api_key: str | None = None
-    max_request_body_size: int = 8 << 20
-    request_timeout: float | None = None  # server-wide cap on a request's run time, seconds
-    log_prompts: bool = False
-    allowed_origins: list[str] = field(default_factory=list)
+    server: ServerConfig = field(default_factory=ServerConfig)  # the `brisk serve` options
+    api_key: str | None = None  # resolved from --api-key, --api-key-file or $BRISK_API_KEY; None: no auth
+    model_aliases: tuple[str, ...] = ()  # further --served-model-name names requests may use
     response_store: ResponseStore | None = None  # stored Responses (store: true); None keeps none
     draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # traces, logs, profiling
@@ -63,6 +63,23 @@ class ServerState:
         self.background_runs = BackgroundRuns()
 
     @property
+    def max_request_body_size(self) -> int:
+        return self.server.max_request_body_size
+
+    @property
+    def request_timeout(self) -> float | None:
+        """The server-wide cap on a request's run time, seconds."""
+        return self.server.request_timeout
+
+    @property
+    def log_prompts(self) -> bool:
+        return self.server.log_prompts
+
+    @property
+    def allowed_origins(self) -> list[str]:
+        return list(self.server.allowed_origins or [])
+
+    @property
     def info(self) -> EngineInfo:
         """The engine's facts (vocabulary, max_seq_len); a 503 before the engine has started."""
         info = self.client.info
@@ -72,7 +89,7 @@ class ServerState:
 
     # ---- request checks shared by the endpoints ------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.config.model):
+        if model is not None and model not in (self.model_name, *self.model_aliases, self.config.model):
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
@@ -96,6 +113,7 @@ class ServerState:
         """The request's SamplingParams; an invalid value is a 400 naming the request's own field."""
         try:
             params = req.to_sampling_params(self.generation_defaults)
+            params.check_max_logprobs(self.config.max_logprobs)
         except InvalidRequest as exc:
             raise invalid_request_error(exc, req.field_names()) from None
         if getattr(req, "bad_words", None):
@@ -152,6 +170,9 @@ class ServerState:
         spec = params.structured_outputs
         if spec is None:
             return
+        if spec.disable_any_whitespace is None:  # the request left it to the server (--structured-outputs-config)
+            whitespace = self.config.structured_outputs_config.disable_any_whitespace
+            spec = params.structured_outputs = msgspec.structs.replace(spec, disable_any_whitespace=whitespace)
         compiler = await self.grammar_compiler()
         try:
             future = compiler.submit(spec)
@@ -224,7 +245,7 @@ def invalid_request_error(exc: InvalidRequest, field_names: dict[str, str] | Non
     param = (field_names or {}).get(exc.param, exc.param)
     message = exc.message
     if param != exc.param and exc.param != "prompt":  # say the field as the client named it
-        message = message.replace(exc.param, param)
+        message = re.sub(rf"\b{re.escape(exc.param)}\b", param, message)  # the word, not within max_logprobs
     return APIError(400, message, param=param, code=exc.code)
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 request_logger = logging.getLogger("brisk.server.requests")
 SERVICE_NAME = "brisk"
+REQUEST_LOGGER = "brisk.server.requests"  # the guard middleware's line per request (--disable-log-requests)
 
 
 @dataclass
@@ -172,10 +173,13 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def configure_logging(log_format: str) -> None:
+def configure_logging(log_format: str, level: str = "info", quiet_requests: bool = False) -> None:
+    """The server's logging: text or JSON lines at `level` (--log-level); quiet_requests (--disable-log-requests)
+    drops the line per request."""
     handler = logging.StreamHandler()
     if log_format == "json":
         handler.setFormatter(JSONFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.getLogger(REQUEST_LOGGER).setLevel(logging.WARNING if quiet_requests else logging.NOTSET)

@@ -13,7 +13,6 @@ grammar's `TokenFormat`s (by id) can produce it.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,19 +23,12 @@ import xgrammar as xgr
 
 from brisk.errors import InvalidRequest
 from brisk.harmony.parser import HarmonySpecialTokens
-from brisk.structured.grammars import structural_tag
+from brisk.structured.grammars import compiler_message, structural_tag
 from brisk.structured.matcher import Matcher
 from brisk.structured.spec import StructuredOutputs
 
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the message users need
-_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
 # the byte-level spelling of byte 0xFF (GPT-2's byte-to-unicode table keeps bytes 0xAE..0xFF as themselves)
 _NOT_TEXT = "\u00ff"
-
-
-def compiler_message(error: BaseException) -> str:
-    """xgrammar's error text without the C++ source location."""
-    return _CPP_PREFIX.sub("", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
 
 
 class GrammarCompiler:
@@ -46,9 +38,9 @@ class GrammarCompiler:
     constrained, reasoning free, the final answer and strict tools' arguments constrained (grammars.py).
     compile_timeout_s: a grammar not compiled within it is a 400 (the compile itself cannot be interrupted; it
     finishes in its worker and its result is cached). cache_size: compiled grammars kept (least recently used
-    dropped). max_json_whitespace: the longest whitespace run JSON output may hold (indentation included); bounded
-    so that a model cannot loop on whitespace until max_tokens (a known failure of unbounded JSON grammars), None
-    for unbounded. stop_token_ids (other models): the ids that end a grammar (None: the tokenizer's eos); a
+    dropped). JSON is compact unless a spec says disable_any_whitespace false; max_json_whitespace: then the longest
+    whitespace run JSON output may hold (indentation included), bounded so that a model cannot loop on whitespace
+    until max_tokens (a known failure of unbounded JSON grammars), None for unbounded. stop_token_ids (other models): the ids that end a grammar (None: the tokenizer's eos); a
     harmony grammar ends with harmony's own terminators."""
 
     def __init__(

@@ -26,6 +26,10 @@ the parser decodes header text; CT takes the three spellings gpt-oss and its cha
 
 A forced tool call (`from_start`: the prompt ends with the call's header) is only its arguments then `<|call|>`.
 Other models: the whole output is the answer, ended by the model's stop token.
+
+JSON (schemas, json_object, strict tools' arguments) is compact by default: separators `,` and `:` and no
+whitespace outside strings, as OpenAI's structured outputs look, so that a model cannot spend its tokens on
+whitespace; a spec with disable_any_whitespace false (vLLM's switch) allows bounded whitespace between tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import json
 import re
 from typing import Any
 
+import xgrammar as xgr
 from xgrammar.structural_tag import (
     AnyTextFormat,
     ConstStringFormat,
@@ -104,19 +109,41 @@ def check_keywords(schema: Any, param: str, path: str = "#") -> None:
             check_keywords(sub, param, f"{path}/items/{index}")
 
 
-def _json_format(schema: dict[str, Any] | str, param: str, max_whitespace: int | None) -> JSONSchemaFormat:
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the message users need
+_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
+
+
+def compiler_message(error: BaseException) -> str:
+    """xgrammar's error text without the C++ source location."""
+    return _CPP_PREFIX.sub("", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+
+
+def _json_format(schema: dict[str, Any] | str, param: str, max_whitespace: int | None, compact: bool) -> Any:
+    """JSON of the schema: compact (separators `,` and `:`, no whitespace outside strings, as OpenAI's structured
+    outputs look; xgrammar's structural tag has no such JSON format, so the schema's grammar is spelled out), or
+    with up to `max_whitespace` whitespace characters between tokens (None: unbounded)."""
     loaded = load_schema(schema, param)
     check_keywords(loaded, param)
-    return JSONSchemaFormat(json_schema=loaded, max_whitespace_cnt=max_whitespace)
+    if not compact:
+        return JSONSchemaFormat(json_schema=loaded, max_whitespace_cnt=max_whitespace)
+    try:  # strict_mode: no properties or items beyond the schema's, as JSONSchemaFormat
+        grammar = xgr.Grammar.from_json_schema(loaded, any_whitespace=False, separators=(",", ":"), strict_mode=True)
+    except Exception as error:  # xgrammar raises RuntimeError/ValueError/its own types with the reason
+        raise InvalidRequest(param, f"invalid {param}: {compiler_message(error)}") from None
+    # xgrammar 0.2 spells the comma of its generic arrays and objects (basic_array_items, basic_object_properties: the
+    # parts of a schema that say nothing of their items or properties) with its default ", " whatever the
+    # separators; the test of json_object proves this is the one place a space was left.
+    return GrammarFormat(grammar=str(grammar).replace('((", " basic_', '(("," basic_'))
 
 
 def answer_format(spec: StructuredOutputs, max_whitespace: int | None = None) -> Any:
     """The xgrammar format of the answer constraint, or None when only tools are constrained.
-    max_whitespace: the longest whitespace run JSON may hold (None: unbounded)."""
+    max_whitespace: the longest whitespace run JSON may hold (None: unbounded), where whitespace is allowed."""
+    compact = spec.disable_any_whitespace is not False
     if spec.json is not None:
-        return _json_format(spec.json, spec.param, max_whitespace)
+        return _json_format(spec.json, spec.param, max_whitespace, compact)
     if spec.json_object:
-        return JSONSchemaFormat(json_schema={"type": "object"}, max_whitespace_cnt=max_whitespace)
+        return _json_format({"type": "object"}, spec.param, max_whitespace, compact)
     if spec.regex is not None:
         return RegexFormat(pattern=spec.regex)
     if spec.choice is not None:
@@ -169,7 +196,8 @@ def harmony_format(spec: StructuredOutputs, ids: HarmonySpecialTokens, max_white
         _seq(_text(" "), token(ids.constrain), _text("json")), _seq(token(ids.constrain), _text("json")), _text(" json")
     )
     calls: list[SequenceFormat] = []
-    tools = [(tool.name, _json_format(tool.parameters, "tools", max_whitespace)) for tool in spec.tools]
+    compact = spec.disable_any_whitespace is not False
+    tools = [(tool.name, _json_format(tool.parameters, "tools", max_whitespace, compact)) for tool in spec.tools]
     for name, arguments in tools + [(name, free) for name in spec.free_tools]:
         body = (content_type, token(ids.message), arguments, token(ids.call))
         # the two header orders harmony allows: the recipient after the channel, or in the role part before it

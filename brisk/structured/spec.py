@@ -43,6 +43,10 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     # The answer starts at the first generated token even on a harmony model: a forced tool call (tool_choice
     # required or named) whose header `... to=functions.NAME <|constrain|>json<|message|>` ends the prompt.
     from_start: bool = False
+    # JSON whitespace (vLLM's name): true (or None, the default where no server setting resolved it) gives compact
+    # JSON (fixed separators `,` `:`, no whitespace outside strings); false allows whitespace between JSON tokens,
+    # up to the compiler's max_json_whitespace a run.
+    disable_any_whitespace: bool | None = None
     param: str = "structured_outputs"  # the request field it came from, named in errors
 
     def __post_init__(self) -> None:

@@ -1,0 +1,620 @@
+"""The option table: every spelling resolves to its option, unknown keys fail with a "did you mean", docs/options.md
+matches the code, and every option has a test of its effect (or of its documented no-effect): here, or in the
+test named for it in OPTION_TESTS."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from brisk import LLM, SamplingParams
+from brisk.cli import build_parser
+from brisk.config import (
+    OPTIONS,
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+    build_serve_configs,
+    kv_fraction,
+)
+from brisk.sampling_params import InvalidRequest
+from brisk.server.serve import observability_for, response_store_for
+from tools.options_doc import DOC, with_table
+
+DEMO = str(Path(__file__).resolve().parents[1] / "brisk" / "demo_model")
+TESTS = Path(__file__).resolve().parent
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+def test_docs_options_md_matches_the_table():
+    text = DOC.read_text()
+    assert text == with_table(text), "docs/options.md is out of date: run .venv/bin/python tools/options_doc.py"
+    for row in OPTIONS.rows:
+        assert f"| `{row.path}` |" in text
+
+
+def test_every_spelling_of_an_option_sets_it():
+    for row in OPTIONS.rows:
+        for alias in row.aliases:
+            if alias.invert or alias.is_switch or "." in alias.name:
+                continue
+            for spelled in (alias.name, alias.name.replace("_", "-")):
+                resolved = OPTIONS.resolve({spelled: "x"}, "test")[row.model]
+                *parents, last = row.path.split(".")
+                for part in parents:
+                    resolved = resolved[part]
+                assert resolved == {last: "x"}, (row.path, spelled)
+
+
+def test_vllm_and_trtllm_spellings_mean_the_same_config():
+    trtllm = EngineConfig.build(
+        "m",
+        max_batch_size=2,
+        max_num_tokens=64,
+        max_seq_len=256,
+        tp_size=2,
+        ep_size=2,
+        kv_cache_config={"enable_block_reuse": False, "tokens_per_block": 16},
+        disable_overlap_scheduler=False,
+        cuda_graph_config=None,
+        device="cpu",
+    )
+    vllm = EngineConfig.build(
+        "m",
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        max_model_len="256",
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_prefix_caching=False,
+        block_size=16,
+        async_scheduling=True,
+        enforce_eager=True,
+        device="cpu",
+    )
+    keys = ["max_batch_size", "max_num_tokens", "max_seq_len", "tp_size", "ep_size", "kv_cache_config"]
+    keys += ["disable_overlap_scheduler", "cuda_graph_config"]
+    assert {k: getattr(vllm, k) for k in keys} == {k: getattr(trtllm, k) for k in keys}
+    assert EngineConfig.build("m", max_model_len="32k").max_seq_len == 32_000
+
+
+def test_unknown_keys_name_themselves_with_the_closest_spellings(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown option 'max_num_seq'.*did you mean 'max_num_seqs'"):
+        EngineConfig.build("m", max_num_seq=4)
+    yaml_path = tmp_path / "o.yaml"
+    yaml_path.write_text("kv_cache_config:\n  enable_block_reus: false\n")
+    with pytest.raises(ConfigError, match=r"kv_cache_config.enable_block_reus' in .*did you mean 'enable_block_reuse'"):
+        EngineConfig.build("m", yaml_path)
+    with pytest.raises(ConfigError, match="'port' is an option of brisk serve"):
+        EngineConfig.build("m", port=8000)
+    with pytest.raises(ConfigError, match="both set option 'max_batch_size'"):
+        EngineConfig.build("m", max_batch_size=2, max_num_seqs=3)
+
+
+def test_unknown_flag_gets_a_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--max-num-seq=2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "brisk serve: error: unrecognized arguments: --max-num-seq=2 (did you mean --max-num-seqs" in err
+    assert err.count("\n") == 1
+    with pytest.raises(SystemExit):  # no abbreviations: a typo is never taken for the option it is short of
+        build_parser().parse_args(["serve", "--max-num-s", "2"])
+
+
+def test_bad_value_names_the_option_and_its_spellings():
+    with pytest.raises(ConfigError, match=r"option 'max_batch_size' \(max_num_seqs\): .*greater than or equal to 1"):
+        EngineConfig.build("m", max_num_seqs=0)
+
+
+def test_flags_and_files_precedence(tmp_path):
+    """--config (vLLM's YAML of flags) < --extra_llm_api_options (trtllm's keys) < flags, option by option."""
+    vllm_yaml = tmp_path / "vllm.yaml"
+    vllm_yaml.write_text("max-num-seqs: 3\nblock-size: 16\nport: 9001\nenable-prefix-caching: false\n")
+    trtllm_yaml = tmp_path / "trtllm.yaml"
+    trtllm_yaml.write_text("max_batch_size: 5\nkv_cache_config:\n  max_blocks: 64\n")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--config",
+            str(vllm_yaml),
+            "--extra_llm_api_options",
+            str(trtllm_yaml),
+            "--max-num-batched-tokens",
+            "99",
+        ]
+    )
+    engine, server = build_serve_configs(None, OPTIONS.given(args), default_model=DEMO)
+    assert (engine.max_batch_size, engine.max_num_tokens, engine.block_size, server.port) == (5, 99, 16, 9001)
+    assert engine.kv_cache_config.max_blocks == 64 and not engine.enable_prefix_caching
+
+
+def test_switches_and_inverted_spellings():
+    parse = build_parser().parse_args
+    given = OPTIONS.given(parse(["serve", "--enforce-eager", "--no-async-scheduling", "--no-enable-prefix-caching"]))
+    engine, _ = build_serve_configs(None, given, default_model=DEMO)
+    assert engine.cuda_graph_config is None and engine.disable_overlap_scheduler is True
+    assert not engine.enable_prefix_caching
+    engine, _ = build_serve_configs(None, OPTIONS.given(parse(["serve", "--async-scheduling"])), default_model=DEMO)
+    assert engine.disable_overlap_scheduler is False and engine.cuda_graph_config is not None
+    _, server = build_serve_configs(None, OPTIONS.given(parse(["serve", "--enable-log-requests"])), default_model=DEMO)
+    assert server.disable_log_requests is False
+
+
+# ---- effects: the engine (offline LLM on the demo model) -----------------------------------------------------
+VLLM_OPTIONS = dict(
+    max_num_seqs=2,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    block_size=16,
+    enable_prefix_caching=False,
+    max_logprobs=3,
+    print_iter_log=True,
+    enable_mixed_sampler=False,
+    trust_remote_code=True,
+    dtype="float",  # vLLM's name of float32
+    device="cpu",
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_llm():
+    with LLM(DEMO, **VLLM_OPTIONS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    with LLM(DEMO, max_seq_len=256, device="cpu", dtype="float32") as llm:
+        yield llm
+
+
+ITERATION = re.compile(r"iteration \d+: (\d+) tokens, (\d+) requests running, (\d+) waiting")
+
+
+def _step_tokens(caplog) -> list[int]:
+    return [int(m.group(1)) for m in (ITERATION.search(r.message) for r in caplog.records) if m]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["To be, or not to be", "Now is the winter of our discontent", "Friends, Romans", "O Romeo, Romeo"]
+
+
+def test_max_num_seqs_batched_tokens_and_iteration_log(vllm_llm, caplog):
+    with caplog.at_level(logging.INFO, logger="brisk.engine.core"):
+        vllm_llm.generate(PROMPTS, GREEDY)
+    steps = [tuple(map(int, m.groups())) for m in (ITERATION.search(r.message) for r in caplog.records) if m]
+    assert steps, "print_iter_log logs a line per step"
+    assert max(running for _, running, _ in steps) == 2  # 4 requests, at most 2 at once
+    assert max(waiting for _, _, waiting in steps) >= 1
+    assert max(tokens for tokens, _, _ in steps) <= 64
+
+
+@pytest.mark.parametrize("chunked, first_step", [(True, 128), (False, 100)])
+def test_chunked_prefill_switch(chunked, first_step, caplog):
+    """Two 100-token prompts, a 128-token budget: chunked prefill fills the first step with a chunk of the second
+    prompt; without it the second prompt waits for a step of its own."""
+    options = dict(max_num_tokens=128, max_seq_len=128, enable_chunked_prefill=chunked, print_iter_log=True)
+    with LLM(DEMO, device="cpu", **options) as llm, caplog.at_level(logging.INFO, logger="brisk.engine.core"):
+        llm.generate([{"prompt_token_ids": [7] * 100}] * 2, SamplingParams(max_tokens=1))
+    assert _step_tokens(caplog)[0] == first_step
+
+
+def test_max_model_len_and_block_size(vllm_llm):
+    assert vllm_llm.engine.max_seq_len == 256 and vllm_llm.engine.kv.block_size == 16
+    with pytest.raises(InvalidRequest, match="maximum context length is 256 tokens"):
+        vllm_llm.generate({"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=10))
+
+
+def test_prefix_caching_off_gives_no_hits(vllm_llm, default_llm):
+    prompt = " ".join(PROMPTS * 4)  # several blocks long
+    for llm in (vllm_llm, default_llm):
+        llm.generate([prompt], GREEDY)
+        llm.generate([prompt], GREEDY)
+    assert vllm_llm.engine.stats().prefix_hits == 0
+    assert default_llm.engine.stats().prefix_hits > 0
+
+
+def test_max_logprobs(vllm_llm):
+    out = vllm_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=3))
+    assert len(out[0].outputs[0].logprobs[0]) >= 3
+    with pytest.raises(InvalidRequest, match="max_logprobs"):
+        vllm_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=4))
+    with pytest.raises(InvalidRequest, match="max_logprobs"):
+        vllm_llm.generate(PROMPTS[0], SamplingParams(max_tokens=1, prompt_logprobs=5))
+
+
+def test_dtype_spelled_the_vllm_way(vllm_llm):
+    assert vllm_llm.engine.model_config.dtype == torch.float32
+
+
+def test_mixed_sampler_off_still_samples_each_request_with_its_own_parameters(vllm_llm, default_llm):
+    """enable_mixed_sampler: false is documented as no effect: a greedy request batched with sampled ones gets
+    the tokens it gets alone."""
+    hot = SamplingParams(temperature=1.0, top_k=50, max_tokens=12, seed=3)
+    mixed = vllm_llm.generate(PROMPTS[:3], [GREEDY, hot, hot])
+    alone = default_llm.generate(PROMPTS[0], GREEDY)
+    assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert mixed[1].outputs[0].token_ids != mixed[0].outputs[0].token_ids
+
+
+def test_no_effect_options_say_so_at_start_up(caplog):
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        EngineConfig.build("m", enable_mixed_sampler=False, trust_remote_code=True, device="cpu")
+    assert "enable_mixed_sampler: brisk always samples each request with its own parameters" in caplog.text
+    assert "trust_remote_code: brisk runs no code from checkpoints" in caplog.text
+
+
+def test_seed_makes_a_fresh_engine_sample_the_same_tokens():
+    hot = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)  # no seed of its own
+
+    def sample(seed: int) -> list[int]:
+        with LLM(DEMO, seed=seed, max_seq_len=128, device="cpu") as llm:
+            return llm.generate(PROMPTS[1], hot)[0].outputs[0].token_ids
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+@pytest.mark.parametrize(
+    "options, overlap",
+    [({}, False), ({"async_scheduling": True}, True), ({"disable_overlap_scheduler": True}, False)],
+)
+def test_overlap_scheduling_spelled_either_way(options, overlap):
+    with LLM(DEMO, max_seq_len=128, device="cpu", **options) as llm:
+        assert llm.engine.overlap is overlap
+
+
+def test_kv_memory_share_and_fixed_blocks(caplog):
+    """On a CPU the KV cache takes kv_cache_free_gpu_memory_fraction of the available RAM, and vLLM's
+    gpu_memory_utilization is that same share (the available RAM moves while other processes run: compared with
+    the default share, not with each other)."""
+    with LLM(DEMO, max_seq_len=2048, device="cpu") as full:
+        default_blocks = full.engine.num_kv_blocks
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        for options in ({"kv_cache_free_gpu_memory_fraction": 1e-4}, {"gpu_memory_utilization": 1e-4}):
+            with LLM(DEMO, max_seq_len=2048, device="cpu", **options) as small:
+                assert small.engine.num_kv_blocks < default_blocks / 10, options
+    assert "gpu_memory_utilization 0.0001 on a CPU" in caplog.text
+    assert EngineConfig.build("m", device="cpu", gpu_memory_utilization=0.3).memory_fraction == 0.3
+    with LLM(DEMO, max_seq_len=128, device="cpu", kv_cache_config={"max_blocks": 40}) as fixed:
+        assert fixed.engine.num_kv_blocks == 40
+    with pytest.raises(ConfigError, match="give one of them"):
+        EngineConfig.build("m", gpu_memory_utilization=0.5, kv_cache_free_gpu_memory_fraction=0.5, device="cpu")
+
+
+def test_gpu_memory_utilization_conversion():
+    """vLLM: weights + activations + KV within u of the device. brisk's fraction f of what the weights leave:
+    W + f (T - W) = u T."""
+    gib = 1 << 30
+    assert kv_fraction(0.9, total=80 * gib, weights=60 * gib) == pytest.approx((72 - 60) / (80 - 60))
+    assert kv_fraction(0.5, total=80 * gib, weights=0) == pytest.approx(0.5)
+    assert kv_fraction(0.5, total=80 * gib, weights=60 * gib) <= 0  # the caller refuses it, naming the option
+
+
+def test_kv_cache_dtype():
+    assert EngineConfig.build("m", kv_cache_dtype="auto").kv_cache_config.dtype == "auto"
+    for fp8 in ("fp8", "fp8_e4m3", "FP8"):
+        with pytest.raises(ConfigError, match="FP8 KV cache .* is not implemented yet"):
+            EngineConfig.build("m", kv_cache_dtype=fp8)
+    with pytest.raises(ConfigError, match="kv_cache_config.dtype"):
+        EngineConfig.build("m", kv_cache_config={"dtype": "int4"})
+
+
+@pytest.mark.parametrize(
+    "name, backend, note",
+    [
+        ("TRITON", "auto", "moe_config.backend 'triton' means nothing on a CPU"),
+        ("CUTLASS", "auto", "moe_config.backend CUTLASS: the CPU MoE path runs"),
+        ("TRTLLM", "auto", "moe_config.backend TRTLLM: the CPU MoE path runs"),
+        ("WIDEEP", "auto", "moe_config.backend WIDEEP: the CPU MoE path runs"),
+        ("VANILLA", "torch", "moe_config.backend VANILLA: brisk's torch reference MoE runs"),
+        ("torch", "torch", None),
+    ],
+)
+def test_moe_backend_names_of_trtllm(name, backend, note, caplog):
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        assert EngineConfig.build("m", moe_backend=name, device="cpu").moe_config.backend == backend
+    if note:
+        assert note in caplog.text
+
+
+def test_moe_backend_on_a_gpu_names_the_triton_kernels():
+    cfg = EngineConfig.build("m", moe_config={"backend": "CUTLASS"}, device="cpu")
+    _, notes = cfg.on_device("cuda", "CUTLASS")
+    assert "moe_config.backend CUTLASS: brisk's Triton MXFP4 grouped GEMM runs on this GPU" in notes
+
+
+def test_device_picks_the_paths(vllm_llm):
+    """device: which device runs the model, and so which paths (cpu: the CPU MoE / attention paths)."""
+    assert vllm_llm.engine.device.type == "cpu"
+    assert EngineConfig.build("m", device="cpu", moe_backend="triton").moe_config.backend == "auto"
+    assert EngineConfig.build("m", device="cuda", moe_backend="triton").moe_config.backend == "triton"
+
+
+def test_attention_backend_names_of_trtllm():
+    assert EngineConfig.build("m", attn_backend="TRTLLM").attn_backend == "auto"
+    assert EngineConfig.build("m", attn_backend="VANILLA").attn_backend == "torch"
+    with LLM(DEMO, max_seq_len=128, device="cpu", attn_backend="VANILLA") as llm:
+        assert type(llm.engine.executor.runner.attention_backend).__name__ == "TorchAttentionBackend"
+
+
+def test_cuda_graph_sizes_and_padding():
+    """cuda_graph_config (on a CPU given explicitly: the padded static buffers, uncaptured): the decode batch sizes
+    up to max_batch_size, padding to the next one or not."""
+    with LLM(
+        DEMO, max_seq_len=128, device="cpu", cuda_graph_config={"max_batch_size": 4, "enable_padding": False}
+    ) as llm:
+        graphs = llm.engine.executor.runner.graphs
+        assert graphs.sizes == [1, 2, 4] and graphs.enable_padding is False
+    with LLM(DEMO, max_seq_len=128, device="cpu", cuda_graph_config={"max_batch_size": 16}) as llm:
+        graphs = llm.engine.executor.runner.graphs
+        assert graphs.sizes == [1, 2, 4, 8, 16] and graphs.enable_padding is True
+    with LLM(DEMO, max_seq_len=128, device="cpu", enforce_eager=True) as llm:
+        assert llm.engine.executor.runner.graphs is None
+
+
+def test_vllm_parallel_layout():
+    dp = EngineConfig.build("m", data_parallel_size=4, enable_expert_parallel=True)
+    assert (dp.tp_size, dp.enable_attention_dp, dp.ep_size) == (4, True, 4)
+    again = EngineConfig.model_validate_json(dp.model_dump_json(exclude_unset=True))  # the engine process's copy
+    assert (again.tp_size, again.enable_attention_dp, again.ep_size) == (4, True, 4)
+    with pytest.raises(ConfigError, match="not both"):
+        EngineConfig.build("m", data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="give one of them"):
+        EngineConfig.build("m", tensor_parallel_size=4, enable_expert_parallel=True, ep_size=2)
+    assert EngineConfig.build("m", pipeline_parallel_size=1).pp_size == 1
+    with pytest.raises(ConfigError, match="pp_size"):
+        EngineConfig.build("m", pipeline_parallel_size=2)
+
+
+def test_backend():
+    assert EngineConfig.build("m", backend="pytorch").backend == "pytorch"
+    for other in ("tensorrt", "_autodeploy"):
+        with pytest.raises(ConfigError, match=f"brisk has no {other} engine"):
+            EngineConfig.build("m", backend=other)
+
+
+def test_structured_outputs_config_keys():
+    cfg = EngineConfig.build("m", structured_outputs_config={"disable_any_whitespace": False, "backend": "xgrammar"})
+    assert cfg.structured_outputs_config.disable_any_whitespace is False
+    assert EngineConfig.build("m").structured_outputs_config.disable_any_whitespace is True
+    with pytest.raises(ConfigError, match="run on xgrammar"):
+        EngineConfig.build("m", structured_outputs_config={"backend": "guidance"})
+
+
+@pytest.fixture(scope="module")
+def demo_copy(tmp_path_factory) -> Path:
+    """The demo model's weights and config without its tokenizer, and with sampling defaults of its own."""
+    path = tmp_path_factory.mktemp("demo-copy")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(DEMO) / name, path / name)
+    gen = json.loads((Path(DEMO) / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_p": 0.8}))
+    return path
+
+
+def test_tokenizer_and_generation_config(demo_copy, tmp_path):
+    with pytest.raises(Exception):  # noqa: B017 (transformers' own error: no tokenizer in the folder)
+        LLM(str(demo_copy), max_seq_len=128, device="cpu")
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    for generation_config, temperature, top_p in (("auto", 0.6, 0.8), ("vllm", 1.0, 1.0), (str(folder), 0.3, 1.0)):
+        with LLM(
+            str(demo_copy), tokenizer=DEMO, generation_config=generation_config, max_seq_len=128, device="cpu"
+        ) as llm:
+            defaults = llm.get_default_sampling_params()
+            assert (defaults.temperature, defaults.top_p) == (temperature, top_p), generation_config
+    with pytest.raises(ConfigError, match="no generation_config.json"):
+        LLM(str(demo_copy), tokenizer=DEMO, generation_config=str(tmp_path), device="cpu")
+
+
+def test_chat_template(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "Good morrow"}]
+    with LLM(DEMO, chat_template=str(template), max_seq_len=128, device="cpu") as llm:
+        assert llm.tokenizer.decode(llm.render_chat(messages)) == "[user] Good morrow\n"
+    with LLM(DEMO, max_seq_len=128, device="cpu") as llm:
+        assert "<|start|>user<|message|>Good morrow" in llm.tokenizer.decode(llm.render_chat(messages))
+    with pytest.raises(ConfigError, match="no such file"):
+        LLM(DEMO, chat_template=str(tmp_path / "nope.jinja"), device="cpu")
+
+
+# ---- effects: server options that need no running server ----------------------------------------------------
+def test_server_option_checks():
+    assert ServerConfig(api_server_count=1, num_postprocess_workers=1).api_server_count == 1
+    for key, value, match in (
+        ("api_server_count", 2, "2 API server processes are not implemented yet"),
+        ("num_postprocess_workers", 4, "4 postprocess workers are not implemented yet"),
+        ("tool_call_parser", "hermes", "no tool-call parser 'hermes'"),
+        ("reasoning_parser", "deepseek_r1", "no reasoning parser 'deepseek_r1'"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            build_serve_configs(None, {key: value}, default_model=DEMO)
+    for spelled in ("openai_gptoss", "GptOss", "gpt-oss"):
+        assert ServerConfig(reasoning_parser=spelled).reasoning_parser == spelled
+    harmony_only = ServerConfig(
+        tool_call_parser="openai", reasoning_parser="openai_gptoss", enable_auto_tool_choice=True
+    )
+    harmony_only.check_model(is_harmony=True)
+    with pytest.raises(ConfigError, match="harmony models"):
+        harmony_only.check_model(is_harmony=False)
+
+
+def test_served_names_and_origins_in_either_form():
+    assert ServerConfig(served_model_name="a").served_model_name == ["a"]
+    parsed = build_parser().parse_args(["serve", "--served-model-name", "a", "b", "--allowed-origins", '["https://x"]'])
+    _, server = build_serve_configs(None, OPTIONS.given(parsed), default_model=DEMO)
+    assert server.served_model_name == ["a", "b"] and server.allowed_origins == ["https://x"]
+    assert ServerConfig(allowed_origins="https://x, https://y").allowed_origins == ["https://x", "https://y"]
+
+
+def test_response_store_options(tmp_path):
+    store = response_store_for(ServerConfig(state_dir=str(tmp_path), response_ttl=60, max_stored_responses=2))
+    try:
+        assert (store.ttl_s, store.max_responses) == (60, 2)
+        assert Path(store.path).parent == tmp_path
+    finally:
+        store.close()
+
+
+def test_observability_options(tmp_path):
+    server = ServerConfig(otlp_traces_endpoint="http://127.0.0.1:4318", log_format="json", profile_dir=str(tmp_path))
+    observability = observability_for(server)
+    try:
+        exporter = observability.tracer_provider._active_span_processor._span_processors[0].span_exporter
+        assert exporter._endpoint == "http://127.0.0.1:4318/v1/traces"
+        assert (observability.log_format, observability.profile_dir) == ("json", str(tmp_path))
+    finally:
+        observability.tracer_provider.shutdown()
+    assert observability_for(ServerConfig()).tracer_provider is None
+
+
+def test_log_levels():
+    assert ServerConfig(log_level="verbose").log_level == "debug"  # trtllm's names
+    assert ServerConfig(log_level="INTERNAL_ERROR").log_level == "error"
+    assert ServerConfig(uvicorn_log_level="warning").uvicorn_log_level == "warning"
+
+
+# ---- every option has a test of its effect ------------------------------------------------------------------
+HERE = "tests/test_options.py"
+DROPIN = "tests/test_dropin.py"
+OPTION_TESTS: dict[str, list[str]] = {
+    "config": [f"{HERE}::test_flags_and_files_precedence"],
+    "extra_llm_api_options": [f"{HERE}::test_flags_and_files_precedence", f"{DROPIN}::test_the_guides_commands"],
+    "host": [f"{DROPIN}::test_the_guides_commands"],
+    "port": [f"{DROPIN}::test_the_guides_commands", f"{DROPIN}::test_port_in_use_is_one_line"],
+    "served_model_name": [
+        f"{DROPIN}::test_vllm_command_serves",
+        f"{HERE}::test_served_names_and_origins_in_either_form",
+    ],
+    "api_key": ["tests/test_security.py::test_every_route_but_health_needs_the_key"],
+    "api_key_file": ["tests/test_security.py::test_api_key_sources"],
+    "max_request_body_size": ["tests/test_hostile_input.py::test_body_over_the_limit_is_413"],
+    "allowed_origins": ["tests/test_security.py::test_cors_allows_only_the_configured_origin"],
+    "log_prompts": ["tests/test_security.py::test_log_prompts_flag"],
+    "request_timeout": ["tests/test_security.py::test_server_request_timeout_caps_every_request"],
+    "shutdown_timeout": ["tests/test_reliability.py::test_sigterm_drains_then_exits_zero"],
+    "otlp_traces_endpoint": [f"{HERE}::test_observability_options"],
+    "log_format": [
+        f"{HERE}::test_observability_options",
+        "tests/test_tracing.py::test_json_log_has_one_line_per_request_with_id_and_timings",
+    ],
+    "log_level": [f"{DROPIN}::test_start_up_errors_are_one_line", f"{HERE}::test_log_levels"],
+    "uvicorn_log_level": [f"{DROPIN}::test_vllm_command_serves"],
+    "disable_log_requests": [f"{DROPIN}::test_vllm_command_serves", f"{HERE}::test_switches_and_inverted_spellings"],
+    "profile_dir": [
+        f"{HERE}::test_observability_options",
+        "tests/test_tracing.py::test_profiling_endpoints_are_off_without_profile_dir",
+    ],
+    "state_dir": [f"{HERE}::test_response_store_options"],
+    "response_ttl": [f"{HERE}::test_response_store_options"],
+    "max_stored_responses": [f"{HERE}::test_response_store_options"],
+    "api_server_count": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
+    "num_postprocess_workers": [f"{HERE}::test_server_option_checks"],
+    "tool_call_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
+    "reasoning_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
+    "enable_auto_tool_choice": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
+    "tokenizer": [f"{HERE}::test_tokenizer_and_generation_config"],
+    "revision": [f"{DROPIN}::test_model_id_from_the_hf_cache_without_the_hub"],
+    "load_format": ["tests/test_loader.py::test_dummy_weights_run_on_cpu"],
+    "dtype": [f"{HERE}::test_dtype_spelled_the_vllm_way"],
+    "device": [f"{HERE}::test_device_picks_the_paths"],
+    "seed": [f"{HERE}::test_seed_makes_a_fresh_engine_sample_the_same_tokens"],
+    "trust_remote_code": [f"{HERE}::test_no_effect_options_say_so_at_start_up"],
+    "backend": [f"{HERE}::test_backend", f"{DROPIN}::test_the_guides_commands"],
+    "max_batch_size": [
+        f"{HERE}::test_max_num_seqs_batched_tokens_and_iteration_log",
+        f"{DROPIN}::test_vllm_command_serves",
+    ],
+    "max_num_tokens": [f"{HERE}::test_max_num_seqs_batched_tokens_and_iteration_log"],
+    "max_seq_len": [f"{HERE}::test_max_model_len_and_block_size", f"{DROPIN}::test_vllm_command_serves"],
+    "max_num_waiting": ["tests/test_server.py::test_api_key_queue_limit_and_stream_interval"],
+    "enable_chunked_prefill": [f"{HERE}::test_chunked_prefill_switch"],
+    "kv_cache_config": [f"{HERE}::test_flags_and_files_precedence"],
+    "kv_cache_config.enable_block_reuse": [
+        f"{HERE}::test_prefix_caching_off_gives_no_hits",
+        f"{DROPIN}::test_vllm_command_serves",
+    ],
+    "kv_cache_config.tokens_per_block": [f"{HERE}::test_max_model_len_and_block_size"],
+    "kv_cache_config.free_gpu_memory_fraction": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
+    "kv_cache_config.max_blocks": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
+    "kv_cache_config.dtype": [f"{HERE}::test_kv_cache_dtype"],
+    "gpu_memory_utilization": [
+        f"{HERE}::test_kv_memory_share_and_fixed_blocks",
+        f"{HERE}::test_gpu_memory_utilization_conversion",
+    ],
+    "cuda_graph_config": [
+        "tests/test_engine_process_config.py::test_engine_process_config_keeps_what_was_given",
+        f"{HERE}::test_switches_and_inverted_spellings",
+    ],
+    "cuda_graph_config.max_batch_size": [f"{HERE}::test_cuda_graph_sizes_and_padding"],
+    "cuda_graph_config.enable_padding": [
+        f"{HERE}::test_cuda_graph_sizes_and_padding",
+        "tests/test_engine_loop.py::test_padding_rows_never_write_a_requests_blocks",
+    ],
+    "cuda_graph_config.batch_sizes": [
+        "tests/test_engine_process_config.py::test_engine_process_config_keeps_what_was_given"
+    ],
+    "disable_overlap_scheduler": [f"{HERE}::test_overlap_scheduling_spelled_either_way"],
+    "moe_config": [f"{HERE}::test_moe_backend_names_of_trtllm"],
+    "moe_config.backend": [
+        f"{HERE}::test_moe_backend_names_of_trtllm",
+        f"{HERE}::test_moe_backend_on_a_gpu_names_the_triton_kernels",
+    ],
+    "attn_backend": [f"{HERE}::test_attention_backend_names_of_trtllm"],
+    "check_kv_invariants": ["tests/test_engine_loop.py::test_every_loop_generates_what_the_plain_loop_does"],
+    "stream_interval": ["tests/test_server.py::test_api_key_queue_limit_and_stream_interval"],
+    "grammar_compile_timeout_s": ["tests/test_structured_engine.py::test_compile_timeout"],
+    "grammar_max_json_whitespace": ["tests/test_structured_whitespace.py::test_whitespace_allowed_is_bounded"],
+    "structured_outputs_config": [f"{HERE}::test_structured_outputs_config_keys"],
+    "structured_outputs_config.disable_any_whitespace": [
+        "tests/test_structured_whitespace.py::test_compact_by_default_whitespace_on_request",
+        f"{DROPIN}::test_vllm_command_serves",
+    ],
+    "structured_outputs_config.backend": [f"{HERE}::test_structured_outputs_config_keys"],
+    "num_cpu_threads": ["tests/test_config.py::test_cpu_threads_leave_one_core_to_the_api_server"],
+    "cpu_weight_prepack": [
+        "tests/test_engine_e2e.py::test_bf16_prepacked_weights_generate_what_plain_matmuls_generate"
+    ],
+    "cpu_kernels": ["tests/test_cli.py::test_cpu_kernels_flag_picks_the_kernel_build"],
+    "enable_attention_dp": ["tests/test_parallel.py::test_attention_dp_reports_every_ranks_logprobs"],
+    "speculative_config": ["tests/test_spec_decode_config.py::test_trtllm_and_vllm_dialects_mean_the_same"],
+    "tp_size": ["tests/test_parallel.py::test_greedy_tokens_match_single_rank", f"{DROPIN}::test_the_guides_commands"],
+    "ep_size": ["tests/test_parallel.py::test_greedy_tokens_match_single_rank"],
+    "pp_size": [f"{HERE}::test_vllm_parallel_layout"],
+    "data_parallel_size": [f"{HERE}::test_vllm_parallel_layout"],
+    "enable_expert_parallel": [
+        f"{HERE}::test_vllm_parallel_layout",
+        f"{HERE}::test_vllm_and_trtllm_spellings_mean_the_same_config",
+    ],
+    "enable_mixed_sampler": [f"{HERE}::test_mixed_sampler_off_still_samples_each_request_with_its_own_parameters"],
+    "print_iter_log": [f"{HERE}::test_max_num_seqs_batched_tokens_and_iteration_log"],
+    "max_logprobs": [f"{HERE}::test_max_logprobs", f"{DROPIN}::test_vllm_command_serves"],
+    "generation_config": [f"{HERE}::test_tokenizer_and_generation_config"],
+    "chat_template": [f"{HERE}::test_chat_template"],
+}
+
+
+def test_every_option_has_a_test_of_its_effect():
+    assert sorted(OPTION_TESTS) == sorted(row.path for row in OPTIONS.rows), "an option without an effect test"
+    for path, tests in OPTION_TESTS.items():
+        row = OPTIONS.by_path[path]
+        names = {row.name, row.path, *(a.name for a in row.aliases)}
+        for node in tests:
+            file, _, function = node.partition("::")
+            source = (TESTS.parent / file).read_text()
+            defined = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
+            assert function in defined, f"{path}: {node} does not exist"
+            spelled = {n for name in names for n in (name, name.replace("_", "-"))}
+            assert any(s in source for s in spelled), f"{path}: {file} never names the option"
