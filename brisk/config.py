@@ -792,7 +792,7 @@ def resolve_model(model: str, revision: str | None = None) -> str:
     from huggingface_hub import constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-    from brisk.model_runner.loader import ModelNotAvailableError, resolve_model_path
+    from brisk.hub import ModelNotAvailableError, resolve_model_path
 
     try:
         return resolve_model_path(model, revision)

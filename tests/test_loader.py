@@ -13,14 +13,13 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from brisk.config import ModelConfig
+from brisk.hub import ModelNotAvailableError, resolve_model_path
 from brisk.layers.attention import Attention
 from brisk.model_runner.loader import (
     DUMMY_MXFP4_SCALE_RANGE,
     DUMMY_STD,
-    ModelNotAvailableError,
     checkpoint_files,
     load_model,
-    resolve_model_path,
 )
 from tests.tiny_models import make_tiny_model
 

@@ -19,49 +19,12 @@ from brisk.config import ModelConfig, ParallelConfig
 from brisk.models.registry import BriskModel, get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt")
-# gpt-oss repos keep duplicate weights in original/ and metal/: only top-level files are needed.
-HUB_IGNORE_PATTERNS = ("*/*",)
 INDEX_FILE = "model.safetensors.index.json"
 DUMMY_STD = 0.02
 # MXFP4 dummy experts spread like the other dummy weights: random E2M1 codes have an RMS of 2.93, times E8M0 scales
 # 2^-9 .. 2^-6 (bytes 118 .. 121) an RMS of about 0.026. Scales up to 2^1 (RMS 2) made every expert's output ~100x
 # the residual stream (and would overflow fp16).
 DUMMY_MXFP4_SCALE_RANGE = (118, 121)
-
-
-class ModelNotAvailableError(RuntimeError):
-    """The model is neither a local directory nor downloadable right now."""
-
-
-def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """A local directory as-is; otherwise a Hub repo id, downloaded (or found in the HF cache)."""
-    local = os.path.expanduser(model)
-    if os.path.isdir(local):
-        return local
-    if model.startswith(("/", ".", "~")):
-        raise ModelNotAvailableError(f"model path '{model}' is not a directory")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
-
-    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE only once, when it is imported.
-    offline = any(
-        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
-        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-    try:
-        return snapshot_download(
-            repo_id=model,
-            revision=revision,
-            allow_patterns=list(HUB_ALLOW_PATTERNS),
-            ignore_patterns=list(HUB_IGNORE_PATTERNS),
-            local_files_only=offline,
-        )
-    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError) as exc:
-        why = "offline mode (HF_HUB_OFFLINE) and not in the local cache" if offline else f"{type(exc).__name__}: {exc}"
-        raise ModelNotAvailableError(
-            f"cannot get model '{model}' from the Hugging Face Hub ({why}); pass a local directory path instead"
-        ) from exc
 
 
 def checkpoint_files(path: str) -> list[str]:
