@@ -231,7 +231,7 @@ def test_a_failed_generation_ends_the_stream_with_response_failed():
         config = SimpleNamespace(stream_interval=1)
         response_store = Store()
 
-        async def generate(self, prompt_ids, params, timeout=None):
+        async def generate(self, prompt_ids, params, timeout=None, **_):
             raise APIError(503, "The engine is not running.", code="engine_dead")
             yield  # an async generator
 

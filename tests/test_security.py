@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from brisk.config import ConfigError
@@ -31,7 +30,7 @@ from brisk.server import middleware
 from brisk.server.app import build_app
 from brisk.server.serve import API_KEY_ENV, resolve_api_key
 from brisk.server.state import ServerState
-from brisk.server.streaming import stream_with_errors
+from brisk.server.streaming import EventStreamResponse
 from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 
@@ -219,7 +218,7 @@ def test_unexpected_errors_are_opaque_500s_and_logged(caplog):
             yield "data: {}\n\n"
             raise KeyError(internal)
 
-        return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+        return EventStreamResponse(chunks())
 
     http = TestClient(app, raise_server_exceptions=False)
     with caplog.at_level(logging.ERROR, logger="brisk.server"):

@@ -32,6 +32,7 @@ from brisk.engine.messages import (
     RequestFailure,
     ToEngine,
 )
+from brisk.engine.output_batcher import StreamIntervalBatcher
 from brisk.engine.profiler import EngineProfiler
 from brisk.host import resolve_device
 from brisk.model_runner.runner import cpu_threads_per_rank
@@ -87,6 +88,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     server_pid = os.getppid()
     profiler = EngineProfiler()
     iteration_tokens: list[int] = []  # tokens of each step since stats were last sent (a step may send nothing)
+    batcher = StreamIntervalBatcher(core.config.stream_interval)  # outputs held as the API's stream would hold them
     while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         batch = EngineOutputs([])
@@ -104,14 +106,16 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     batch.failures.append(failure)
             elif isinstance(msg, AbortRequests):
                 for rid, index in msg.targets:
-                    batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
+                    batch.outputs.extend(batcher.add(core.abort_request(rid, None if index < 0 else index)))
             elif isinstance(msg, ProfileRequest) and msg.action == "start":
                 profiler.start()
             elif isinstance(msg, ProfileRequest):
                 profiler.stop(msg.trace_path)
         if core.has_unfinished_requests():
-            batch.outputs.extend(core.step())
-            batch.failures.extend(RequestFailure(rid, message) for rid, message in core.take_failures())
+            batch.outputs.extend(batcher.add(core.step()))
+            for rid, message in core.take_failures():
+                batcher.forget(rid)
+                batch.failures.append(RequestFailure(rid, message))
             if core.last_step_num_tokens:  # a step that could schedule nothing (waiting for KV) is no iteration
                 iteration_tokens.append(core.last_step_num_tokens)
         if batch.outputs or batch.failures:

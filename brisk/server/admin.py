@@ -61,10 +61,10 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "Give exactly one of 'prompt' and 'messages'.")
-    if req.messages is not None:
-        tokens = state.render_chat(req.messages, None, None, {}, req.add_generation_prompt)
+    if req.prompt is not None:
+        tokens = await state.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
     else:
-        tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = await state.render_chat(req.messages or [], None, None, {}, req.add_generation_prompt)
     return TokenizeResult(tokens=tokens, count=len(tokens), max_model_len=state.info.max_seq_len)
 
 

@@ -117,7 +117,10 @@ class ResponseRun:
         accumulator = StreamAccumulator(self.state.config.stream_interval)
         parser, items = self.parser, self.items
         final = None
-        async for delta in self.state.generate(self.prompt_ids, self.params, timeout=self.req.timeout):
+        generation = self.state.generate(
+            self.prompt_ids, self.params, timeout=self.req.timeout, detokenize=not self.state.is_harmony
+        )
+        async for delta in generation:
             final = delta.output
             pending = accumulator.add(0, delta)
             if pending is None:

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import StreamingResponse
 
 from brisk.server.errors import APIError
 from brisk.server.protocol import NamedToolChoice, NamedToolChoiceFunction, ResponsesRequest
@@ -29,7 +28,7 @@ from brisk.server.schemas import (
     event_stream_response,
 )
 from brisk.server.state import ServerState, server_state
-from brisk.server.streaming import sse, stream_with_errors, until_disconnected
+from brisk.server.streaming import EventStreamResponse, sse, until_disconnected
 from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -49,7 +48,7 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
 FORCED_CALL_ROOM = 32  # tokens truncation leaves for a forced call's header
 
 
-def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
+async def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
     """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt,
     `reserve` tokens and max_output_tokens fit the context."""
     room = state.info.max_seq_len - (max_tokens or 1) - reserve
@@ -61,7 +60,7 @@ def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve:
         del messages[first]
         while first < len(messages) - 1 and messages[first]["role"] == "tool":  # results of a dropped call go too
             del messages[first]
-        prompt_ids = state.render_chat(messages, tools, effort, {}, param="input")
+        prompt_ids = await state.render_chat(messages, tools, effort, {}, param="input", may_truncate=True)
     return prompt_ids
 
 
@@ -105,10 +104,12 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     effort = req.reasoning.effort if req.reasoning else None
     items = input_items(req.input)
     messages = items_to_messages(req.instructions, history + items)
-    prompt_ids = state.render_chat(messages, plan.tools, effort, {}, param="input")
+    prompt_ids = await state.render_chat(
+        messages, plan.tools, effort, {}, param="input", may_truncate=req.truncation == "auto"
+    )
     if req.truncation == "auto":
         reserve = FORCED_CALL_ROOM if plan.forces_call else 0
-        prompt_ids = _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
+        prompt_ids = await _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
     state.check_prompt(prompt_ids, params, req.field_names())
     forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
     prompt_ids += forced
@@ -119,9 +120,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
         state.background_runs.start(run)
         if not req.stream:
             return run.body()
-        return StreamingResponse(
-            stream_with_errors(_sse(state.background_runs.follow(run.id, -1))), media_type="text/event-stream"
-        )
+        return EventStreamResponse(_sse(state.background_runs.follow(run.id, -1)))
     if not req.stream:
         run.report_failures = False  # a failure is the HTTP error itself
 
@@ -131,7 +130,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
             return run.body()
 
         return await until_disconnected(raw, drain())
-    return StreamingResponse(stream_with_errors(_sse(run.events())), media_type="text/event-stream")
+    return EventStreamResponse(_sse(run.events()))
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -172,7 +171,7 @@ async def get_response(
         if not isinstance(found, ResponseRun):
             raise APIError(400, "Only a background response's events can be streamed.", param="stream")
         events = state.background_runs.follow(response_id, starting_after)
-        return StreamingResponse(stream_with_errors(_sse(events)), media_type="text/event-stream")
+        return EventStreamResponse(_sse(events))
     return found.body() if isinstance(found, ResponseRun) else found.body
 
 
