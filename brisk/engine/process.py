@@ -11,6 +11,7 @@ with SIGKILL, and it exits by itself if the server disappears (so it is never le
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from brisk.model_runner.runner import cpu_threads_per_rank
 
 logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
+PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent ends
 
 
 def encode_config(config: EngineConfig) -> bytes:
@@ -49,10 +51,20 @@ def encode_config(config: EngineConfig) -> bytes:
     return config.model_dump_json(exclude_unset=True).encode()
 
 
+def _end_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when the API server's process ends, however it ends: a server
+    killed outright runs no cleanup, and an engine blocked sending to it would never see getppid() change."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid() check of the loop remains
+
+
 def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with_parent()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(to_engine_addr)

@@ -85,6 +85,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # FastAPI reports it at the body's position 0, not a field
+            reason = (first.get("ctx") or {}).get("error", "")
+            return error_response(400, f"The request body is not valid JSON ({reason}).".replace(" ()", ""), "body")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
@@ -93,8 +96,21 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
+            return error_response(400, _body_error(exc.__cause__), "body")
         message = "Not found." if exc.status_code == 404 else str(exc.detail)
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+
+def _body_error(cause: BaseException) -> str:
+    """Why a request body could not be parsed, for the client."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "The request body is not valid UTF-8."
+    if isinstance(cause, RecursionError):
+        return "The request body nests too deeply to be parsed."
+    if isinstance(cause, ValueError):
+        return f"The request body is not valid JSON ({cause})."
+    return "The request body could not be parsed."
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

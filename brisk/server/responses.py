@@ -10,6 +10,7 @@ POST .../cancel stops it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -18,8 +19,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from brisk.server.errors import APIError
 from brisk.server.protocol import NamedToolChoice, NamedToolChoiceFunction, ResponsesRequest
 from brisk.server.response_items import input_items, items_to_messages
-from brisk.server.response_run import ResponseRun
-from brisk.server.response_store import owner_of
+from brisk.server.response_run import TERMINAL_EVENTS, ResponseRun
+from brisk.server.response_store import StoredResponse, owner_of
 from brisk.server.schemas import (
     ERROR_RESPONSES,
     InputItemList,
@@ -32,6 +33,7 @@ from brisk.server.streaming import EventStreamResponse, sse, until_disconnected
 from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
 router = APIRouter(responses=ERROR_RESPONSES)
+STORED_POLL_S = 0.5  # how often a stream of a response running in another process looks at its stored row
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None):
@@ -117,6 +119,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history)
 
     if req.background:
+        await run.save()  # `queued`, before its id goes out
         state.background_runs.start(run)
         if not req.stream:
             return run.body()
@@ -166,13 +169,35 @@ async def get_response(
 ):
     """A stored response; a background one while it runs. `stream=true` replays its events after
     `starting_after` (a sequence number), then follows them until it ends."""
-    _, found = await _visible(state, raw, response_id)
+    owner, found = await _visible(state, raw, response_id)
     if stream:
-        if not isinstance(found, ResponseRun):
+        if isinstance(found, ResponseRun):
+            return EventStreamResponse(_sse(state.background_runs.follow(response_id, starting_after)))
+        if not found.body.get("background"):
             raise APIError(400, "Only a background response's events can be streamed.", param="stream")
-        events = state.background_runs.follow(response_id, starting_after)
-        return EventStreamResponse(_sse(events))
+        return EventStreamResponse(_sse(_stored_events(state, owner, found, starting_after)))
     return found.body() if isinstance(found, ResponseRun) else found.body
+
+
+async def _stored_events(
+    state: ServerState, owner: str, stored: StoredResponse, starting_after: int
+) -> AsyncIterator[dict[str, Any]]:
+    """The stream of a background response this process does not run (it ran before a restart, or runs in another
+    process of the server): its events were not kept, so the stream is its terminal event, once it has one."""
+    while stored.running:  # another process runs it: its row is rewritten as it goes, and when it ends
+        await asyncio.sleep(STORED_POLL_S)
+        latest = await state.response_store.get(owner, stored.body["id"]) if state.response_store else None
+        if latest is None:
+            raise APIError(404, f"No response '{stored.body['id']}'.", param="response_id", code="response_not_found")
+        stored = latest
+    sequence_number = stored.last_event + 1
+    if sequence_number > starting_after:
+        status = stored.body["status"]
+        yield {
+            "type": TERMINAL_EVENTS.get(status, "response.failed"),
+            "response": stored.body,
+            "sequence_number": sequence_number,
+        }
 
 
 @router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList)
@@ -218,7 +243,13 @@ async def cancel_response(response_id: str, raw: Request, state: ServerState = D
     """Stop a background response (its status becomes `cancelled`); a finished one is returned as it is."""
     _, found = await _visible(state, raw, response_id)
     if not isinstance(found, ResponseRun):
-        raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+        if not found.body.get("background"):
+            raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+        if found.running:
+            raise APIError(
+                409, "This response runs in another process of the server; cancel it there.", param="response_id"
+            )
+        return found.body  # it ended (or was interrupted by a restart): as it is
     state.background_runs.cancel(response_id)
     await state.background_runs.wait(response_id)
     return found.body()
