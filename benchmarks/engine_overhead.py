@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -312,21 +312,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServerProcess:
+    url: str
+    pid: int  # the API-server process
+
+
 @contextlib.contextmanager
-def running_server(model_dir: str, options: dict[str, Any], work_dir: str, num_threads: int) -> Iterator[str]:
-    """`brisk serve` on a free port as a subprocess; yields its base URL once /health answers."""
+def server_process(cmd: list[str], port: int, work_dir: str, env: dict[str, str]) -> Iterator[ServerProcess]:
+    """`cmd` (an OpenAI-compatible server listening on `port`) as a subprocess in `work_dir` (not this directory:
+    `python -m` puts its working directory first on sys.path, ahead of a PYTHONPATH in `env`), its output in
+    work_dir/server.log; yields it once /health answers; SIGTERM (then SIGKILL) at the end."""
     import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(work_dir, "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=work_dir)
+        try:
+            deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    with open(log_path) as f:
+                        raise RuntimeError(f"{shlex.join(cmd)} did not come up:\n{f.read()[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                time.sleep(0.2)  # polling for readiness
+            yield ServerProcess(url, proc.pid)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(
+    model_dir: str,
+    options: dict[str, Any],
+    work_dir: str,
+    num_threads: int,
+    env: dict[str, str] | None = None,
+    entry: tuple[str, ...] = ("-m", "brisk.cli"),
+) -> Iterator[ServerProcess]:
+    """`brisk serve` on a free port as a subprocess (`env` added to its environment; `entry`: the python arguments
+    that run brisk's command line with the arguments after them)."""
     import yaml
 
     options_path = os.path.join(work_dir, "engine_options.yaml")
-    cli_keys = ("load_format", "max_batch_size", "dtype", "device")  # given as flags, the rest in the YAML file
+    cli_keys = [k for k in ("load_format", "max_batch_size", "dtype", "device") if k in options]  # flags; the rest YAML
     with open(options_path, "w") as f:
         yaml.safe_dump({k: v for k, v in options.items() if k not in cli_keys}, f)
     port = free_port()
     cmd = [
         sys.executable,
-        "-m",
-        "brisk.cli",
+        *entry,
         "serve",
         model_dir,
         "--port",
@@ -337,29 +380,10 @@ def running_server(model_dir: str, options: dict[str, Any], work_dir: str, num_t
         options_path,
         *(arg for key in cli_keys for arg in (f"--{key}", str(options[key]))),
     ]
-    log_path = os.path.join(work_dir, "server.log")
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        env = {**os.environ, "OMP_NUM_THREADS": str(num_threads)}  # read by torch in both server processes
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    with open(log_path) as f:
-                        raise RuntimeError(f"brisk serve did not come up ({shlex.join(cmd)}):\n{f.read()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.2)  # polling for readiness
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    # OMP_NUM_THREADS is read by torch in both server processes
+    env = {"OMP_NUM_THREADS": str(num_threads), **(env or {})}
+    with server_process(cmd, port, work_dir, env) as server:
+        yield server
 
 
 def measure_http(url: str, concurrency: int, max_tokens: int) -> float:
@@ -412,16 +436,21 @@ def _own_group(func: FunctionKey) -> str | None:
     )
 
 
-def group_times(stats: dict[FunctionKey, tuple]) -> dict[str, float]:
-    """Seconds of own time per group. A function outside brisk is charged to its callers' groups, in proportion
-    to the time it spent under each caller (recursively, through callers that are themselves outside brisk)."""
+def group_times(
+    stats: dict[FunctionKey, tuple],
+    own_group: Callable[[FunctionKey], str | None] = _own_group,
+    order: tuple[str, ...] = GROUP_ORDER,
+) -> dict[str, float]:
+    """Seconds of own time per group (`order`, which ends with "other"). A function `own_group` places in no
+    group is charged to its callers' groups, in proportion to the time it spent under each caller (recursively,
+    through callers that are themselves in no group)."""
     shares: dict[FunctionKey, dict[str, float]] = {}
 
     def share(func: FunctionKey, visiting: frozenset[FunctionKey]) -> dict[str, float]:
         """How `func`'s time divides among the groups (fractions summing to 1)."""
         if func in shares:
             return shares[func]
-        own = _own_group(func)
+        own = own_group(func)
         if own is not None:
             return {own: 1.0}
         callers = stats[func][4] if func in stats else {}
@@ -436,9 +465,9 @@ def group_times(stats: dict[FunctionKey, tuple]) -> dict[str, float]:
         shares[func] = result
         return result
 
-    times = {group: 0.0 for group in GROUP_ORDER}
+    times = {group: 0.0 for group in order}
     for func, (_, _, own_time, _, callers) in stats.items():
-        group = _own_group(func)
+        group = own_group(func)
         if group is not None:
             times[group] += own_time
             continue
@@ -660,7 +689,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         if not args.skip_http:
             # `--max_batch_size 1024` as a deployment would have; HTTP prompts are text, so leave them room.
             server_options = engine_options(shape, max(1024, *args.http_concurrency), 4 * PROMPT_LEN + args.steps)
-            with running_server(model_dir, server_options, work_dir, args.torch_threads) as url:
+            with running_server(model_dir, server_options, work_dir, args.torch_threads) as server:
+                url = server.url
                 warm_up_http(url, max(args.http_concurrency))
                 for concurrency in args.http_concurrency:
                     rows[concurrency].http_tokens_per_s = measure_http(url, concurrency, args.steps)

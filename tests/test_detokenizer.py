@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from brisk.detokenizer import IncrementalDetokenizer
+from brisk.detokenizer import IncrementalDetokenizer, TokenDecoder
 from brisk.sampling_params import SamplingParams
 from tests.tiny_tokenizer import IM_END_ID, IM_START_ID, make_tiny_tokenizer
 
@@ -199,3 +199,75 @@ def test_prompt_context_keeps_sentencepiece_leading_space() -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, [0], SamplingParams())
     deltas, _ = stream(detokenizer, [1, 1])
     assert "".join(deltas) == " there there"
+
+
+# ---- several tokens at once (stream_interval, speculative decoding) ------------------------------------------------
+def chunked_updates(
+    detokenizer: IncrementalDetokenizer, token_ids: Sequence[int], chunk_sizes: Sequence[int]
+) -> list[tuple[str, str | None, int]]:
+    """(delta, stop, tokens output so far) per chunk, the flush last."""
+    out, start, i = [], 0, 0
+    while start < len(token_ids) and not detokenizer.finished:
+        size = chunk_sizes[i % len(chunk_sizes)]
+        update = detokenizer.update(token_ids[start : start + size])
+        out.append((update.text_delta, update.stop_reason, len(detokenizer.output_token_ids)))
+        start, i = start + size, i + 1
+    out.append((detokenizer.flush(), detokenizer.stop_reason, len(detokenizer.output_token_ids)))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    token_ids=st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=60),
+    chunk_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+    skip_special_tokens=st.booleans(),
+    include_stop=st.booleans(),
+    min_tokens=st.integers(0, 8),
+)
+def test_tokens_decoded_at_once_give_the_deltas_of_one_at_a_time(
+    tokenizer: PreTrainedTokenizerFast,
+    data: st.DataObject,
+    token_ids: list[int],
+    chunk_sizes: list[int],
+    skip_special_tokens: bool,
+    include_stop: bool,
+    min_tokens: int,
+) -> None:
+    # A byte-level tokenizer decodes several new tokens in one call; the deltas (the text each update releases,
+    # where a stop string cuts the output, how many tokens are output) must be those of the token-by-token
+    # algorithm with the same chunks: random ids split multi-byte characters and make invalid UTF-8 too.
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    stops = []
+    if text and data.draw(st.booleans()):  # stop strings that occur in the output (and one that may not)
+        start = data.draw(st.integers(0, len(text) - 1))
+        stops.append(text[start : start + data.draw(st.integers(1, 4))])
+        stops.append(data.draw(st.sampled_from(["the", "é", "\ufffd", "\n"])))
+    params = SamplingParams(
+        stop=stops,
+        include_stop_str_in_output=include_stop,
+        min_tokens=min_tokens,
+        skip_special_tokens=skip_special_tokens,
+    )
+    at_once = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params)
+    assert at_once.decoder.byte_level
+    one_by_one = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params)
+    one_by_one.decoder.byte_level = False  # its own decoder: every update goes token by token
+    assert chunked_updates(at_once, token_ids, chunk_sizes) == chunked_updates(one_by_one, token_ids, chunk_sizes)
+    assert at_once.output_text == one_by_one.output_text and at_once.stop_reason == one_by_one.stop_reason
+
+
+def test_a_shared_decoder_decodes_each_single_token_once(tokenizer: PreTrainedTokenizerFast) -> None:
+    decoder = TokenDecoder(tokenizer, skip_special_tokens=True)
+    calls = []
+    decode = decoder.decode
+    decoder.decode = lambda ids: calls.append(list(ids)) or decode(ids)
+    token_ids = tokenizer.encode("Hello world, 你好")
+    for _ in range(2):
+        assert [decoder.decode_window([t]) for t in token_ids] == [tokenizer.decode([t]) for t in token_ids]
+    assert decoder.decode_window(token_ids) == tokenizer.decode(token_ids)
+    assert sorted(calls) == sorted([[t] for t in set(token_ids)] + [token_ids])
+    # Requests share it: the text of two streams through one decoder is each stream's own.
+    for _ in range(2):
+        detokenizer = IncrementalDetokenizer(tokenizer, [], SamplingParams(), decoder)
+        assert "".join(stream(detokenizer, token_ids)[0]) == "Hello world, 你好"

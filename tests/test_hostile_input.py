@@ -242,6 +242,49 @@ def test_unknown_route_and_wrong_method(server):
     assert_openai_error(httpx.delete(f"{server.url}/v1/models"), 405)
 
 
+# ---- what fuzzing the OpenAPI document found (issue 29) -------------------------------------------------------------
+@pytest.mark.parametrize("bias", [100.5, -101, 1e9])
+def test_a_logit_bias_beyond_100_is_400(server, bias):
+    r = httpx.post(f"{server.url}{COMPLETIONS}", json={"prompt": "x", "logit_bias": {"5": bias}}, timeout=60)
+    assert assert_openai_error(r, 400)["param"] == "logit_bias.5"
+    ok = {"prompt": "x", "max_tokens": 2, "logit_bias": {"5": -100, "6": 100}}
+    assert httpx.post(f"{server.url}{COMPLETIONS}", json=ok, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+def test_a_message_without_content_is_400(server, role):
+    messages = [{"role": role, "content": None}, *USER]
+    error = assert_openai_error(httpx.post(f"{server.url}{CHAT}", json={"messages": messages}, timeout=60), 400)
+    assert error["param"] == "messages" and "messages[0]" in error["message"] and role in error["message"]
+
+
+UNPARSEABLE = {
+    "invalid utf-8": (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "not valid UTF-8"),
+    "nesting 1,500 deep": (b'{"prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}", "nests too deeply"),
+    "not json": (b"hello", "not valid JSON"),
+    "truncated": (b'{"prompt": "x", "max_tokens": ', "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("body, reason", UNPARSEABLE.values(), ids=UNPARSEABLE.keys())
+def test_an_unparseable_body_is_400_naming_the_body_and_why(server, body, reason):
+    error = assert_openai_error(post_raw(server, COMPLETIONS, body), 400)
+    assert error["param"] == "body" and reason in error["message"]
+
+
+def test_health_has_a_content_type(server):
+    r = httpx.get(f"{server.url}/health", timeout=30)
+    assert r.status_code == 200 and r.text == "" and r.headers["content-type"].startswith("text/plain")
+
+
+def test_the_tokenizer_endpoints_document_their_errors(server):
+    paths = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+    for path in ("/tokenize", "/detokenize"):
+        assert {"400", "404"} <= set(paths[path]["post"]["responses"]), path
+    assert_openai_error(httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "model": "other"}), 404)
+    assert_openai_error(httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "messages": USER}), 400)
+
+
 # ---- fuzzing from the OpenAPI schema ---------------------------------------------------------------
 def test_fuzz_openapi_schema_never_5xx(server, pytestconfig):
     examples = pytestconfig.getoption("--fuzz-examples")  # per operation and mode: 25 gives ~270 cases

@@ -231,7 +231,7 @@ def test_a_failed_generation_ends_the_stream_with_response_failed():
         config = SimpleNamespace(stream_interval=1)
         response_store = Store()
 
-        async def generate(self, prompt_ids, params, timeout=None):
+        async def generate(self, prompt_ids, params, timeout=None, **_):
             raise APIError(503, "The engine is not running.", code="engine_dead")
             yield  # an async generator
 
@@ -247,3 +247,125 @@ def test_a_failed_generation_ends_the_stream_with_response_failed():
     failed = kinds[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "engine_dead"
     assert saved == [failed]
+
+
+# ---- durable background responses (issue 29) -------------------------------------------------------------------------
+def _server_children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_background_response_of_a_killed_server_reads_failed_after_the_restart(tmp_path):
+    # The id of a background response goes out before it runs: it is stored then, and kept up to date as it runs,
+    # so a crash (SIGKILL: nothing runs on the way out) leaves a row that the restarted server reads as failed, with
+    # the reason; retrieve, cancel, stream and input_items all answer for it, none with a 404.
+    state = tmp_path / "state"
+    server = _serve(state)
+    try:
+        body = {"input": "Speak on.", "background": True, "max_output_tokens": 1900, "ignore_eos": True}
+        started = _post(server, **body)
+        rid = started["id"]
+        assert started["status"] == "queued"
+        # running, and its stored row brought up to date with some output at least once
+        assert wait_until(lambda: len(_get(server, rid).json()["output"]) > 0, timeout=120)
+        engine = _server_children(server.proc.pid)
+        server.proc.kill()
+        server.proc.wait()
+        assert wait_until(lambda: not any(_alive(pid) for pid in engine), timeout=60)  # the engine went with it
+    finally:
+        server.stop()
+    restarted = _serve(state)
+    try:
+        found = _get(restarted, rid)
+        assert found.status_code == 200, found.text
+        failed = found.json()
+        assert failed["id"] == rid and failed["status"] == "failed" and failed["background"] is True
+        assert failed["error"]["code"] == "interrupted" and "stopped" in failed["error"]["message"]
+        cancel = httpx.post(f"{restarted.url}/v1/responses/{rid}/cancel", timeout=60)
+        assert cancel.status_code == 200 and cancel.json() == failed
+        stream = _get(restarted, rid, stream="true")
+        events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert stream.status_code == 200 and [e["type"] for e in events] == ["response.failed"]
+        assert events[0]["response"] == failed and events[0]["sequence_number"] >= 1
+        items = _get(restarted, f"{rid}/input_items").json()
+        assert [i["content"] for i in items["data"]] == ["Speak on."]
+        assert _get(restarted, rid).json() == failed  # written so: the next read agrees
+    finally:
+        restarted.stop()
+
+
+def test_a_running_response_is_interrupted_only_when_its_process_is_gone(tmp_path):
+    import sqlite3
+
+    from brisk.server.response_store import SCHEMA, this_process
+
+    # A state folder written by the previous schema (no runner column) opens, and its rows still read.
+    old = sqlite3.connect(tmp_path / "responses.sqlite3")
+    old.executescript(SCHEMA)
+    old.execute("INSERT INTO responses VALUES ('resp_old', ?, ?, ?, '[]', '[]')", (owner_of(None), 1e12, '{"id": "resp_old", "status": "completed"}'))  # fmt: skip
+    old.commit()
+    old.close()
+
+    def running(rid: str) -> dict:
+        return {"id": rid, "status": "in_progress", "background": True, "output": []}
+
+    async def scenario() -> None:
+        store = ResponseStore(tmp_path)
+        owner = owner_of(None)
+        assert (await store.get(owner, "resp_old")).body["status"] == "completed"
+        await store.put(owner, StoredResponse(running("resp_live"), [], [], this_process(), 4))
+        await store.put(owner, StoredResponse(running("resp_dead"), [], [], "999999999:1", 7))
+        live = await store.get(owner, "resp_live")
+        assert live.running and live.body["status"] == "in_progress" and live.last_event == 4
+        dead = await store.get(owner, "resp_dead")
+        assert dead.body["status"] == "failed" and dead.body["error"]["code"] == "interrupted" and not dead.running
+        store.close()
+        again = ResponseStore(tmp_path)  # another process of the server reads what the first one wrote
+        assert (await again.get(owner, "resp_dead")).body == dead.body
+        # a process that reused the pid is not the runner: its start time differs
+        pid, _, start = this_process().partition(":")
+        await again.put(owner, StoredResponse(running("resp_reused"), [], [], f"{pid}:{int(start) + 1}", 0))
+        assert (await again.get(owner, "resp_reused")).body["status"] == "failed"
+        again.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_stream_of_a_response_running_elsewhere_ends_with_its_terminal_event(tmp_path):
+    # Another process of the server runs it: the stream waits for its row to end, then sends the terminal event.
+    from types import SimpleNamespace
+
+    from brisk.server.response_store import this_process
+    from brisk.server.responses import _stored_events
+
+    async def scenario() -> None:
+        store = ResponseStore(tmp_path)
+        owner = owner_of(None)
+        body = {"id": "resp_x", "status": "in_progress", "background": True, "output": []}
+        await store.put(owner, StoredResponse(body, [], [], this_process(), 5))
+        stored = await store.get(owner, "resp_x")
+        events = asyncio.create_task(anext(_stored_events(SimpleNamespace(response_store=store), owner, stored, 2)))
+        await asyncio.sleep(0)
+        assert not events.done()  # still running there
+        other = ResponseStore(tmp_path)
+        await other.put(owner, StoredResponse({**body, "status": "completed"}, [], [], None, 9))
+        event = await asyncio.wait_for(events, timeout=30)
+        assert event == {
+            "type": "response.completed",
+            "response": {**body, "status": "completed"},
+            "sequence_number": 10,
+        }
+        other.close()
+        store.close()
+
+    asyncio.run(scenario())

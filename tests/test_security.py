@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from brisk.config import ConfigError, ServerConfig
@@ -29,9 +28,10 @@ from brisk.outputs import CompletionOutput, RequestOutput
 from brisk.sampling_params import SamplingParams
 from brisk.server import middleware
 from brisk.server.app import build_app
+from brisk.server.response_store import owner_of
 from brisk.server.serve import API_KEY_ENV, resolve_api_key
 from brisk.server.state import ServerState
-from brisk.server.streaming import stream_with_errors
+from brisk.server.streaming import EventStreamResponse
 from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 
@@ -219,7 +219,7 @@ def test_unexpected_errors_are_opaque_500s_and_logged(caplog):
             yield "data: {}\n\n"
             raise KeyError(internal)
 
-        return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+        return EventStreamResponse(chunks())
 
     http = TestClient(app, raise_server_exceptions=False)
     with caplog.at_level(logging.ERROR, logger="brisk.server"):
@@ -343,3 +343,33 @@ def test_engine_ipc_is_private_and_only_http_listens(server):
     for path in ipc_paths:
         assert stat.S_IMODE(Path(path).stat().st_mode) & 0o077 == 0  # no access for group or others
     assert_still_serving(server)
+
+
+# ---- issue 29: the Bearer scheme in any case; refusing work from the moment SIGTERM arrives -------------------------
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(scheme):
+    http = TestClient(build_app(fake_state(api_key="sk-test")))
+    assert http.get("/v1/models", headers={"Authorization": f"{scheme} sk-test"}).status_code == 200
+    assert http.get("/v1/models", headers={"Authorization": f"{scheme} sk-other"}).status_code == 401
+    assert http.get("/v1/models", headers={"Authorization": "Basic sk-test"}).status_code == 401
+    # stored Responses belong to the key, however its scheme was spelled
+    assert owner_of(f"{scheme} sk-test") == owner_of("Bearer sk-test") != owner_of("Bearer sk-other")
+
+
+def test_requests_are_refused_from_the_moment_sigterm_arrives():
+    # The signal handler itself marks the server draining: no window until the next tick of the server loop.
+    import signal
+
+    import uvicorn
+
+    from brisk.server.shutdown import DrainingServer
+
+    state = fake_state()
+    app = build_app(state)
+    server = DrainingServer(uvicorn.Config(app), state, shutdown_timeout=30)
+    http = TestClient(app)
+    assert http.get("/health").status_code == 200
+    server.handle_exit(signal.SIGTERM, None)
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert http.get("/health").status_code == 503

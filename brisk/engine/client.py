@@ -49,23 +49,6 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing can be served until the server is restarted."""
 
 
-def merge_deltas(first: CompletionDelta, second: CompletionDelta) -> CompletionDelta:
-    """One delta carrying what two consecutive deltas of the same completion carried."""
-    logprobs = None
-    if first.logprobs is not None or second.logprobs is not None:
-        logprobs = (first.logprobs or []) + (second.logprobs or [])
-    return CompletionDelta(
-        first.request_id,
-        first.index,
-        first.text + second.text,
-        first.token_ids + second.token_ids,
-        logprobs,
-        second.finish_reason,
-        second.stop_reason,
-        second.output,
-    )
-
-
 class DeltaBuffer:
     """The deltas of one request that its consumer has not taken yet, bounded.
 
@@ -79,7 +62,7 @@ class DeltaBuffer:
     def __init__(self, max_pending: int = MAX_PENDING_DELTAS) -> None:
         self.max_pending = max_pending
         self._items: deque[CompletionDelta | Exception] = deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the consumer's, while it waits for an item
         self.num_coalesced = 0
 
     def __len__(self) -> int:
@@ -89,12 +72,17 @@ class DeltaBuffer:
         if isinstance(item, CompletionDelta) and len(self._items) >= self.max_pending:
             self._coalesce()
         self._items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> CompletionDelta | Exception:
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._items.popleft()
 
     def _coalesce(self) -> None:
@@ -103,7 +91,7 @@ class DeltaBuffer:
             return  # an error is pending: the consumer stops there anyway
         merged: dict[int, CompletionDelta] = {}  # per completion index, in order of first appearance
         for delta in deltas:
-            merged[delta.index] = merge_deltas(merged[delta.index], delta) if delta.index in merged else delta
+            merged[delta.index] = merged[delta.index].merged(delta) if delta.index in merged else delta
         self.num_coalesced += len(self._items) - len(merged)
         self._items = deque(merged.values())
 
@@ -131,6 +119,7 @@ class AsyncEngineClient:
         to_addr, from_addr = f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine"
         self._to_engine.bind(to_addr)
         self._from_engine.bind(from_addr)
+        self._from_engine_now = zmq.Socket.shadow(self._from_engine.underlying)  # the same socket, non-async reads
         for name in ("to_engine", "from_engine"):  # the directory already shuts others out; belt and braces
             os.chmod(os.path.join(self._ipc_dir, name), 0o600)
         self._encoder = msgspec.msgpack.Encoder()
@@ -199,18 +188,19 @@ class AsyncEngineClient:
         params: SamplingParams,
         prompt: str | None = None,
         timeout: float | None = None,
+        detokenize: bool = True,
     ) -> AsyncIterator[CompletionDelta]:
         """Yields each completion delta until all n completions are finished; aborts if abandoned.
 
         After `timeout` seconds the request is aborted in the core; the completions still running then
-        end with finish_reason "abort" (their output so far is kept).
+        end with finish_reason "abort" (their output so far is kept). `detokenize` False: deltas without text.
         """
         if self.dead:
             raise EngineDeadError("the engine core is not running")
         buffer = DeltaBuffer()
         self._queues[request_id] = buffer
         self._idle.clear()
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, detokenize)
         deadline = None if timeout is None else time.monotonic() + timeout
         num_unfinished = params.n  # completions whose final delta the consumer has not taken yet
         finished = False
@@ -256,9 +246,18 @@ class AsyncEngineClient:
                         self._engine_died()
                         return
                     continue
-                msg = self._decoder.decode(await self._from_engine.recv())
-                if isinstance(msg, EngineOutputs):
-                    await self._dispatch(msg)
+                # Every message that is there now, read without awaiting again (the engine may have sent several).
+                while True:
+                    try:
+                        frame = self._from_engine_now.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    msg = self._decoder.decode(frame)
+                    if isinstance(msg, EngineOutputs):
+                        await self._dispatch(msg)
+                        # The requests' tasks take this message's deltas before the next is read: a delta each,
+                        # rather than deltas piling up and being coalesced as if every client read slowly.
+                        await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -34,6 +34,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     scheduled_time: float = 0.0  # time.time() of the first step that scheduled it (0: not yet)
     prompt_logprobs: PromptLogprobs | None = None  # the prompt positions the step computed (prompt_logprobs)
+    num_steps: int = 1  # engine steps whose tokens this output carries (several: held for stream_interval)
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from brisk.detokenizer import IncrementalDetokenizer
+from brisk.detokenizer import IncrementalDetokenizer, TokenDecoder
 from brisk.engine.messages import EngineCoreOutput
 from brisk.outputs import CompletionOutput, Logprob, RequestOutput
 from brisk.sampling_params import SamplingParams
@@ -26,12 +26,30 @@ class CompletionDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     output: RequestOutput = field(repr=False)  # the cumulative result so far
+    num_steps: int = 1  # engine steps that produced these tokens (the arrival of each is the metrics' business)
+
+    def merged(self, later: CompletionDelta) -> CompletionDelta:
+        """One delta carrying what this one and the `later` one of the same completion carry."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return CompletionDelta(
+            self.request_id,
+            self.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            logprobs,
+            later.finish_reason,
+            later.stop_reason,
+            later.output,
+            self.num_steps + later.num_steps,
+        )
 
 
 @dataclass
 class _RequestState:
     output: RequestOutput
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer] | None  # None: the consumer wants token ids only
 
 
 @dataclass
@@ -45,8 +63,18 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
+        self._decoders: dict[bool, TokenDecoder] = {}  # by skip_special_tokens, shared by all requests
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenize: bool = True,
+    ) -> None:
+        """`detokenize` False: the deltas carry no text (a harmony parser decodes the tokens itself); stop strings
+        then are the consumer's."""
         with_logprobs = params.logprobs is not None
         outputs = [
             CompletionOutput(
@@ -57,10 +85,14 @@ class OutputProcessor:
         output = RequestOutput(request_id, prompt, list(prompt_token_ids), outputs)
         if params.prompt_logprobs is not None:
             output.prompt_logprobs = [None]
-        self.states[request_id] = _RequestState(
-            output,
-            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in range(params.n)],
-        )
+        detokenizers = None
+        if detokenize:
+            skip = params.skip_special_tokens
+            decoder = self._decoders.get(skip) or self._decoders.setdefault(skip, TokenDecoder(self.tokenizer, skip))
+            detokenizers = [
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, decoder) for _ in range(params.n)
+            ]
+        self.states[request_id] = _RequestState(output, detokenizers)
 
     def has_unfinished(self) -> bool:
         return bool(self.states)
@@ -78,10 +110,13 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state.output, eo)
                 if not eo.new_token_ids and not eo.finished:
                     continue  # a prompt chunk: nothing for the completion yet
-            detok = state.detokenizers[eo.index]
-            text = detok.update(eo.new_token_ids).text_delta
-            # A stop string inside several new tokens (speculative decoding): the tokens after it are not output.
-            new_ids = eo.new_token_ids[: len(detok.output_token_ids) - len(comp.token_ids)]
+            detok = state.detokenizers[eo.index] if state.detokenizers is not None else None
+            if detok is None:
+                text, new_ids = "", eo.new_token_ids
+            else:
+                text = detok.update(eo.new_token_ids).text_delta
+                # A stop string inside several new tokens (speculative decoding): the tokens after it are not output.
+                new_ids = eo.new_token_ids[: len(detok.output_token_ids) - len(comp.token_ids)]
             comp.token_ids.extend(new_ids)
             new_logprobs = None
             if eo.logprobs is not None and comp.logprobs is not None:
@@ -90,15 +125,16 @@ class OutputProcessor:
                 comp.logprobs.extend(new_logprobs)
                 assert comp.cumulative_logprob is not None  # add_request sets it together with comp.logprobs
                 comp.cumulative_logprob += sum(lp.logprob for lp in token_lps)
-            if eo.finished:
+            if detok is not None and eo.finished:
                 text += detok.flush()  # may still reveal a stop string held back as incomplete text
-            if detok.stop_reason is not None:
+            if detok is not None and detok.stop_reason is not None:
                 comp.finish_reason, comp.stop_reason = "stop", detok.stop_reason
                 if not eo.finished:
                     result.aborts.append((eo.request_id, eo.index))
             elif eo.finished:
                 comp.finish_reason, comp.stop_reason = eo.finish_reason, eo.stop_reason
-            comp.text = detok.output_text
+            if detok is not None and comp.finished:
+                comp.text = detok.output_text  # once, at the end: copying it at every token would be quadratic
             state.output.num_cached_tokens = eo.num_cached_tokens
             state.output.scheduled_time = state.output.scheduled_time or eo.scheduled_time
             result.deltas.append(
@@ -111,6 +147,7 @@ class OutputProcessor:
                     comp.finish_reason,
                     comp.stop_reason,
                     state.output,
+                    eo.num_steps,
                 )
             )
             if state.output.finished:

@@ -11,6 +11,7 @@ with SIGKILL, and it exits by itself if the server disappears (so it is never le
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from brisk.engine.messages import (
     ProfileRequest,
     ToEngine,
 )
+from brisk.engine.output_batcher import StreamIntervalBatcher
 from brisk.engine.profiler import EngineProfiler
 from brisk.errors import InvalidRequest
 from brisk.host import cpu_threads_per_rank, resolve_device
@@ -46,6 +48,7 @@ OUT_OF_MEMORY = (
     "(--tp_size {config.tp_size} -> more), or lower max_num_tokens ({config.max_num_tokens}) / max_batch_size "
     "({config.max_batch_size})"
 )
+PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent ends
 
 
 def encode_config(config: EngineConfig) -> bytes:
@@ -56,6 +59,15 @@ def encode_config(config: EngineConfig) -> bytes:
     return config.model_dump_json(exclude_unset=True).encode()
 
 
+def _end_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when the API server's process ends, however it ends: a server
+    killed outright runs no cleanup, and an engine blocked sending to it would never see getppid() change."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid() check of the loop remains
+
+
 def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     # tqdm's default lock (the weight loader's progress bar) is a multiprocessing semaphore: this process ends by
@@ -63,6 +75,7 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
     tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with_parent()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(to_engine_addr)
@@ -105,6 +118,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
     server_pid = os.getppid()
     profiler = EngineProfiler()
     iteration_tokens: list[int] = []  # tokens of each step since stats were last sent (a step may send nothing)
+    batcher = StreamIntervalBatcher(core.config.stream_interval)  # outputs held as the API's stream would hold them
     while os.getppid() == server_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         batch = EngineOutputs([])
@@ -122,15 +136,17 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
                     batch.refused.append((rid, "request", "the engine could not accept this request"))
             elif isinstance(msg, AbortRequests):
                 for rid, index in msg.targets:
-                    batch.outputs.extend(core.abort_request(rid, None if index < 0 else index))
+                    batch.outputs.extend(batcher.add(core.abort_request(rid, None if index < 0 else index)))
             elif isinstance(msg, ProfileRequest) and msg.action == "start":
                 profiler.start()
             elif isinstance(msg, ProfileRequest):
                 profiler.stop(msg.trace_path)
         if core.has_unfinished_requests():
             step = core.step()
-            batch.outputs.extend(step.outputs)
-            batch.refused.extend((rid, exc.param, exc.message) for rid, exc in step.refused)
+            batch.outputs.extend(batcher.add(step.outputs))
+            for rid, refusal in step.refused:
+                batcher.forget(rid)
+                batch.refused.append((rid, refusal.param, refusal.message))
             if step.num_tokens:  # a step that could schedule nothing (waiting for KV) is no iteration
                 iteration_tokens.append(step.num_tokens)
         if batch.outputs or batch.refused:

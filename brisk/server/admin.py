@@ -8,7 +8,14 @@ from fastapi.responses import PlainTextResponse, Response
 import brisk
 from brisk.server.errors import APIError, error_response
 from brisk.server.protocol import DetokenizeRequest, TokenizeRequest
-from brisk.server.schemas import DetokenizeResult, ModelCard, ModelList, TokenizeResult, VersionInfo
+from brisk.server.schemas import (
+    ERROR_RESPONSES,
+    DetokenizeResult,
+    ModelCard,
+    ModelList,
+    TokenizeResult,
+    VersionInfo,
+)
 from brisk.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -25,7 +32,7 @@ async def health(state: ServerState = Depends(server_state)) -> Response:
         return error_response(503, "The engine is not running.", code="engine_dead")
     if state.draining:
         return error_response(503, "The server is shutting down.", code="shutting_down")
-    return Response(status_code=200)
+    return PlainTextResponse("")
 
 
 @router.get("/version", response_model=VersionInfo)
@@ -54,19 +61,19 @@ async def metrics(state: ServerState = Depends(server_state)) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-@router.post("/tokenize", response_model=TokenizeResult)
+@router.post("/tokenize", response_model=TokenizeResult, responses=ERROR_RESPONSES)
 async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_state)) -> TokenizeResult:
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "Give exactly one of 'prompt' and 'messages'.")
-    if req.messages is not None:
-        tokens = state.render_chat(req.messages, None, None, {}, req.add_generation_prompt)
+    if req.prompt is not None:
+        tokens = await state.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
     else:
-        tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = await state.render_chat(req.messages or [], None, None, {}, req.add_generation_prompt)
     return TokenizeResult(tokens=tokens, count=len(tokens), max_model_len=state.info.max_seq_len)
 
 
-@router.post("/detokenize", response_model=DetokenizeResult)
+@router.post("/detokenize", response_model=DetokenizeResult, responses=ERROR_RESPONSES)
 async def detokenize(req: DetokenizeRequest, state: ServerState = Depends(server_state)) -> DetokenizeResult:
     state.check_model(req.model)
     vocab = state.info.vocab_size

@@ -7,7 +7,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from brisk.server.completions import prompt_logprobs_body
 from brisk.server.errors import APIError
@@ -28,7 +27,15 @@ from brisk.server.schemas import (
     event_stream_response,
 )
 from brisk.server.state import ServerState, server_state
-from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+from brisk.server.streaming import (
+    TEXT_PLACEHOLDER,
+    EventStreamResponse,
+    StreamAccumulator,
+    TextChunkTemplate,
+    join_events,
+    sse,
+    until_disconnected,
+)
 from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -48,7 +55,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     params = state.sampling_params(req)
     await state.check_structured_outputs(params, req.field_names())
     plan = plan_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
-    prompt_ids = state.render_chat(
+    prompt_ids = await state.render_chat(
         req.messages, plan.tools, req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt
     )
     state.check_prompt(prompt_ids, params, req.field_names())
@@ -63,7 +70,8 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     parsers = [make_choice_parser(state, forced, stop, params.include_stop_str_in_output) for _ in range(params.n)]
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     top_n = req.top_logprobs or 0
-    deltas = state.generate(prompt_ids, params, timeout=req.timeout)
+    # a harmony parser decodes the tokens itself: the engine client's text would go unread
+    deltas = state.generate(prompt_ids, params, timeout=req.timeout, detokenize=not state.is_harmony)
     generated = [0] * params.n  # tokens per choice, for usage (also when a stop string ends the stream early)
 
     def logprobs_of(token_ids: list[int], logprobs: list[dict[int, float]], kept: list[bool]) -> list[TokenLogprob]:
@@ -130,13 +138,30 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     accumulator = StreamAccumulator(state.config.stream_interval)
 
     def chunk(choices: list[ChatChunkChoice], usage_: Usage | None = None) -> str:
+        return sse(chunk_body(choices, usage_))
+
+    def chunk_body(choices: list[ChatChunkChoice], usage_: Usage | None = None) -> ChatCompletionChunk:
         body = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices)
         if include_usage or continuous_usage:
             body.usage = usage_
-        return sse(body)
+        return body
 
-    async def chunks() -> AsyncIterator[str]:
+    # A chunk of one text field (content or reasoning_content) and nothing else varying: from a template.
+    templated = not (req.logprobs or req.reasoning_logprobs or continuous_usage)
+    templates: dict[tuple[int, str], TextChunkTemplate] = {}
+
+    def text_chunk(index: int, key: str, text: str) -> bytes:
+        template = templates.get((index, key))
+        if template is None:
+            delta = ChatDelta.model_validate({key: TEXT_PLACEHOLDER})
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)
+            template = templates[(index, key)] = TextChunkTemplate(chunk_body([choice]))
+        return template.render(text)
+
+    async def chunks() -> AsyncIterator[str | bytes]:
         num_cached = 0
+        num_open = params.n  # choices without their finish_reason chunk yet
+        closing: list[str | bytes] = []
         for i in range(params.n):
             opening = ChatDelta(role="assistant", content="")
             yield chunk(
@@ -160,17 +185,24 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                         merge_delta_fields(fields, key, value)
                     reason = finish_reason(parser, reason)
                 entries = (
-                    logprobs_of(pending.token_ids, pending.logprobs, parser.content_tokens) if req.logprobs else []
+                    logprobs_of(pending.token_ids, pending.logprobs or [], parser.content_tokens)
+                    if req.logprobs
+                    else []
                 )
                 thoughts = (
-                    logprobs_of(pending.token_ids, pending.logprobs, parser.reasoning_tokens)
+                    logprobs_of(pending.token_ids, pending.logprobs or [], parser.reasoning_tokens)
                     if req.reasoning_logprobs
                     else []
                 )
                 # The finish_reason goes in a chunk of its own, after the last fields, as OpenAI sends it: the
                 # openai SDK's stream helper closes a tool call (arguments.done, parsed_arguments) only on a
-                # finish_reason that follows the call's last delta, never one in the same chunk.
-                if fields or entries or thoughts:
+                # finish_reason that follows the call's last delta, never one in the same chunk. (Chunks that
+                # are ready together go out in one write.)
+                out: list[str | bytes] = []
+                if templated and len(fields) == 1 and ("content" in fields or "reasoning_content" in fields):
+                    [(key, text)] = fields.items()
+                    out.append(text_chunk(pending.index, key, text))
+                elif fields or entries or thoughts:
                     choice = ChatChunkChoice(
                         index=pending.index,
                         delta=ChatDelta(**fields),
@@ -179,7 +211,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                     )
                     if req.reasoning_logprobs:
                         choice.reasoning_logprobs = ChoiceLogprobs(content=thoughts)
-                    yield chunk([choice], usage(num_cached) if continuous_usage else None)
+                    out.append(chunk([choice], usage(num_cached) if continuous_usage else None))
                 if reason is not None:
                     choice = ChatChunkChoice(
                         index=pending.index,
@@ -189,12 +221,20 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                     )
                     if req.reasoning_logprobs:
                         choice.reasoning_logprobs = ChoiceLogprobs(content=[])
-                    yield chunk([choice], usage(num_cached) if continuous_usage else None)
+                    out.append(chunk([choice], usage(num_cached) if continuous_usage else None))
+                    num_open -= 1
                 if all(p.stopped for p in parsers):
-                    break
+                    closing = out  # sent with the usage chunk
+                    break  # closing the generator aborts the request in the engine
+                if num_open == 0:
+                    closing = out  # the last deltas were these: sent with the usage chunk
+                elif out:
+                    yield join_events(out)
         finally:
             await deltas.aclose()  # aborts the request in the engine if it is still running
         if include_usage:
-            yield chunk([], usage(num_cached))
+            closing.append(chunk([], usage(num_cached)))
+        if closing:
+            yield join_events(closing)
 
-    return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+    return EventStreamResponse(chunks())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
+from brisk.engine.output_processor import CompletionDelta
 from brisk.outputs import Logprob, RequestOutput
 from brisk.server.errors import APIError
 from brisk.server.protocol import CompletionRequest
@@ -25,20 +26,30 @@ from brisk.server.schemas import (
     event_stream_response,
 )
 from brisk.server.state import ServerState, server_state
-from brisk.server.streaming import StreamAccumulator, sse, stream_with_errors, until_disconnected
+from brisk.server.streaming import (
+    TEXT_PLACEHOLDER,
+    EventStreamResponse,
+    StreamAccumulator,
+    TextChunkTemplate,
+    interleave,
+    sse,
+    until_disconnected,
+)
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
-def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+async def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
-        return [(prompt, state.tokenizer.encode(prompt))]
+        return [(prompt, await state.encode(prompt, "prompt"))]
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [(None, list(prompt))]
     if all(isinstance(p, str) for p in prompt):
-        return [(p, state.tokenizer.encode(p)) for p in prompt]
+        for p in prompt:  # every prompt's size checked before any is tokenized
+            state.check_text_fits(len(p), "prompt")
+        return [(p, await state.encode(p, "prompt")) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [(None, list(p)) for p in prompt]
     raise APIError(400, "prompt must be a string, a list of strings, or token ids.", param="prompt")
@@ -118,7 +129,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
     params = state.sampling_params(req)
     await state.check_structured_outputs(params, req.field_names())
-    prompts = _prompts(state, req.prompt)
+    prompts = await _prompts(state, req.prompt)
     for _, ids in prompts:
         state.check_prompt(ids, params, req.field_names())
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
@@ -140,7 +151,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             for choice in choices:
                 yield sse(CompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-        return StreamingResponse(stream_with_errors(echo_chunks()), media_type="text/event-stream")
+        return EventStreamResponse(echo_chunks())
 
     def choice_logprobs(output: RequestOutput, token_ids: list[int], logprobs, offset: int = 0) -> CompletionLogprobs:
         if req.echoes_logprobs:  # the prompt's tokens lead, from the choice's first chunk
@@ -155,9 +166,9 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
                 final = delta.output
             return final
 
-        finals = await until_disconnected(raw, asyncio.gather(*(run(text, ids) for text, ids in prompts)))
+        outputs = await until_disconnected(raw, asyncio.gather(*(run(text, ids) for text, ids in prompts)))
         choices = []
-        for p, final in enumerate(finals):
+        for p, final in enumerate(outputs):
             for out in final.outputs:
                 choice = CompletionChoice(
                     index=p * n + out.index,
@@ -169,9 +180,9 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = prompt_logprobs_body(state, final, req.prompt_logprobs)
                 choices.append(choice)
-        completion_tokens = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        completion_tokens = sum(len(o.token_ids) for f in outputs for o in f.outputs)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        cached = sum(f.num_cached_tokens for f in finals)
+        cached = sum(f.num_cached_tokens for f in outputs)
         return Completion(
             id=rid,
             created=created,
@@ -183,70 +194,77 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     accumulator = StreamAccumulator(state.config.stream_interval)
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+    def chunk_body(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
         body = CompletionChunk(id=rid, created=created, model=model, choices=choices)
         if include_usage:
             body.usage = usage
-        return sse(body)
+        return body
 
-    async def chunks() -> AsyncIterator[str]:
-        # Bounded: with a slow reader the pumps wait, so the backlog stays in the engine client's
-        # coalescing buffers instead of growing here.
-        queue: asyncio.Queue = asyncio.Queue(maxsize=len(prompts))
+    def text_template(index: int) -> TextChunkTemplate:
+        """A choice's chunks that carry text only (no logprobs, not the last)."""
+        choice = CompletionChoice(
+            index=index, text=TEXT_PLACEHOLDER, logprobs=None, finish_reason=None, stop_reason=None
+        )
+        return TextChunkTemplate(chunk_body([choice]))
 
-        async def pump(p: int, text, ids):
-            try:
-                async for delta in state.generate(ids, params, text, req.timeout):
-                    await queue.put((p, delta))
-            except APIError as exc:
-                await queue.put((p, exc))
-            await queue.put((p, None))
+    text_offset: dict[int, int] = {}  # text sent so far per choice
+    templates: dict[int, TextChunkTemplate] = {}
+    finals: dict[int, RequestOutput] = {}
+    num_open = len(prompts) * n  # choices not finished
 
-        tasks = [asyncio.create_task(pump(p, text, ids)) for p, (text, ids) in enumerate(prompts)]
-        try:
-            text_offset: dict[int, int] = {}
-            finals, done = {}, 0
-            while done < len(prompts):
-                p, delta = await queue.get()
-                if delta is None:
-                    done += 1
-                    continue
-                if isinstance(delta, APIError):
-                    raise delta
-                finals[p] = delta.output
-                index = p * n + delta.index
-                pending = accumulator.add(index, delta)
-                if pending is None:
-                    continue
-                logprobs = None
-                if req.logprobs is not None:
-                    if index in text_offset:
-                        offset = text_offset[index] + (len(echoed[p]) if req.echo else 0)
-                        logprobs = _logprobs(state, pending.token_ids, pending.logprobs, offset)
-                    else:
-                        logprobs = choice_logprobs(delta.output, pending.token_ids, pending.logprobs)
-                text = pending.text
-                if index not in text_offset:  # the choice's first chunk
-                    text = echoed[p] + text
-                text_offset[index] = text_offset.get(index, 0) + len(pending.text)
-                choice = CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=pending.finish_reason,
-                    stop_reason=pending.stop_reason,
-                )
-                yield chunk([choice])
-            if include_usage:
-                completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
-                usage = Usage.of(
-                    sum(len(ids) for _, ids in prompts),
-                    completion_tokens,
-                    sum(f.num_cached_tokens for f in finals.values()),
-                )
-                yield chunk([], usage)
-        finally:
-            for t in tasks:
-                t.cancel()
+    def events(p: int, delta: CompletionDelta) -> str | bytes | None:
+        """The SSE chunk of one prompt's delta (None while stream_interval holds it). The last choice's closing
+        chunk goes out with the usage chunk, in one write."""
+        nonlocal num_open
+        finals[p] = delta.output
+        index = p * n + delta.index
+        pending = accumulator.add(index, delta)
+        if pending is None:
+            return None
+        logprobs = None
+        if req.logprobs is not None:
+            if index in text_offset:
+                offset = text_offset[index] + (len(echoed[p]) if req.echo else 0)
+                logprobs = _logprobs(state, pending.token_ids, pending.logprobs or [], offset)
+            else:
+                logprobs = choice_logprobs(delta.output, pending.token_ids, pending.logprobs)
+        text = pending.text
+        if index not in text_offset:  # the choice's first chunk
+            text = echoed[p] + text
+        text_offset[index] = text_offset.get(index, 0) + len(pending.text)
+        if logprobs is None and pending.finish_reason is None:
+            template = templates.get(index) or templates.setdefault(index, text_template(index))
+            return template.render(text)
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=pending.finish_reason,
+            stop_reason=pending.stop_reason,
+        )
+        event = sse(chunk_body([choice]))
+        num_open -= pending.finish_reason is not None
+        return event + usage_event() if num_open == 0 and include_usage else event
 
-    return StreamingResponse(stream_with_errors(chunks()), media_type="text/event-stream")
+    def usage_event() -> str:
+        completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+        usage = Usage.of(
+            sum(len(ids) for _, ids in prompts), completion_tokens, sum(f.num_cached_tokens for f in finals.values())
+        )
+        return sse(chunk_body([], usage))
+
+    async def chunks() -> AsyncIterator[str | bytes]:
+        generations = [state.generate(ids, params, text, req.timeout) for text, ids in prompts]
+        if len(generations) == 1:  # read directly: a layer less between each token and the socket
+            async with contextlib.aclosing(generations[0]) as deltas:
+                async for delta in deltas:
+                    if (event := events(0, delta)) is not None:
+                        yield event
+        else:
+            async for p, delta in interleave(generations):
+                if (event := events(p, delta)) is not None:
+                    yield event
+        if include_usage and num_open:  # a generation ended early (an error is raised instead)
+            yield usage_event()
+
+    return EventStreamResponse(chunks())

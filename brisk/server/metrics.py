@@ -7,6 +7,7 @@ server's clock for arrival, tokens and the end, the engine's for the step that f
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -58,7 +59,14 @@ class RequestTiming:
 
     def on_delta(self, delta: CompletionDelta) -> None:
         if delta.token_ids:
-            self.token_times.append(time.time())
+            now = time.time()
+            if delta.num_steps > 1 and self.token_times:
+                # The tokens of several engine steps in one delta (held for stream_interval, or by a slow reader):
+                # their steps' arrivals are spread evenly since the last one, so inter-token latencies stay per step.
+                last = self.token_times[-1]
+                gap = (now - last) / delta.num_steps
+                self.token_times += [last + gap * i for i in range(1, delta.num_steps)]
+            self.token_times.append(now)
             self.num_generated += len(delta.token_ids)
         self.scheduled = delta.output.scheduled_time or self.scheduled
         self.num_cached_tokens = delta.output.num_cached_tokens
@@ -107,6 +115,24 @@ class RequestTiming:
     @property
     def e2e(self) -> float:
         return self.end - self.arrival
+
+
+def observe_all(histogram: Any, values: list[float]) -> None:
+    """`histogram.observe(v)` for each value (a labelled Histogram), with each bucket advanced once by its count
+    rather than once a value: a request's inter-token latencies are a value per token. Falls back to observe()
+    on a prometheus-client whose histograms are laid out otherwise."""
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1  # the first bucket whose upper bound is >= value
+    for bucket, count in zip(buckets, counts):
+        if count:
+            bucket.inc(count)
+    total.inc(sum(values))
 
 
 class ServerMetrics:
@@ -218,6 +244,14 @@ class ServerMetrics:
         self._last_totals = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
         # Called with each finished request's timing (traces, the JSON request log).
         self.request_listeners: list[Callable[[RequestTiming], None]] = []
+        self._children: dict[int, Any] = {}  # id(metric) -> its child labelled with this model's name
+
+    def _labelled(self, metric: Any) -> Any:
+        """`metric.labels(model_name)`, looked up once (labels() costs a lock and a validation each call)."""
+        child = self._children.get(id(metric))
+        if child is None:
+            child = self._children[id(metric)] = metric.labels(self.model_name)
+        return child
 
     def bind_engine(self, client: AsyncEngineClient, config: EngineConfig) -> None:
         """Engine up/down, cache configuration, and per-step stats of a started engine client."""
@@ -237,7 +271,7 @@ class ServerMetrics:
 
     def observe_iterations(self, stats: SchedulerStats) -> None:
         for num_tokens in stats.iteration_tokens:
-            self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+            self._labelled(self.iteration_tokens).observe(num_tokens)
 
     def observe_engine(self, stats: SchedulerStats) -> None:
         m = self.model_name
@@ -269,17 +303,16 @@ class ServerMetrics:
     def observe_request(self, timing: RequestTiming) -> None:
         """Count a request that ended (completed, aborted, or failed) and hand it to the listeners."""
         m = self.model_name
-        self.prompt_tokens.labels(m).inc(timing.num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(timing.num_generated)
-        for a, b in zip(timing.token_times, timing.token_times[1:]):
-            self.itl.labels(m).observe(b - a)
+        self._labelled(self.prompt_tokens).inc(timing.num_prompt_tokens)
+        self._labelled(self.generation_tokens).inc(timing.num_generated)
+        observe_all(self._labelled(self.itl), [b - a for a, b in zip(timing.token_times, timing.token_times[1:])])
         for histogram, value in (
             (self.ttft, timing.ttft),
             (self.queue_time, timing.queue_time),
             (self.prefill_time, timing.prefill_time),
         ):
             if value is not None:
-                histogram.labels(m).observe(value)
+                self._labelled(histogram).observe(value)
         for reason in timing.finish_reasons if timing.completed else ["abort"]:  # the client left, or it failed
             self.request_success.labels(m, reason or "abort").inc()
         if timing.completed:
@@ -294,7 +327,7 @@ class ServerMetrics:
                 (self.request_max_tokens, timing.max_tokens),
             ):
                 if value is not None:
-                    histogram.labels(m).observe(value)
+                    self._labelled(histogram).observe(value)
         for listener in self.request_listeners:
             listener(timing)
 

@@ -32,13 +32,19 @@ UNAUTHENTICATED_PATHS = frozenset({"/health"})
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug level
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The credentials of an `Authorization: Bearer <token>` header; the scheme is case-insensitive (RFC 9110)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def api_key_matches(authorization: str, api_key: str) -> bool:
     """Constant-time check of an `Authorization: Bearer <key>` header.
 
     Both sides are hashed first so that the comparison does not even leak the key's length.
     """
-    given = hashlib.sha256(authorization.encode()).digest()
-    expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+    given = hashlib.sha256((bearer_token(authorization) or "").encode()).digest()
+    expected = hashlib.sha256(api_key.encode()).digest()
     return hmac.compare_digest(given, expected)
 
 

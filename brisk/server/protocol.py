@@ -205,7 +205,9 @@ class _SamplingFields(_GenerationFields):
     n: int = Field(1, ge=1, le=128)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_TOKEN_ID_LIST
+    )
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream_options: StreamOptions | None = None
     # extensions
@@ -322,6 +324,25 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _message_contents(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A message has text content (a string or a list of parts); only an assistant's may be null (a turn of
+        tool calls, or of reasoning alone)."""
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if content is None and message.get("role") != "assistant":
+                raise PydanticCustomError(
+                    "missing_content",
+                    "messages[{i}] ({role}) has no content; it must be a string or a list of content parts.",
+                    {"i": i, "role": message.get("role")},
+                )
+            if content is not None and not isinstance(content, (str, list)):
+                raise PydanticCustomError(
+                    "content_type", "messages[{i}].content must be a string or a list of content parts.", {"i": i}
+                )
+        return messages
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -16,7 +16,7 @@ from brisk.server.errors import APIError
 from brisk.server.logprobs import logprob_entries
 from brisk.server.output_parsers import make_choice_parser
 from brisk.server.response_items import OutputItems
-from brisk.server.response_store import StoredResponse
+from brisk.server.response_store import RUNNING, StoredResponse, this_process
 from brisk.server.schemas import (
     ErrorDetail,
     IncompleteDetails,
@@ -34,6 +34,7 @@ TERMINAL_EVENTS = {
     "cancelled": "response.cancelled",
 }
 MAX_FINISHED_BACKGROUND_RUNS = 256  # kept in memory for stream replay after they end; the store keeps the body
+PROGRESS_SAVE_S = 1.0  # a running response's stored body is brought up to date this often
 
 
 class ResponseRun:
@@ -60,6 +61,11 @@ class ResponseRun:
         self.usage: ResponseUsage | None = None
         self.report_failures = True  # a failure ends the events with response.failed (else it is raised)
         self._seq = 0
+        # Stored while it runs: a background response's id goes out before it starts, so it is in the store from
+        # then on (queued, in progress, ended), and the id never reads as a 404, even after a crash.
+        self.durable = bool(req.background and req.store and state.response_store is not None)
+        self.runner = this_process()
+        self._saved_at = 0.0
 
     def body(self) -> ResponseObject:
         req, params = self.req, self.params
@@ -98,18 +104,27 @@ class ResponseRun:
         return self._event({"type": kind, "response": self.body().model_dump(mode="json")})
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """The response's stream events, ending with its terminal event; stores the response first."""
+        """The response's stream events, ending with its terminal event; stores the response first (a background
+        one was stored when it was accepted, and is as it runs)."""
         yield self._response_event("response.created")
         self.status = "in_progress"
+        if self.durable:
+            await self.save()
         yield self._response_event("response.in_progress")
         try:
             async for event in self._generate():
                 yield event
+                if self.durable and time.monotonic() - self._saved_at > PROGRESS_SAVE_S:
+                    await self.save()
         except APIError as exc:
             if not self.report_failures:
                 raise
             self.status = "failed"
             self.error = ErrorDetail(message=exc.message, type="server_error", param=exc.param, code=exc.code)
+        finally:
+            if self.durable and self.status in RUNNING:  # cancelled (or the server stops): stored as it was left
+                self.status = "cancelled"
+                await self.save()
         await self.save()
         yield self._response_event(TERMINAL_EVENTS[self.status])
 
@@ -117,7 +132,10 @@ class ResponseRun:
         accumulator = StreamAccumulator(self.state.config.stream_interval)
         parser, items = self.parser, self.items
         final = None
-        async for delta in self.state.generate(self.prompt_ids, self.params, timeout=self.req.timeout):
+        generation = self.state.generate(
+            self.prompt_ids, self.params, timeout=self.req.timeout, detokenize=not self.state.is_harmony
+        )
+        async for delta in generation:
             final = delta.output
             pending = accumulator.add(0, delta)
             if pending is None:
@@ -165,7 +183,9 @@ class ResponseRun:
     async def save(self) -> None:
         store = self.state.response_store
         if self.req.store and store is not None:
-            stored = StoredResponse(self.body().model_dump(mode="json"), self.input_items, self.history_items)
+            body = self.body().model_dump(mode="json")
+            stored = StoredResponse(body, self.input_items, self.history_items, self.runner, self._seq - 1)
+            self._saved_at = time.monotonic()
             await store.put(self.owner, stored)
 
 
@@ -202,8 +222,7 @@ class BackgroundRuns:
                 record.events.append(event)
                 record.notify()
         except asyncio.CancelledError:
-            record.run.status = "cancelled"
-            await record.run.save()
+            record.run.status = "cancelled"  # stored so by events() as it was left
             record.events.append(record.run._response_event("response.cancelled"))
         finally:
             record.done = True

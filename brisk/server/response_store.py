@@ -1,10 +1,16 @@
 """Stored Responses (`store: true`, the default): embedded SQLite under the server's state folder.
 
-One row per response: its final body (the Response object), the input items of its request and the items of
-the conversation before them (`previous_response_id` continues from history + input + output), and the hash of
-the API key that created it: a response is visible only with that key. Each write is one transaction in a
+One row per response: its body (the Response object), the input items of its request and the items of the
+conversation before them (`previous_response_id` continues from history + input + output), and the hash of the
+API key that created it: a response is visible only with that key. Each write is one transaction in a
 write-ahead log with `synchronous=FULL`, so a stored response survives a crash of the server or the machine.
 Rows older than the TTL, and the oldest beyond the row limit, are deleted as new ones are written.
+
+A response whose id is handed out before it finishes (background, streamed) is stored when it starts, `queued`
+or `in_progress`, with the process running it (pid and start time: a pid alone may be reused), and rewritten as
+it runs. Whoever reads such a row while that process is gone (it crashed, the server restarted) finds it
+`failed` with the reason, and writes it so: every process of a server reads the same file, so any of them may
+be the one to find out. An id handed out never reads as a 404.
 
 sqlite3 blocks, so every call runs on one worker thread (`asyncio.to_thread` would spread it over several).
 """
@@ -14,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from brisk.server.middleware import bearer_token
 
 DEFAULT_TTL_S = 30 * 24 * 3600
 DEFAULT_MAX_RESPONSES = 100_000
@@ -34,11 +43,45 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 """
+# Columns added since the first schema (a state folder written by an older brisk gets them at open).
+LATER_COLUMNS = {
+    "runner": "TEXT",  # the process running a queued / in_progress response ("pid:start ticks"); NULL once it ended
+    "last_event": "INTEGER NOT NULL DEFAULT -1",  # the sequence number of its last stream event, when stored
+}
+RUNNING = ("queued", "in_progress")
+INTERRUPTED_MESSAGE = "The server stopped while this response was running; it did not finish."
 
 
 def owner_of(authorization: str | None) -> str:
-    """Who may see a response: a hash of the request's Authorization header (empty without keys)."""
-    return hashlib.sha256((authorization or "").encode()).hexdigest()
+    """Who may see a response: a hash of the request's Authorization header (empty without keys), its scheme
+    spelled as "Bearer" whatever the case the client sent (the header's canonical form)."""
+    token = bearer_token(authorization) if authorization else None
+    canonical = f"Bearer {token}" if token is not None else authorization or ""
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def this_process() -> str:
+    """This process as a response's runner: its pid and start time (a later process may get the same pid)."""
+    return f"{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+    except (OSError, IndexError):
+        return "?"
+
+
+def runner_alive(runner: str) -> bool:
+    pid, _, start = runner.partition(":")
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True  # someone's process: not knowably dead
+    return start == "?" or _start_ticks(int(pid)) == start
 
 
 @dataclass
@@ -46,6 +89,12 @@ class StoredResponse:
     body: dict[str, Any]
     input_items: list[dict[str, Any]]
     history_items: list[dict[str, Any]]
+    runner: str | None = None  # the process running it, while it is queued or in progress
+    last_event: int = -1  # the sequence number of its last stream event when it was written
+
+    @property
+    def running(self) -> bool:
+        return self.body.get("status") in RUNNING
 
     def conversation(self) -> list[dict[str, Any]]:
         """The items a follow-up response continues from: history, this input, this output."""
@@ -63,7 +112,12 @@ class ResponseStore:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA busy_timeout=10000")  # other processes of the server write the same file
         self._db.executescript(SCHEMA)
+        present = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+        for column, kind in LATER_COLUMNS.items():
+            if column not in present:
+                self._db.execute(f"ALTER TABLE responses ADD COLUMN {column} {kind}")
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -92,11 +146,20 @@ class ResponseStore:
             json.dumps(response.body),
             json.dumps(response.input_items),
             json.dumps(response.history_items),
+            response.runner if response.running else None,
+            response.last_event,
         )
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+            # A row keeps the time it was first written: the TTL and the row limit count from a response's start.
+            db.execute(
+                "INSERT INTO responses (id, owner, created, body, input_items, history_items, runner, last_event)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, body ="
+                " excluded.body, input_items = excluded.input_items, history_items = excluded.history_items,"
+                " runner = excluded.runner, last_event = excluded.last_event",
+                row,
+            )
             db.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))
             db.execute(
                 "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created DESC LIMIT -1 OFFSET ?)",
@@ -109,12 +172,38 @@ class ResponseStore:
 
     def _get(self, owner: str, response_id: str) -> StoredResponse | None:
         row = self._db.execute(
-            "SELECT body, input_items, history_items FROM responses WHERE id = ? AND owner = ? AND created >= ?",
+            "SELECT body, input_items, history_items, runner, last_event FROM responses"
+            " WHERE id = ? AND owner = ? AND created >= ?",
             (response_id, owner, time.time() - self.ttl_s),
         ).fetchone()
         if row is None:
             return None
-        return StoredResponse(json.loads(row[0]), json.loads(row[1]), json.loads(row[2]))
+        stored = StoredResponse(json.loads(row[0]), json.loads(row[1]), json.loads(row[2]), row[3], row[4])
+        if stored.running and not (stored.runner and runner_alive(stored.runner)):
+            self._mark_interrupted(owner, stored)
+        return stored
+
+    def _mark_interrupted(self, owner: str, stored: StoredResponse) -> None:
+        """A running response whose process is gone: failed, with the reason (written once, by whoever finds it)."""
+        runner, stored.runner = stored.runner, None
+        stored.body["status"] = "failed"
+        stored.body["error"] = {
+            "message": INTERRUPTED_MESSAGE,
+            "type": "server_error",
+            "param": None,
+            "code": "interrupted",
+        }
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute(
+                "UPDATE responses SET body = ?, runner = NULL WHERE id = ? AND owner = ? AND runner IS ?",
+                (json.dumps(stored.body), stored.body["id"], owner, runner),
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     def _delete(self, owner: str, response_id: str) -> bool:
         cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))

@@ -10,17 +10,17 @@ POST .../cancel stops it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import StreamingResponse
 
 from brisk.server.errors import APIError
 from brisk.server.protocol import NamedToolChoice, NamedToolChoiceFunction, ResponsesRequest
 from brisk.server.response_items import input_items, items_to_messages
-from brisk.server.response_run import ResponseRun
-from brisk.server.response_store import owner_of
+from brisk.server.response_run import TERMINAL_EVENTS, ResponseRun
+from brisk.server.response_store import StoredResponse, owner_of
 from brisk.server.schemas import (
     ERROR_RESPONSES,
     InputItemList,
@@ -29,10 +29,11 @@ from brisk.server.schemas import (
     event_stream_response,
 )
 from brisk.server.state import ServerState, server_state
-from brisk.server.streaming import sse, stream_with_errors, until_disconnected
+from brisk.server.streaming import EventStreamResponse, sse, until_disconnected
 from brisk.server.tool_choice import forced_call_prefix, plan_tools
 
 router = APIRouter(responses=ERROR_RESPONSES)
+STORED_POLL_S = 0.5  # how often a stream of a response running in another process looks at its stored row
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None):
@@ -49,7 +50,7 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
 FORCED_CALL_ROOM = 32  # tokens truncation leaves for a forced call's header
 
 
-def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
+async def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
     """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt,
     `reserve` tokens and max_output_tokens fit the context."""
     room = state.info.max_seq_len - (max_tokens or 1) - reserve
@@ -61,7 +62,7 @@ def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve:
         del messages[first]
         while first < len(messages) - 1 and messages[first]["role"] == "tool":  # results of a dropped call go too
             del messages[first]
-        prompt_ids = state.render_chat(messages, tools, effort, {}, param="input")
+        prompt_ids = await state.render_chat(messages, tools, effort, {}, param="input", may_truncate=True)
     return prompt_ids
 
 
@@ -105,10 +106,12 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     effort = req.reasoning.effort if req.reasoning else None
     items = input_items(req.input)
     messages = items_to_messages(req.instructions, history + items)
-    prompt_ids = state.render_chat(messages, plan.tools, effort, {}, param="input")
+    prompt_ids = await state.render_chat(
+        messages, plan.tools, effort, {}, param="input", may_truncate=req.truncation == "auto"
+    )
     if req.truncation == "auto":
         reserve = FORCED_CALL_ROOM if plan.forces_call else 0
-        prompt_ids = _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
+        prompt_ids = await _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
     state.check_prompt(prompt_ids, params, req.field_names())
     forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
     prompt_ids += forced
@@ -116,12 +119,11 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history)
 
     if req.background:
+        await run.save()  # `queued`, before its id goes out
         state.background_runs.start(run)
         if not req.stream:
             return run.body()
-        return StreamingResponse(
-            stream_with_errors(_sse(state.background_runs.follow(run.id, -1))), media_type="text/event-stream"
-        )
+        return EventStreamResponse(_sse(state.background_runs.follow(run.id, -1)))
     if not req.stream:
         run.report_failures = False  # a failure is the HTTP error itself
 
@@ -131,7 +133,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
             return run.body()
 
         return await until_disconnected(raw, drain())
-    return StreamingResponse(stream_with_errors(_sse(run.events())), media_type="text/event-stream")
+    return EventStreamResponse(_sse(run.events()))
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -167,13 +169,35 @@ async def get_response(
 ):
     """A stored response; a background one while it runs. `stream=true` replays its events after
     `starting_after` (a sequence number), then follows them until it ends."""
-    _, found = await _visible(state, raw, response_id)
+    owner, found = await _visible(state, raw, response_id)
     if stream:
-        if not isinstance(found, ResponseRun):
+        if isinstance(found, ResponseRun):
+            return EventStreamResponse(_sse(state.background_runs.follow(response_id, starting_after)))
+        if not found.body.get("background"):
             raise APIError(400, "Only a background response's events can be streamed.", param="stream")
-        events = state.background_runs.follow(response_id, starting_after)
-        return StreamingResponse(stream_with_errors(_sse(events)), media_type="text/event-stream")
+        return EventStreamResponse(_sse(_stored_events(state, owner, found, starting_after)))
     return found.body() if isinstance(found, ResponseRun) else found.body
+
+
+async def _stored_events(
+    state: ServerState, owner: str, stored: StoredResponse, starting_after: int
+) -> AsyncIterator[dict[str, Any]]:
+    """The stream of a background response this process does not run (it ran before a restart, or runs in another
+    process of the server): its events were not kept, so the stream is its terminal event, once it has one."""
+    while stored.running:  # another process runs it: its row is rewritten as it goes, and when it ends
+        await asyncio.sleep(STORED_POLL_S)
+        latest = await state.response_store.get(owner, stored.body["id"]) if state.response_store else None
+        if latest is None:
+            raise APIError(404, f"No response '{stored.body['id']}'.", param="response_id", code="response_not_found")
+        stored = latest
+    sequence_number = stored.last_event + 1
+    if sequence_number > starting_after:
+        status = stored.body["status"]
+        yield {
+            "type": TERMINAL_EVENTS.get(status, "response.failed"),
+            "response": stored.body,
+            "sequence_number": sequence_number,
+        }
 
 
 @router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList)
@@ -219,7 +243,13 @@ async def cancel_response(response_id: str, raw: Request, state: ServerState = D
     """Stop a background response (its status becomes `cancelled`); a finished one is returned as it is."""
     _, found = await _visible(state, raw, response_id)
     if not isinstance(found, ResponseRun):
-        raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+        if not found.body.get("background"):
+            raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+        if found.running:
+            raise APIError(
+                409, "This response runs in another process of the server; cancel it there.", param="response_id"
+            )
+        return found.body  # it ended (or was interrupted by a restart): as it is
     state.background_runs.cancel(response_id)
     await state.background_runs.wait(response_id)
     return found.body()

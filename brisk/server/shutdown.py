@@ -33,12 +33,14 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs in a signal handler: only set flags; on_tick (every 0.1 s, on the event loop) acts on them.
-        # Not recording the signal keeps uvicorn from re-raising it after serving.
+        # Runs in a signal handler: only set flags; on_tick (every 0.1 s, on the event loop) acts on them. New
+        # requests are refused from now on, not from the next tick. Not recording the signal keeps uvicorn from
+        # re-raising it after serving.
         if self._drain_requested:
             self.should_exit = True
             self.force_exit = True
         self._drain_requested = True
+        self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_requested and self._drain_task is None:

@@ -9,6 +9,7 @@ Order of checks for a generation request (each answers before any work is done):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -35,6 +36,8 @@ from brisk.server.tracing import ObservabilityConfig
 from brisk.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("brisk.server")
+# Texts this long (~1 ms of tokenizing and up) are rendered and tokenized on a worker thread, off the event loop.
+OFF_LOOP_CHARS = 16_384
 
 
 @dataclass
@@ -183,7 +186,46 @@ class ServerState:
         except TimeoutError:
             raise invalid_request_error(compiler.timeout_error(spec), field_names) from None
 
-    def render_chat(
+    # ---- tokenization: small inputs on the event loop, large ones on a worker thread --------------------
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token stands for, so a text of C characters is at least C / this many
+        tokens; None when the tokenizer normalizes text first (a normalizer may shrink it, so no bound holds)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        # Byte-level vocabularies spell a byte a character; others spell characters (a byte fallback "<0xE4>"
+        # counts six where it is one byte of text): either way no token covers more characters of text.
+        return max(len(token) for token in backend.get_vocab(with_added_tokens=True))
+
+    def check_text_fits(self, num_chars: int, param: str) -> None:
+        """Refuse (400) a text that is more tokens than the context holds, from its length alone, before the
+        tokenizer spends time on it."""
+        per_token = self.max_token_chars
+        max_seq_len = self.info.max_seq_len
+        if per_token and num_chars > per_token * max_seq_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_seq_len} tokens, and {param} is {num_chars} "
+                f"characters: at least {-(-num_chars // per_token)} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt text; a large one is tokenized on a worker thread (the tokenizer's batch call
+        releases the GIL), so the event loop keeps serving meanwhile."""
+        self.check_text_fits(len(text), param)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+            return await asyncio.to_thread(encode) if len(text) >= OFF_LOOP_CHARS else encode()
+        if len(text) < OFF_LOOP_CHARS:  # straight to the Rust tokenizer: the Python wrapper costs twice as much
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        batch = functools.partial(backend.encode_batch, [text], add_special_tokens=add_special_tokens)
+        return (await asyncio.to_thread(batch))[0].ids
+
+    async def render_chat(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict] | None,
@@ -191,17 +233,25 @@ class ServerState:
         template_kwargs: dict[str, Any],
         add_generation_prompt: bool = True,
         param: str = "messages",
+        may_truncate: bool = False,
     ) -> list[int]:
+        """Prompt ids of a conversation (on a worker thread when its text is large). A conversation that cannot
+        fit the context is a 400 before it is rendered, unless the caller `may_truncate` it to fit."""
+        num_chars = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        if not may_truncate:
+            self.check_text_fits(num_chars, param)
+        render = functools.partial(
+            render_chat,
+            self.tokenizer,
+            messages,
+            harmony=self.is_harmony,
+            tools=tools,
+            reasoning_effort=reasoning_effort,
+            template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
-            return render_chat(
-                self.tokenizer,
-                messages,
-                harmony=self.is_harmony,
-                tools=tools,
-                reasoning_effort=reasoning_effort,
-                template_kwargs=template_kwargs,
-                add_generation_prompt=add_generation_prompt,
-            )
+            return await asyncio.to_thread(render) if num_chars >= OFF_LOOP_CHARS else render()
         except Exception as exc:  # the template's own errors (jinja, TypeError) are the request's fault
             raise APIError(400, f"Cannot render the messages: {exc}", param=param) from None
 
@@ -211,9 +261,15 @@ class ServerState:
         return min(limits) if limits else None
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None, timeout: float | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        timeout: float | None = None,
+        detokenize: bool = True,
     ) -> AsyncGenerator[CompletionDelta, None]:
-        """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures.
+        """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures. `detokenize`
+        False: the deltas carry token ids only (a harmony parser decodes them itself).
 
         A completion that ends with finish_reason "error" (the model produced non-finite logits) fails
         the request: a 500, or an in-band error event once a stream has started.
@@ -226,7 +282,9 @@ class ServerState:
         timing = RequestTiming(rid, len(prompt_ids), params.max_tokens, params.n)
         last = None
         try:
-            async for delta in self.client.generate(rid, prompt_ids, params, prompt, self.timeout_for(timeout)):
+            async for delta in self.client.generate(
+                rid, prompt_ids, params, prompt, self.timeout_for(timeout), detokenize
+            ):
                 if delta.finish_reason == "error":
                     raise APIError(500, "The model produced non-finite logits for this request.", code="model_error")
                 timing.on_delta(delta)
@@ -241,6 +299,15 @@ class ServerState:
             self.metrics.observe_request(timing)
 
 
+def _text_chars(content: Any) -> int:
+    """Characters of a message's content: a string, or the text of its parts (the rest renders to no text)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
 def invalid_request_error(exc: InvalidRequest, field_names: dict[str, str] | None = None) -> APIError:
     param = (field_names or {}).get(exc.param, exc.param)
     message = exc.message
@@ -249,6 +316,7 @@ def invalid_request_error(exc: InvalidRequest, field_names: dict[str, str] | Non
     return APIError(400, message, param=param, code=exc.code)
 
 
-def server_state(request: Request) -> ServerState:
-    """The app's ServerState (a FastAPI dependency of every router)."""
+async def server_state(request: Request) -> ServerState:
+    """The app's ServerState (a FastAPI dependency of every router; async, so FastAPI does not run it in a
+    worker thread)."""
     return request.app.state.brisk
