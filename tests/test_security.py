@@ -22,11 +22,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from brisk.config import ConfigError, ServerConfig
+from brisk.config import ConfigError, EngineConfig, ServerConfig
 from brisk.engine.output_processor import CompletionDelta
 from brisk.outputs import CompletionOutput, RequestOutput
 from brisk.sampling_params import SamplingParams
-from brisk.server import middleware
+from brisk.server import auth
 from brisk.server.app import build_app
 from brisk.server.response_store import owner_of
 from brisk.server.serve import API_KEY_ENV, resolve_api_key
@@ -111,12 +111,13 @@ def test_key_check_is_constant_time(monkeypatch):
         compared.append((a, b))
         return compare_digest(a, b)
 
-    monkeypatch.setattr(middleware.hmac, "compare_digest", recording_compare_digest)
-    assert middleware.api_key_matches(f"Bearer {API_KEY}", API_KEY)
-    for wrong in ("", "Bearer", f"Bearer {API_KEY[:-1]}", f"Bearer {API_KEY}x", f"bearer {API_KEY}", API_KEY):
-        assert not middleware.api_key_matches(wrong, API_KEY)
+    monkeypatch.setattr(auth.hmac, "compare_digest", recording_compare_digest)
+    assert auth.api_key_matches(f"Bearer {API_KEY}", API_KEY)
+    assert auth.api_key_matches(f"bearer {API_KEY}", API_KEY)  # the scheme is case-insensitive (RFC 9110)
+    for wrong in ("", "Bearer", f"Bearer {API_KEY[:-1]}", f"Bearer {API_KEY}x", f"Basic {API_KEY}", API_KEY):
+        assert not auth.api_key_matches(wrong, API_KEY)
     # Every check went through compare_digest, on digests of equal length whatever the input's length.
-    assert len(compared) == 7 and {(len(a), len(b)) for a, b in compared} == {(32, 32)}
+    assert len(compared) == 8 and {(len(a), len(b)) for a, b in compared} == {(32, 32)}
 
 
 def test_every_route_but_health_needs_the_key(server):
@@ -187,14 +188,21 @@ def test_cors_allows_only_the_configured_origin(server):
     assert_still_serving(server)
 
 
-def fake_state(**overrides) -> ServerState:
-    """A ServerState over a fake engine client, for in-process apps (no engine process)."""
+def fake_state(api_key: str | None = None, **overrides) -> ServerState:
+    """A ServerState over a fake engine client, for in-process apps (no engine process); `overrides` are
+    ServerConfig's."""
     info = SimpleNamespace(max_seq_len=64, vocab_size=64, block_size=16, num_kv_blocks=8, num_kv_groups=1)
     client = SimpleNamespace(dead=False, info=info, num_in_flight=0, num_coalesced_deltas=0, stats_listeners=[])
     config = SimpleNamespace(
-        model="fake", max_batch_size=4, max_num_waiting=4, stream_interval=1, enable_prefix_caching=True, dtype="auto"
+        model="fake",
+        max_batch_size=4,
+        max_num_waiting=4,
+        stream_interval=1,
+        enable_prefix_caching=True,
+        dtype="auto",
+        max_logprobs=EngineConfig.model_fields["max_logprobs"].default,
     )
-    return ServerState(client, None, config, "fake", {}, False, server=ServerConfig(**overrides))
+    return ServerState(client, None, config, "fake", {}, False, server=ServerConfig(**overrides), api_key=api_key)
 
 
 def test_cors_is_off_by_default():

@@ -39,7 +39,11 @@ def server(tmp_path_factory):
     make_tiny_model("gpt_oss", path, seed=0, vocab_size=201088)
     shutil.copy(SHARED / "models" / "gpt-oss-20b" / "generation_config.json", path / "generation_config.json")
     make_gpt_oss_tokenizer(path)
-    srv = RunningServer(str(path), "--served-model-name", "gpt-oss-tiny", "--max_batch_size", "8")
+    # The tool-call grammars over the real 201,088-token vocabulary take seconds to compile on a loaded 2-core
+    # machine: the default 10 s limit (a 400) is not what these tests are about.
+    srv = RunningServer(
+        str(path), "--served-model-name", "gpt-oss-tiny", "--max_batch_size", "8", "--grammar_compile_timeout_s", "120"
+    )
     yield srv
     srv.stop()
 

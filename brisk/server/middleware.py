@@ -7,14 +7,13 @@ a streaming response and its client.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+from brisk.server.auth import api_key_matches
 from brisk.server.errors import error_body
 from brisk.server.tracing import REQUEST_LOGGER
 
@@ -30,22 +29,6 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug level
-
-
-def bearer_token(authorization: str) -> str | None:
-    """The credentials of an `Authorization: Bearer <token>` header; the scheme is case-insensitive (RFC 9110)."""
-    scheme, _, token = authorization.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
-def api_key_matches(authorization: str, api_key: str) -> bool:
-    """Constant-time check of an `Authorization: Bearer <key>` header.
-
-    Both sides are hashed first so that the comparison does not even leak the key's length.
-    """
-    given = hashlib.sha256((bearer_token(authorization) or "").encode()).digest()
-    expected = hashlib.sha256(api_key.encode()).digest()
-    return hmac.compare_digest(given, expected)
 
 
 class RequestBodyTooLarge(Exception):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from brisk.server.middleware import bearer_token
+from brisk.server.auth import bearer_token
 
 DEFAULT_TTL_S = 30 * 24 * 3600
 DEFAULT_MAX_RESPONSES = 100_000
