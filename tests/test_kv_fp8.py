@@ -174,4 +174,3 @@ def test_checkpoint_scale_names():
     assert kv_scale_target("model.layers.1.self_attn.kv_scale") == (1, "kv_scale")  # deprecated: both
     assert kv_scale_target("model.layers.1.self_attn.k_proj.weight_scale") is None
     assert kv_scale_target("model.layers.1.mlp.experts.gate_up_proj_scales") is None
-

@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 import brisk
 from brisk import LLM, SamplingParams
+from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.kv_cache.manager import KVGroupSpec
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 from brisk.model_runner.kv_tensors import KVTensorLayout
 from brisk.model_runner.loader import load_model
-from brisk.config import ModelConfig
 from tests.conftest import skip_unless_isa_under_test
 from tests.test_models import PagedKV, brisk_logits, random_tokens
 from tests.tiny_models import make_tiny_model
@@ -36,7 +36,7 @@ DEMO = Path(brisk.__file__).parent / "demo_model"
 # llama 0.081 / 94%, qwen3 0.082 / 98%, gpt_oss 0.37 / 80%. Random tiny models amplify any perturbation, and gpt-oss's
 # top-4 routing over random experts flips under one of this size (a flipped expert moves a logit by its full scale).
 LOGIT_TOLERANCE = {"llama": (0.12, 0.9), "qwen3": (0.12, 0.9), "gpt_oss": (0.5, 0.75)}
-DEMO_AGREEMENT = 0.9  # measured 0.97 (teacher-forced, 8 prompts x 48 tokens)
+DEMO_AGREEMENT = 0.9  # measured 0.969 = 372 of 384 (teacher-forced, 8 prompts x 48 tokens)
 MAX_NEW = 12
 
 

@@ -496,6 +496,7 @@ def test_log_levels():
 # ---- every option has a test of its effect ------------------------------------------------------------------
 HERE = "tests/test_options.py"
 DROPIN = "tests/test_dropin.py"
+FP8 = "tests/test_kv_fp8_models.py"
 OPTION_TESTS: dict[str, list[str]] = {
     "config": [f"{HERE}::test_flags_and_files_precedence"],
     "extra_llm_api_options": [f"{HERE}::test_flags_and_files_precedence", f"{DROPIN}::test_the_guides_commands"],
@@ -556,8 +557,14 @@ OPTION_TESTS: dict[str, list[str]] = {
     "kv_cache_config.tokens_per_block": [f"{HERE}::test_max_model_len_and_block_size"],
     "kv_cache_config.free_gpu_memory_fraction": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
     "kv_cache_config.max_blocks": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
-    "kv_cache_config.dtype": [f"{HERE}::test_kv_cache_dtype"],
-    "kv_cache_config.dtype_skip_layers": [f"{HERE}::test_kv_cache_dtype"],
+    "kv_cache_config.dtype": [
+        f"{HERE}::test_kv_cache_dtype",
+        f"{FP8}::test_the_engine_stores_fp8_and_logs_the_capacity",
+    ],
+    "kv_cache_config.dtype_skip_layers": [
+        f"{HERE}::test_kv_cache_dtype",
+        f"{FP8}::test_the_engine_stores_fp8_and_logs_the_capacity",
+    ],
     "gpu_memory_utilization": [
         f"{HERE}::test_kv_memory_share_and_fixed_blocks",
         f"{HERE}::test_gpu_memory_utilization_conversion",

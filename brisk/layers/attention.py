@@ -283,7 +283,10 @@ class TorchAttentionBackend(AttentionBackend):
             blocks = block_table[i, first_block:n_blocks].long()
             k_ctx, v_ctx = (
                 dequantize_kv(
-                    as_bytes(cache).index_select(0, blocks).view(cache.dtype).reshape(-1, kvh, d)[: seq_len - first_block * bs],
+                    as_bytes(cache)
+                    .index_select(0, blocks)
+                    .view(cache.dtype)
+                    .reshape(-1, kvh, d)[: seq_len - first_block * bs],
                     kv_scale,
                 )
                 for cache, kv_scale in ((layer.k_cache, layer.k_scale), (layer.v_cache, layer.v_scale))

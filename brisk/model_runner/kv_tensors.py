@@ -117,15 +117,16 @@ def allocate_kv_cache(
     elements = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
     slots = [
         tuple(
-            torch.zeros(num_blocks * layout.slot_bytes_per_block(j), dtype=torch.uint8, device=device)
-            for _ in range(2)
+            torch.zeros(num_blocks * layout.slot_bytes_per_block(j), dtype=torch.uint8, device=device) for _ in range(2)
         )
         for j in range(layout.num_slots)
     ]
     for g, (group, dtype) in enumerate(zip(layout.groups, layout.kv_dtypes)):
         for j, layer_id in enumerate(group.layer_ids):
             layer = attn_layers[layer_id]
-            layer.k_cache, layer.v_cache = (raw[: elements * dtype.itemsize].view(dtype).view(shape) for raw in slots[j])
+            layer.k_cache, layer.v_cache = (
+                raw[: elements * dtype.itemsize].view(dtype).view(shape) for raw in slots[j]
+            )
             layer.kv_group = g
     if proposer is not None:
         proposer.bind_kv(num_blocks, layout.block_size, device)
