@@ -52,7 +52,8 @@ TRTLLM_ATTENTION_BACKENDS = {
     "flashinfer_star_attention": "auto",
     "vanilla": "torch",
 }
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+KV_SKIP_LAYER_TYPES = ("sliding_window",)  # vLLM's --kv-cache-dtype-skip-layers layer types
 
 
 class KvCacheConfig(_Strict):
@@ -84,9 +85,17 @@ class KvCacheConfig(_Strict):
     max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
     dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto",
-        "the KV cache's dtype; auto: the model's compute dtype (FP8 is not implemented yet)",
+        "the KV cache's dtype; auto: the model's compute dtype; fp8 / fp8_e4m3: FP8 E4M3 with static per-layer K and "
+        "V scales (the checkpoint's k_scale / v_scale, else 1.0), twice the tokens per GiB; fp8_e5m2 is refused",
         vllm="kv_cache_dtype",
         trtllm="kv_cache_config.dtype",
+    )
+    dtype_skip_layers: list[str] = option(
+        default_factory=list,
+        help="layer types whose KV stays in the model's dtype under an FP8 KV cache: sliding_window",
+        vllm="kv_cache_dtype_skip_layers",
+        nargs="+",
+        metavar="LAYER_TYPE",
     )
 
     @field_validator("dtype", mode="before")
@@ -96,13 +105,28 @@ class KvCacheConfig(_Strict):
 
     @field_validator("dtype")
     @classmethod
-    def _no_fp8_yet(cls, value: str) -> str:
-        if value in FP8_KV_CACHE_DTYPES:
+    def _no_e5m2(cls, value: str) -> str:
+        if value == "fp8_e5m2":
             raise ValueError(
-                f"an FP8 KV cache ({value}) is not implemented yet; use auto (the model's dtype), or "
-                "kv_cache_config.max_blocks / --gpu-memory-utilization for more KV capacity"
+                "fp8_e5m2 is not supported: brisk stores an FP8 KV cache as E4M3 with static scales (one more "
+                "mantissa bit for the same bytes); use fp8 or fp8_e4m3"
             )
         return value
+
+    @field_validator("dtype_skip_layers")
+    @classmethod
+    def _skip_layer_types(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if item not in KV_SKIP_LAYER_TYPES:
+                raise ValueError(
+                    f"{item!r}: brisk keeps whole layer types in the model's dtype ({', '.join(KV_SKIP_LAYER_TYPES)});"
+                    " single layers cannot be skipped, since the layers of a KV group share one pool layout"
+                )
+        return value
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_KV_CACHE_DTYPES
 
 
 class CudaGraphConfig(_Strict):

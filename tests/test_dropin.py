@@ -295,7 +295,7 @@ CORES = os.cpu_count() or 1
         ("/no/such/folder", ["is not a directory", "MODEL"]),
         (f"--tp_size {CORES + 1}", [f"tp_size {CORES + 1} needs {CORES + 1} devices", "lower --tp_size"]),
         ("--backend tensorrt", ["brisk has no tensorrt engine"]),
-        ("--kv-cache-dtype fp8", ["kv_cache_config.dtype", "not implemented yet"]),
+        ("--kv-cache-dtype fp8_e5m2", ["kv_cache_config.dtype", "fp8_e5m2 is not supported"]),
         ("--api-server-count 4", ["api_server_count", "not implemented yet"]),
         ("LLAMA --tool-call-parser openai", ["--tool-call-parser", "harmony models"]),
         ("--max-num-seqs 0", ["max_batch_size", "max_num_seqs"]),

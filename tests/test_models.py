@@ -41,15 +41,17 @@ class PagedKV:
         block_size: int = BLOCK_SIZE,
         num_blocks: int = NUM_BLOCKS,
         kernels: CpuKernels | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         # kernels: brisk's C kernels (decode attention, norms, matmuls, MoE); None: the PyTorch reference paths.
+        # kv_dtype: the caches' (float8_e4m3fn: an FP8 KV cache with the layers' scales).
         attention_backend = make_attention_backend("cpu" if kernels else "torch", torch.device("cpu"), kernels)
         for module in model.modules():  # norms and MoE layers
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
         for layer in model.modules():
             if isinstance(layer, Attention):
-                layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+                layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=kv_dtype)
                 layer.v_cache = torch.zeros_like(layer.k_cache)
                 layer.kv_group = 0
                 layer.backend = attention_backend

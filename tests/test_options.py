@@ -303,10 +303,17 @@ def test_gpu_memory_utilization_conversion():
 def test_kv_cache_dtype():
     assert EngineConfig.build("m", kv_cache_dtype="auto").kv_cache_config.dtype == "auto"
     for fp8 in ("fp8", "fp8_e4m3", "FP8"):
-        with pytest.raises(ConfigError, match="FP8 KV cache .* is not implemented yet"):
-            EngineConfig.build("m", kv_cache_dtype=fp8)
+        kv = EngineConfig.build("m", kv_cache_dtype=fp8).kv_cache_config
+        assert kv.fp8 and kv.dtype == fp8.lower()
+    assert EngineConfig.build("m", kv_cache_config={"dtype": "fp8"}).kv_cache_config.fp8  # trtllm's spelling
+    with pytest.raises(ConfigError, match="fp8_e5m2 is not supported: brisk stores .* E4M3"):
+        EngineConfig.build("m", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ConfigError, match="kv_cache_config.dtype"):
         EngineConfig.build("m", kv_cache_config={"dtype": "int4"})
+    skip = EngineConfig.build("m", kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=["sliding_window"])
+    assert skip.kv_cache_config.dtype_skip_layers == ["sliding_window"]
+    with pytest.raises(ConfigError, match="single layers cannot be skipped"):
+        EngineConfig.build("m", kv_cache_dtype_skip_layers=["0"])
 
 
 @pytest.mark.parametrize(
@@ -344,7 +351,7 @@ def test_attention_backend_names_of_trtllm():
     assert EngineConfig.build("m", attn_backend="TRTLLM").attn_backend == "auto"
     assert EngineConfig.build("m", attn_backend="VANILLA").attn_backend == "torch"
     with LLM(DEMO, max_seq_len=128, device="cpu", attn_backend="VANILLA") as llm:
-        assert type(llm.engine.executor.runner.attention_backend).__name__ == "TorchAttentionBackend"
+        assert type(llm.engine.executor.runner.kernels.attention).__name__ == "TorchAttentionBackend"
 
 
 def test_cuda_graph_sizes_and_padding():
@@ -489,6 +496,7 @@ def test_log_levels():
 # ---- every option has a test of its effect ------------------------------------------------------------------
 HERE = "tests/test_options.py"
 DROPIN = "tests/test_dropin.py"
+FP8 = "tests/test_kv_fp8_models.py"
 OPTION_TESTS: dict[str, list[str]] = {
     "config": [f"{HERE}::test_flags_and_files_precedence"],
     "extra_llm_api_options": [f"{HERE}::test_flags_and_files_precedence", f"{DROPIN}::test_the_guides_commands"],
@@ -549,7 +557,14 @@ OPTION_TESTS: dict[str, list[str]] = {
     "kv_cache_config.tokens_per_block": [f"{HERE}::test_max_model_len_and_block_size"],
     "kv_cache_config.free_gpu_memory_fraction": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
     "kv_cache_config.max_blocks": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
-    "kv_cache_config.dtype": [f"{HERE}::test_kv_cache_dtype"],
+    "kv_cache_config.dtype": [
+        f"{HERE}::test_kv_cache_dtype",
+        f"{FP8}::test_the_engine_stores_fp8_and_logs_the_capacity",
+    ],
+    "kv_cache_config.dtype_skip_layers": [
+        f"{HERE}::test_kv_cache_dtype",
+        f"{FP8}::test_the_engine_stores_fp8_and_logs_the_capacity",
+    ],
     "gpu_memory_utilization": [
         f"{HERE}::test_kv_memory_share_and_fixed_blocks",
         f"{HERE}::test_gpu_memory_utilization_conversion",
@@ -583,7 +598,7 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{DROPIN}::test_vllm_command_serves",
     ],
     "structured_outputs_config.backend": [f"{HERE}::test_structured_outputs_config_keys"],
-    "num_cpu_threads": ["tests/test_config.py::test_cpu_threads_leave_one_core_to_the_api_server"],
+    "num_cpu_threads": ["tests/test_host.py::test_cpu_threads_leave_one_core_to_the_api_server"],
     "cpu_weight_prepack": [
         "tests/test_engine_e2e.py::test_bf16_prepacked_weights_generate_what_plain_matmuls_generate"
     ],

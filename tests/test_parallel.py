@@ -237,3 +237,24 @@ def test_launcher_variables(monkeypatch):
     assert (place.rank, place.world_size, place.local_rank, place.init_method) == (3, 4, 1, "tcp://10.0.0.1:29500")
     with pytest.raises(ConfigError, match="WORLD_SIZE=4 ranks but tp_size is 2"):
         rank_place(EngineConfig.build("m", tp_size=2), launcher_env())
+
+
+@pytest.mark.parametrize("layout", ["gpt_oss-tp2", "gpt_oss-attention_dp2-ep2-overlap-padded"])
+def test_fp8_kv_greedy_tokens_match_single_rank(layout, models):
+    """An FP8 KV cache (each rank its KV heads' share, static scales) under TP and under attention DP with padded
+    static-buffer steps: the single-rank FP8-KV tokens, preemption and prefix hits included."""
+    arch, options = LAYOUTS[layout]
+    with LLM(models[arch], **ENGINE_OPTIONS, kv_cache_dtype="fp8", kv_cache_config={"max_blocks": MAX_BLOCKS}) as llm:
+        single = _generate_twice(llm)
+    max_blocks = MAX_BLOCKS_PER_DP_RANK if options.get("enable_attention_dp") else MAX_BLOCKS
+    with LLM(
+        models[arch], **ENGINE_OPTIONS, **options, kv_cache_dtype="fp8", kv_cache_config={"max_blocks": max_blocks}
+    ) as llm:
+        tokens = _generate_twice(llm)
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_hits > 0
+        assert llm.engine.executor.runner.kv_cache_spec.kv_dtypes[0] == torch.float8_e4m3fn
+        for kv in llm.engine.kv_managers:
+            kv.check_invariants()
+            assert kv.pool.num_used == 0
+    assert tokens == single

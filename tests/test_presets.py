@@ -36,6 +36,7 @@ def test_preset_holds_trtllm_keys_and_validates(preset, caplog):
     with caplog.at_level(logging.INFO, logger="brisk.config"):
         cfg = EngineConfig.build("/model", os.path.join(EXAMPLES, preset), device="cpu")
     assert cfg.moe_config.backend == "auto"  # TRITON written in the file; on a CPU the CPU path runs
+    assert cfg.kv_cache_config.fp8 == (preset == "max_throughput.yaml")
     logged = caplog.text
     assert "cuda_graph_config on a CPU: decode steps run on the padded static buffers" in logged
     assert "moe_config.backend 'triton' means nothing on a CPU" in logged
@@ -67,3 +68,5 @@ def test_brisk_serve_with_preset_answers(model_path, preset):
     finally:
         server.stop()
     assert "means nothing on a CPU" in log
+    if preset == "max_throughput.yaml":  # FP8 KV (through the padded static-buffer decode steps on a CPU)
+        assert "stored as full float8_e4m3fn, sliding float8_e4m3fn" in log and "4.00x the model dtype's" in log

@@ -27,7 +27,10 @@
  * masked keys are never visited), and a sequence whose own cache holds NaN only poisons its own output.
  *
  * Attention layouts (element offsets): q[row * q_stride + head * head_dim + i] fp32; out likewise (out_stride);
- * caches [num_blocks, block_size, num_kv_heads, head_dim] in fp32 or bf16; block_tables[seq * table_stride + j]
+ * caches [num_blocks, block_size, num_kv_heads, head_dim] in fp32, bf16 or FP8 E4M3 (cache_dtype: CACHE_*); an FP8
+ * cache is read through fp8_table (the 256 E4M3 codes as fp32, from torch) times its static per-KV-head scales
+ * k_scales / v_scales [num_kv_heads] (NULL: 1), the K scale folded into the score scale and the V scale applied to
+ * the output (attention is linear in V), so accumulation stays fp32; block_tables[seq * table_stride + j]
  * int32; seq_lens[seq] int32 = context length including the new token, whose position is seq_len - 1.
  * rows[s] / seq_ids[s]: the q/out row and the table/seq_lens row of the s-th sequence computed (NULL: s).
  */
@@ -66,10 +69,18 @@ static inline void load_row(const void *cache, int cache_is_bf16, int64_t offset
     }
 }
 
-/* A cache row as fp32: read in place from an fp32 cache, converted into buf from a bf16 one. */
-static inline const float *cache_row(const void *cache, int cache_is_bf16, int64_t offset, int d, float *buf) {
-    if (!cache_is_bf16) return (const float *)cache + offset;
-    load_row(cache, 1, offset, d, buf);
+enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_FP8_E4M3 = 2 };
+
+/* A cache row as fp32: read in place from an fp32 cache, converted into buf from a bf16 or FP8 one (unscaled). */
+static inline const float *cache_row(const void *cache, int cache_dtype, const float *fp8_table, int64_t offset, int d,
+                                     float *buf) {
+    if (cache_dtype == CACHE_FP32) return (const float *)cache + offset;
+    if (cache_dtype == CACHE_BF16) {
+        load_row(cache, 1, offset, d, buf);
+    } else {
+        const uint8_t *src = (const uint8_t *)cache + offset;
+        for (int i = 0; i < d; i++) buf[i] = fp8_table[src[i]];
+    }
     return buf;
 }
 
@@ -77,8 +88,8 @@ static inline const float *cache_row(const void *cache, int cache_is_bf16, int64
  * for the common head sizes, so the loops over d compile to fixed, fully vectorized code. */
 static inline __attribute__((always_inline)) void attend(
     const int s, const int kvh, const int d, const float *q, int64_t q_stride, float *out, int64_t out_stride,
-    const int32_t *rows, const int32_t *seq_ids, const void *k_cache, const void *v_cache, int cache_is_bf16,
-    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, const float *sinks, int group,
+    const int32_t *rows, const int32_t *seq_ids, const void *k_cache, const void *v_cache, int cache_dtype,
+    const float *fp8_table, const float *k_scales, const float *v_scales, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, const float *sinks, int group,
     int num_kv_heads, int block_size, float scale, int window) {
     const int row = rows ? rows[s] : s, seq = seq_ids ? seq_ids[s] : s;
     const int len = seq_lens[seq];
@@ -87,6 +98,7 @@ static inline __attribute__((always_inline)) void attend(
     const float *qh = q + (int64_t)row * q_stride + (int64_t)kvh * group * d;
     float acc[group * d], probs[group * block_size], kbuf[d], vbuf[d];
     float run_max[group], run_sum[group], block_max[group];
+    const float k_scale = scale * (k_scales ? k_scales[kvh] : 1.0f), v_scale = v_scales ? v_scales[kvh] : 1.0f;
     memset(acc, 0, sizeof(acc));
     for (int g = 0; g < group; g++) {
         /* A sink is one more logit in the softmax denominator with no value: start the running max at it
@@ -100,12 +112,12 @@ static inline __attribute__((always_inline)) void attend(
         const int n = block_size - offset < len - pos ? block_size - offset : len - pos;
         for (int g = 0; g < group; g++) block_max[g] = -FLT_MAX;
         for (int t = 0; t < n; t++) {
-            const float *krow = cache_row(k_cache, cache_is_bf16,
+            const float *krow = cache_row(k_cache, cache_dtype, fp8_table,
                                           ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, kbuf);
             for (int g = 0; g < group; g++) {
                 float dot = 0.0f;
                 for (int i = 0; i < d; i++) dot += qh[g * d + i] * krow[i];
-                dot *= scale;
+                dot *= k_scale;
                 probs[g * block_size + t] = dot;
                 block_max[g] = dot > block_max[g] ? dot : block_max[g];
             }
@@ -121,7 +133,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int t = 0; t < n; t++) run_sum[g] += p[t];
         }
         for (int t = 0; t < n; t++) {
-            const float *vrow = cache_row(v_cache, cache_is_bf16,
+            const float *vrow = cache_row(v_cache, cache_dtype, fp8_table,
                                           ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, vbuf);
             for (int g = 0; g < group; g++) {
                 const float w = probs[g * block_size + t];
@@ -132,20 +144,21 @@ static inline __attribute__((always_inline)) void attend(
     }
     float *oh = out + (int64_t)row * out_stride + (int64_t)kvh * group * d;
     for (int g = 0; g < group; g++) {
-        const float inv = 1.0f / run_sum[g];
+        const float inv = v_scale / run_sum[g];
         for (int i = 0; i < d; i++) oh[g * d + i] = acc[g * d + i] * inv;
     }
 }
 
 void brisk_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
                             const int32_t *rows, const int32_t *seq_ids, const void *k_cache,
-                            const void *v_cache, int cache_is_bf16, const int32_t *block_tables,
+                            const void *v_cache, int cache_dtype, const float *fp8_table, const float *k_scales,
+                            const float *v_scales, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, const float *sinks, int num_seqs,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             int window, int num_threads) {
     const int group = num_heads / num_kv_heads;
-#define ATTEND(D) attend(s, kvh, D, q, q_stride, out, out_stride, rows, seq_ids, k_cache, v_cache, cache_is_bf16, \
-                         block_tables, table_stride, seq_lens, sinks, group, num_kv_heads, block_size, scale, window)
+#define ATTEND(D) attend(s, kvh, D, q, q_stride, out, out_stride, rows, seq_ids, k_cache, v_cache, cache_dtype, \
+                         fp8_table, k_scales, v_scales, block_tables, table_stride, seq_lens, sinks, group, num_kv_heads, block_size, scale, window)
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {

@@ -21,12 +21,13 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from brisk.host import check_cpu_kernels_choice, cpu_info, cpu_kernel_isas
+from brisk.layers.kv_fp8 import FP8_KV_DTYPE, fp8_e4m3_table
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ ATTENTION_ARGTYPES = [
     _ptr,
     _i32,
     _ptr,
+    _ptr,
+    _ptr,
+    _ptr,
     _i64,
     _ptr,
     _ptr,
@@ -65,6 +69,8 @@ ATTENTION_ARGTYPES = [
     _i32,
     _i32,
 ]
+# The KV cache dtypes the attention kernel reads (cpu_kernels.c: CACHE_*).
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, FP8_KV_DTYPE: 2}
 RMS_NORM_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _f32]
 SWIGLU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _f32]
 SILU_AND_MUL_ARGTYPES = [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32]
@@ -156,6 +162,8 @@ class CpuKernels:
     mxfp4_linear_fn: Callable[..., None]
     mxfp4_dequantize_fn: Callable[..., None]
     moe_mxfp4_fn: Callable[..., None]
+    # The 256 FP8 E4M3 codes as fp32, decoded by torch: the attention kernel reads an FP8 KV cache through it.
+    fp8_table: torch.Tensor = field(default_factory=fp8_e4m3_table)
 
     def decode_attention(
         self,
@@ -170,12 +178,15 @@ class CpuKernels:
         sinks: torch.Tensor | None,
         scale: float,
         window: int | None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         """`out[rows] = attention(q[rows])` for sequences with one new token each.
 
         q, out: [T, H, D] fp32 with each token's heads contiguous; rows / seq_ids: int32 [n] (None: 0..n-1);
-        caches [num_blocks, block_size, KVH, D] fp32 or bf16, contiguous; block_tables int32 [B, max_blocks], rows
-        contiguous; seq_lens int32 [B]; sinks fp32 [H] contiguous or None."""
+        caches [num_blocks, block_size, KVH, D] fp32, bf16 or FP8 E4M3, contiguous; block_tables int32 [B,
+        max_blocks], rows contiguous; seq_lens int32 [B]; sinks fp32 [H] contiguous or None; k_scales / v_scales:
+        an FP8 cache's fp32 [KVH] scales (None: 1)."""
         num_seqs = rows.shape[0] if rows is not None else seq_lens.shape[0]
         _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -188,7 +199,10 @@ class CpuKernels:
             None if seq_ids is None else seq_ids.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16),
+            CACHE_DTYPE_CODES[k_cache.dtype],
+            self.fp8_table.data_ptr(),
+            None if k_scales is None else k_scales.data_ptr(),
+            None if v_scales is None else v_scales.data_ptr(),
             block_tables.data_ptr(),
             block_tables.stride(0),
             seq_lens.data_ptr(),

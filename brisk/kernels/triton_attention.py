@@ -20,6 +20,10 @@ Shared design:
 * Softmax in fp32 base 2: the scale is folded with log2(e) and sinks are converted to base 2. A sink is
   one extra logit per head that joins the denominator but has no value row, so it simply seeds the
   running max at `sink` and the running sum at 1.
+* FP8 KV cache (E4M3, static scales per KV head, layers/kv_fp8.py): the store kernel writes
+  clamp(x / scale) in E4M3 (round to nearest even); the attention kernels convert the tiles to the
+  query's dtype in registers (exact: E4M3 is a subset of bf16) and fold the K scale into the score
+  scale and the V scale into the output, so accumulation stays fp32 and nothing else changes.
 * fp32 inputs multiply in IEEE fp32 (tf32 would miss the tests' tolerance); bf16/fp16 use tensor cores
   with fp32 accumulation. On the CPU interpreter every dot runs in fp32 because the interpreter's
   bf16 `tl.dot` is wrong (triton 3.9); operands are still rounded to the input dtype first.
@@ -32,6 +36,8 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+
+from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 
 LOG2E = 1.4426950408889634
 
@@ -62,6 +68,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -73,6 +81,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KVH_P: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per token: its K and V rows for all KV heads.
     t = tl.program_id(0)
@@ -85,6 +94,11 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(k_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr + h, mask=mask, other=1.0)
+        v_scale = tl.load(v_scale_ptr + h, mask=mask, other=1.0)
+        k = _round_to_e4m3(k.to(tl.float32) / k_scale)
+        v = _round_to_e4m3(v.to(tl.float32) / v_scale)
     tl.store(
         k_cache_ptr + slot * stride_kc_slot + h * stride_kc_head + d, k.to(k_cache_ptr.dtype.element_ty), mask=mask
     )
@@ -93,12 +107,26 @@ def _store_kv_kernel(
     )
 
 
+@triton.jit
+def _round_to_e4m3(x):
+    """x saturated at +-448 and rounded to nearest even on E4M3's grid, in fp32: the cast that follows is exact. (The
+    interpreter's own fp32 -> fp8 cast drops the carry when rounding up crosses a power of two: 1.99 -> 1.)"""
+    x = tl.clamp(x, -448.0, 448.0)
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    # E4M3 keeps 3 mantissa bits down to 2^-6, then subnormal steps of 2^-9.
+    ulp = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0  # 1.5 * 2^23 ulps: adding it leaves x's bits below one ulp rounded away (to even)
+    return (x + magic) - magic
+
+
 def store_kv_cache(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 cache's static scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     t, kvh, d = k.shape
     if t == 0:
@@ -113,6 +141,7 @@ def store_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        *_scale_args(k_cache, k_scale, v_scale, slot_mapping),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -124,7 +153,19 @@ def store_kv_cache(
         NUM_KV_HEADS=kvh,
         HEAD_DIM=d,
         KVH_P=_next_pow2(kvh),
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
     )
+
+
+def _scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, dummy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 scale pointers a kernel takes (a dummy where the cache is not FP8)."""
+    if k_cache.dtype != FP8_KV_DTYPE:
+        return dummy, dummy
+    assert k_scale is not None and v_scale is not None, "an FP8 KV cache needs its K and V scales"
+    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.numel() == k_cache.shape[2]
+    return k_scale, v_scale
 
 
 def _check_cache(cache: torch.Tensor, kvh: int, d: int) -> None:
@@ -253,6 +294,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     tile_seq_ptr,
     tile_start_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     window,
     stride_qt,
@@ -274,6 +317,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     F32_DOT: tl.constexpr,
     OFFS_64: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Program = (query tile, KV head). A tile is BLOCK_Q consecutive new tokens of one sequence; the
     # host lists the tiles (heaviest first), so no program is launched just to exit.
@@ -285,6 +329,8 @@ def _prefill_kernel(
     n_q = tl.load(cu_q_ptr + seq + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - n_q  # new token i sits at position context_len + i
+    if KV_FP8:  # the K scale joins the score scale (the V scale the output, below)
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     offs_m = tl.arange(0, BLOCK_M)
     tok = tile_start + offs_m // GROUP_P
@@ -404,6 +450,8 @@ def _prefill_kernel(
 
     # Padding rows may have l == 0; they are not stored, the guard only keeps them NaN-free.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(
         out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -457,6 +505,8 @@ def paged_prefill_attention(
     block_n: int = 64,
     num_warps: int = 8,  # 128x64 tiles at head_dim 64: ~150 registers, no spills on sm_90
     num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 cache's static scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every listed tile's new tokens over the paged context. Rows of `out`
     belonging to sequences without tiles are left untouched."""
@@ -491,6 +541,7 @@ def paged_prefill_attention(
         seq_lens,
         tile_seqs,
         tile_starts,
+        *_scale_args(k_cache, k_scale, v_scale, seq_lens),
         scale * LOG2E,
         window,
         q.stride(0),
@@ -512,6 +563,7 @@ def paged_prefill_attention(
         HAS_WINDOW=sliding_window is not None,
         F32_DOT=_use_f32_dot(q),
         OFFS_64=_needs_64bit_offsets(k_cache),
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -545,6 +597,8 @@ def _decode_kernel(
     cu_q_ptr,
     seq_lens_ptr,
     decode_seq_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     window,
     partition_size,
@@ -568,6 +622,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr,
     OFFS_64: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Program = (decode sequence, KV head, partition). Rows are the GROUP query heads of the KV head.
     i = tl.program_id(0)
@@ -580,6 +635,8 @@ def _decode_kernel(
     if p_lo >= seq_len:  # the grid is sized for the longest sequence
         return
     p_hi = tl.minimum(p_lo + partition_size, seq_len)
+    if KV_FP8:  # the K scale joins the score scale, the V scale the (partial) output: the reduce is linear in it
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     g = tl.arange(0, GROUP_P)
     head = kv_head * GROUP + g
@@ -630,6 +687,8 @@ def _decode_kernel(
             OFFS_64,
         )
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if SPLIT:
         # Partial state: m (base 2), l, and the unnormalised acc, indexed [i, head, part].
         idx = (i * NUM_HEADS + head).to(tl.int64) * max_parts + part
@@ -735,6 +794,8 @@ def paged_decode_attention(
     partition_size: int | None = None,  # keys per split-K program, a multiple of block_n
     num_warps: int = 4,
     num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 cache's static scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for sequences with exactly one new token (the last position of their context)."""
     t, h, d = q.shape
@@ -781,6 +842,7 @@ def paged_decode_attention(
         cu_seqlens_q,
         seq_lens,
         seq_ids,
+        *_scale_args(k_cache, k_scale, v_scale, seq_lens),
         scale * LOG2E,
         window,
         partition_size,
@@ -804,6 +866,7 @@ def paged_decode_attention(
         SPLIT=split,
         F32_DOT=_use_f32_dot(q),
         OFFS_64=_needs_64bit_offsets(k_cache),
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=num_warps,
         num_stages=num_stages,
     )

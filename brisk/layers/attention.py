@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: the metadata a step carries, the layer, and the backend interface.
 
-KV cache layout (per layer): `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
+KV cache layout (per layer): `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim], in
+the model's dtype or FP8 E4M3 with the layer's static `k_scale` / `v_scale` [num_kv_heads] (layers/kv_fp8.py).
 Block 0 is the null block: never allocated, it pads block tables and stands in for blocks a sliding
 window has released. Each layer belongs to a KV group (full attention, sliding window); each group has
 its own block table per request, see `kv_cache/manager.py`.
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from brisk.layers.kv_fp8 import as_bytes, dequantize_kv, is_fp8, quantize_kv
 
 if TYPE_CHECKING:
     from brisk.kernels.cpu_kernels import CpuKernels
@@ -107,6 +110,9 @@ class Attention(nn.Module):
         self.kv_group = 0
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An FP8 cache's static scales per KV head (fp32, on the layer's device): the checkpoint's, else 1.
+        self.k_scale = torch.ones(num_kv_heads, dtype=torch.float32)
+        self.v_scale = torch.ones(num_kv_heads, dtype=torch.float32)
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
@@ -138,6 +144,10 @@ def store_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     if bool((slots < 0).any()):  # rare (slot -1: a token whose KV is not kept): drop those rows
         valid = slots >= 0
         slots, k, v = slots[valid], k[valid], v[valid]
+    if is_fp8(flat_k):
+        as_bytes(flat_k).index_copy_(0, slots, as_bytes(quantize_kv(k, layer.k_scale)))
+        as_bytes(flat_v).index_copy_(0, slots, as_bytes(quantize_kv(v, layer.v_scale)))
+        return
     flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
     flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
 
@@ -225,16 +235,19 @@ class TorchAttentionBackend(AttentionBackend):
         b, kvh, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kvh
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B * kvh, padded, d] fp32
-            rows = cache.index_select(0, chunk.blocks).view(b * padded, kvh * d)
+        def gather(cache: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:  # -> [B * kvh, padded, d] fp32
+            rows = as_bytes(cache).index_select(0, chunk.blocks).view(b * padded, kvh * d)
             # Padding, released and not-yet-written slots hold whatever the pool last put there (NaN even):
             # zero them, so a -inf score times a zero value is all they contribute.
             rows.index_fill_(0, chunk.dead_rows, 0)
             # One copy to head-major fp32: bf16 bmm on CPU costs more per call than the conversion saves.
             out = torch.empty(b, kvh, padded, d, dtype=torch.float32, device=rows.device)
-            return out.copy_(rows.view(b, padded, kvh, d).transpose(1, 2)).view(b * kvh, padded, d)
+            out.copy_(rows.view(cache.dtype).view(b, padded, kvh, d).transpose(1, 2))
+            if is_fp8(cache):
+                out.mul_(kv_scale.view(1, kvh, 1, 1))
+            return out.view(b * kvh, padded, d)
 
-        k_ctx, v_ctx = gather(layer.k_cache), gather(layer.v_cache)
+        k_ctx, v_ctx = gather(layer.k_cache, layer.k_scale), gather(layer.v_cache, layer.v_scale)
         scores = torch.bmm(q.reshape(b * kvh, group, d).float(), k_ctx.transpose(1, 2))
         scores = scores.view(b, kvh, group, padded) * layer.scale + chunk.bias
         if sinks is not None:
@@ -268,8 +281,16 @@ class TorchAttentionBackend(AttentionBackend):
             first_block = first_k // bs
             n_blocks = (seq_len + bs - 1) // bs
             blocks = block_table[i, first_block:n_blocks].long()
-            k_ctx = layer.k_cache[blocks].reshape(-1, kvh, d)[: seq_len - first_block * bs].float()
-            v_ctx = layer.v_cache[blocks].reshape(-1, kvh, d)[: seq_len - first_block * bs].float()
+            k_ctx, v_ctx = (
+                dequantize_kv(
+                    as_bytes(cache)
+                    .index_select(0, blocks)
+                    .view(cache.dtype)
+                    .reshape(-1, kvh, d)[: seq_len - first_block * bs],
+                    kv_scale,
+                )
+                for cache, kv_scale in ((layer.k_cache, layer.k_scale), (layer.v_cache, layer.v_scale))
+            )
             k_pos = torch.arange(first_block * bs, seq_len, device=q.device)
             q_pos = torch.arange(first_q_pos, seq_len, device=q.device)
             qi = q[start:end].float().view(n_q, kvh, group, d)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from brisk.kernels.cpu_kernels import CpuKernels
+from brisk.kernels.cpu_kernels import CACHE_DTYPE_CODES, CpuKernels
 from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv
+from brisk.layers.kv_fp8 import is_fp8
 
 
 @dataclass
@@ -92,9 +93,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return meta.plan_for(self).torch_chunks
 
     def forward(self, layer: Attention, q, k, v, meta, sinks):
-        if layer.k_cache.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads fp32 and bf16 caches
+        if layer.k_cache.dtype not in CACHE_DTYPE_CODES:  # the kernel reads fp32, bf16 and FP8 E4M3 caches
             return super().forward(layer, q, k, v, meta, sinks)
         store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
+        k_scales, v_scales = (layer.k_scale, layer.v_scale) if is_fp8(layer.k_cache) else (None, None)
         plan = meta.plan_for(self)
         qf = q.float()
         if qf.stride(2) != 1 or qf.stride(1) != qf.shape[2]:
@@ -116,6 +118,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 None if sinks is None else sinks.float(),
                 layer.scale,
                 layer.sliding_window,
+                k_scales,
+                v_scales,
             )
         if plan.short_rows is not None:
             assert plan.short_seqs is not None and plan.short_lens is not None
@@ -135,6 +139,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 None if sinks is None else sinks.float(),
                 layer.scale,
                 layer.sliding_window,
+                k_scales,
+                v_scales,
             )
         if plan.has_multi_token:
             self._per_sequence(layer, q, meta, sinks, out, multi_token_only=True, max_query_len=SHORT_QUERY_MAX)

@@ -109,7 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None,  # [H]
     ) -> torch.Tensor:
         g = layer.kv_group
-        store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g])
+        store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g], layer.k_scale, layer.v_scale)
         block_q = default_prefill_block_q(layer.num_heads, layer.num_kv_heads, self.prefill_block_m)
         plan = self._step_plan(meta, block_q, q.device)
         block_table = meta.block_tables[g]
@@ -130,6 +130,8 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=layer.sliding_window,
                 sinks=sinks,
                 out=out,
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
             )
         if plan.tile_seqs.numel():
             paged_prefill_attention(
@@ -147,5 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=layer.sliding_window,
                 sinks=sinks,
                 out=out,
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
             )
         return out

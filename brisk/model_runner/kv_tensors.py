@@ -4,6 +4,13 @@ Layers are grouped by attention type (interface.kv_groups_for). Slot tensor j ho
 every group, so one block id means the same memory in all groups and all groups share one `BlockPool`: a block's
 bytes are `num_slots * 2 * block_size * kv_heads * head_dim * dtype`, plus a drafter's own KV (EAGLE3) in the
 same blocks. `allocate_kv_cache` binds the tensors to the attention layers (and the drafter's).
+
+Each group stores its K and V in one dtype (`kv_group_dtypes`): the model's, or FP8 E4M3 (kv_cache_config.dtype,
+layers/kv_fp8.py) except for the layer types kv_cache_config.dtype_skip_layers keeps in the model's dtype. A slot
+tensor is raw bytes sized for the widest group that uses it; each group views it in its own dtype. So FP8 halves a
+block's bytes where every group is FP8; where a skipped group has as many layers as an FP8 one (gpt-oss: 12
+sliding, 12 full), the block keeps its size (the skipped group's half of the slots sets it) and only accuracy
+differs.
 """
 
 from __future__ import annotations
@@ -12,13 +19,26 @@ from dataclasses import dataclass
 
 import torch
 
-from brisk.config import EngineConfig
+from brisk.config import EngineConfig, KvCacheConfig
 from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention
+from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 from brisk.model_runner.memory import available_host_memory
 from brisk.spec_decode.proposer import Proposer
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
+GIB = 1 << 30
+
+
+def kv_group_dtypes(
+    kv_config: KvCacheConfig, model_dtype: torch.dtype, groups: list[KVGroupSpec]
+) -> tuple[torch.dtype, ...]:
+    """Per KV group, the dtype its K and V are stored in: FP8 E4M3 under an FP8 KV cache except the layer types
+    dtype_skip_layers names (sliding_window), else the model's dtype."""
+    if not kv_config.fp8:
+        return (model_dtype,) * len(groups)
+    skip_sliding = "sliding_window" in kv_config.dtype_skip_layers
+    return tuple(model_dtype if g.sliding_window and skip_sliding else FP8_KV_DTYPE for g in groups)
 
 
 @dataclass(frozen=True)
@@ -27,8 +47,9 @@ class KVTensorLayout:
     block_size: int
     num_kv_heads: int  # held by this rank (a share of them under TP, one when they are replicated)
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's
     draft_bytes_per_block: int = 0  # a drafter's own KV in the same blocks
+    group_dtypes: tuple[torch.dtype, ...] = ()  # per group: its K / V storage dtype (empty: the model's)
 
     @property
     def num_slots(self) -> int:
@@ -36,13 +57,31 @@ class KVTensorLayout:
 
     @property
     def kv_dtypes(self) -> tuple[torch.dtype, ...]:
-        return (self.dtype,) * len(self.groups)
+        return self.group_dtypes or (self.dtype,) * len(self.groups)
+
+    def slot_bytes_per_block(self, slot: int) -> int:
+        """Bytes of one block of slot tensor `slot` (K or V): the widest dtype of the groups that use it."""
+        elt = max(d.itemsize for g, d in zip(self.groups, self.kv_dtypes) if len(g.layer_ids) > slot)
+        return self.block_size * self.num_kv_heads * self.head_dim * elt
 
     @property
     def bytes_per_block(self) -> int:
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.slot_bytes_per_block(j) for j in range(self.num_slots)) + self.draft_bytes_per_block
+
+    def describe(self, num_blocks: int) -> str:
+        """The pool in one log line: its blocks, the dtypes, the tokens per GiB against the model's dtype."""
+        per_gib = GIB // self.bytes_per_block * self.block_size
+        model_dtype = KVTensorLayout(
+            self.groups, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.draft_bytes_per_block
+        )
+        ratio = model_dtype.bytes_per_block / self.bytes_per_block
+        dtypes = ", ".join(
+            f"{'sliding' if g.sliding_window else 'full'} {str(d).removeprefix('torch.')}"
+            for g, d in zip(self.groups, self.kv_dtypes)
+        )
         return (
-            self.num_slots * 2 * self.block_size * self.num_kv_heads * self.head_dim * elt + self.draft_bytes_per_block
+            f"KV cache: {num_blocks:,} blocks of {self.block_size} tokens, {self.bytes_per_block:,} bytes each; K/V "
+            f"stored as {dtypes}; {per_gib:,} tokens per GiB ({ratio:.2f}x the model dtype's)"
         )
 
     def most_useful_blocks(self, max_seq_len: int, max_batch_size: int) -> int:
@@ -75,17 +114,19 @@ def allocate_kv_cache(
 ) -> None:
     """Zeroed KV tensors of `num_blocks` blocks, bound to every attention layer (and the drafter's KV)."""
     shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    elements = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
     slots = [
-        (
-            torch.zeros(shape, dtype=layout.dtype, device=device),
-            torch.zeros(shape, dtype=layout.dtype, device=device),
+        tuple(
+            torch.zeros(num_blocks * layout.slot_bytes_per_block(j), dtype=torch.uint8, device=device) for _ in range(2)
         )
-        for _ in range(layout.num_slots)
+        for j in range(layout.num_slots)
     ]
-    for g, group in enumerate(layout.groups):
+    for g, (group, dtype) in enumerate(zip(layout.groups, layout.kv_dtypes)):
         for j, layer_id in enumerate(group.layer_ids):
             layer = attn_layers[layer_id]
-            layer.k_cache, layer.v_cache = slots[j]
+            layer.k_cache, layer.v_cache = (
+                raw[: elements * dtype.itemsize].view(dtype).view(shape) for raw in slots[j]
+            )
             layer.kv_group = g
     if proposer is not None:
         proposer.bind_kv(num_blocks, layout.block_size, device)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from brisk.config import ModelConfig, ParallelConfig
+from brisk.layers.attention import Attention
+from brisk.layers.kv_fp8 import split_kv_scales
 from brisk.models.registry import BriskModel, get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -95,12 +97,35 @@ def load_model(
         return model
     if device.type == "meta":
         raise ValueError("real weights cannot be loaded on the meta device; use load_format='dummy'")
-    loaded = model.load_weights(iterate_checkpoint(model_config.path))
+    kv_scales: dict[tuple[int, str], torch.Tensor] = {}
+    loaded = model.load_weights(split_kv_scales(iterate_checkpoint(model_config.path), kv_scales))
+    set_kv_scales(model, kv_scales)
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {model_config.path} is missing weights: {shown}")
     return model
+
+
+@torch.no_grad()
+def set_kv_scales(model: nn.Module, kv_scales: dict[tuple[int, str], torch.Tensor]) -> None:
+    """The checkpoint's FP8 KV scales ({(layer index, 'k_scale' | 'v_scale'): tensor}) into the attention layers: one
+    per tensor (vLLM / ModelOpt checkpoints) for every KV head, or one per KV head of this rank."""
+    layers = {m.layer_idx: m for m in model.modules() if isinstance(m, Attention)}
+    for (layer_idx, kind), value in sorted(kv_scales.items()):
+        layer = layers.get(layer_idx)
+        if layer is None:
+            raise ValueError(f"checkpoint has a KV {kind} for layer {layer_idx}, which the model does not have")
+        target: torch.Tensor = getattr(layer, kind)
+        value = value.float().flatten()
+        if value.numel() not in (1, target.numel()):
+            raise ValueError(
+                f"checkpoint's {kind} of layer {layer_idx} has {value.numel()} values; brisk reads one per tensor or "
+                f"one per KV head of the rank ({target.numel()})"
+            )
+        if not bool((value > 0).all()) or not bool(value.isfinite().all()):
+            raise ValueError(f"checkpoint's {kind} of layer {layer_idx} is not a positive finite scale: {value}")
+        target.copy_(value.expand(target.shape))
 
 
 @torch.no_grad()

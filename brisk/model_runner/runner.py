@@ -24,7 +24,7 @@ from brisk.model_runner.binding import Kernels
 from brisk.model_runner.cuda_graph import DecodeGraphs
 from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.interface import KVCacheSpec, kv_groups_for
-from brisk.model_runner.kv_tensors import KVTensorLayout, allocate_kv_cache, release_kv_cache
+from brisk.model_runner.kv_tensors import KVTensorLayout, allocate_kv_cache, kv_group_dtypes, release_kv_cache
 from brisk.model_runner.layout import StepBatch, lay_out_step
 from brisk.model_runner.prompt_logprobs import prompt_logprobs
 from brisk.model_runner.sampler import needs_history
@@ -81,6 +81,7 @@ class ModelRunner:
             model_config.head_dim,
             model_config.dtype,
             proposer.kv_bytes_per_block(self.block_size) if self.drafter is not None and proposer else 0,
+            kv_group_dtypes(config.kv_cache_config, model_config.dtype, self.kv_groups),
         )
         self.num_blocks = 0  # set by allocate_kv_cache (setup.py)
         self.graphs: DecodeGraphs | None = None  # set by setup.py where cuda_graph_config is in effect

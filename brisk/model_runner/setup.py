@@ -9,6 +9,8 @@ left), else `memory_fraction` of the free memory (kv_tensors.py). Ranks agree on
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,8 @@ from brisk.model_runner.startup import StartupTimes
 from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import NewRequestData, SchedulerOutput
 from brisk.spec_decode.registry import make_proposer
+
+logger = logging.getLogger(__name__)
 
 
 def load_model_runner(
@@ -55,6 +59,7 @@ def load_model_runner(
         num_blocks = agree_min(num_blocks, cpu_group)
     startup.mark("kv_sizing")
     runner.allocate_kv_cache(num_blocks)
+    logger.info("%s", runner.kv_layout.describe(num_blocks))
     startup.mark("kv_allocation")
     graph_config = effective_graph_config(config, device)
     sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []

@@ -1,0 +1,176 @@
+"""FP8 KV cache (layers/kv_fp8.py): E4M3 storage with static per-KV-head scales, written and read by every
+attention path.
+
+The reference for an FP8 cache is exact: the torch reference backend over an fp32 cache that holds the dequantized
+values (E4M3 code times scale), with the step's new K/V quantized and dequantized the same way. Every path (the torch
+reference itself reading FP8, each build of the C decode kernel, the Triton kernels under the interpreter) must
+match it to fp32 rounding: the only loss of FP8 is the quantization, which the reference shares. NaN-filled caches
+(tests/paged_cases.py) make any read of a slot outside the context fail.
+
+The loss itself is measured at the model level (test_kv_fp8_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from brisk.kernels.cpu_kernels import load_cpu_kernels
+from brisk.kernels.triton_attention import store_kv_cache
+from brisk.layers.attention import TorchAttentionBackend, store_kv
+from brisk.layers.attention_cpu import CpuAttentionBackend
+from brisk.layers.attention_triton import TritonAttentionBackend
+from brisk.layers.kv_fp8 import (
+    FP8_E4M3_MAX,
+    FP8_KV_DTYPE,
+    dequantize_kv,
+    fp8_e4m3_table,
+    kv_scale_target,
+    quantize_kv,
+)
+from tests import paged_cases
+from tests.conftest import skip_unless_isa_under_test
+from tests.paged_cases import TINY, Case
+
+K_SCALE = torch.tensor([0.5, 2.0])  # per KV head (TINY has two): scales that are not 1 in both directions
+V_SCALE = torch.tensor([1.5, 0.25])
+PATHS = ["torch", "cpu-avx512", "cpu-avx2", "triton"]
+# (new tokens, context after the step) per sequence: decodes, a prefill, chunks on a cached prefix, a short query
+SPECS = [(1, 9), (5, 13), (1, 20), (3, 3), (7, 30), (2, 17)]
+
+
+def fake_quantized(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return dequantize_kv(quantize_kv(x, scale), scale)
+
+
+def test_round_trip_is_e4m3_rounding_with_the_scale():
+    x = torch.randn(4096, 2, 16, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 16)
+    back = fake_quantized(x, K_SCALE)
+    scaled = (x / K_SCALE[:, None]).abs()
+    normal = scaled >= 2.0**-6  # E4M3's normal range: 3 mantissa bits, relative error at most 2^-4
+    assert ((back - x).abs() <= x.abs() * 2.0**-4 + 1e-12)[normal & (scaled <= FP8_E4M3_MAX)].all()
+    assert ((back - x).abs() <= 2.0**-10 * K_SCALE[:, None].expand_as(x))[~normal].all()  # half a subnormal step
+    # Saturation, not NaN: E4M3 has no infinity.
+    big = torch.full((1, 2, 16), 1e6)
+    assert torch.equal(fake_quantized(big, K_SCALE), (FP8_E4M3_MAX * K_SCALE)[None, :, None].expand(1, 2, 16))
+    # The C kernel's table is torch's decoding of every code.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    table = fp8_e4m3_table()
+    finite = ~table.isnan()
+    assert torch.equal(table[finite], codes.view(FP8_KV_DTYPE).float()[finite]) and finite.sum() == 254
+
+
+def test_store_kernels_write_the_same_codes():
+    """The torch store and the Triton store kernel write the same E4M3 values (the Triton one rounds on E4M3's grid
+    itself: round to nearest even, carries across powers of two included)."""
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(64, 2, 16, generator=g) * 3
+    v = torch.randn(64, 2, 16, generator=g) * 300  # past 448 * 0.25: saturates
+    slots = torch.randperm(80, generator=g)[:64]
+    caches = [torch.zeros(20, 4, 2, 16, dtype=FP8_KV_DTYPE) for _ in range(4)]
+    layer = paged_cases.make_case(TINY, [(1, 4)]).layer(None)
+    layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = caches[0], caches[1], K_SCALE, V_SCALE
+    store_kv(layer, k, v, slots)
+    store_kv_cache(k, v, caches[2], caches[3], slots, K_SCALE, V_SCALE)
+    for ours, triton_ in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ours.float(), triton_.float())
+    assert torch.equal(caches[0].view(-1, 2, 16)[slots].float(), quantize_kv(k, K_SCALE).float())
+
+
+def _backend(path: str, request) -> object:
+    if path == "torch":
+        return TorchAttentionBackend()
+    if path == "triton":
+        return TritonAttentionBackend(prefill_block_n=TINY.block_n, decode_block_n=TINY.block_n)
+    isa = path.removeprefix("cpu-")
+    skip_unless_isa_under_test(request.config, isa)
+    kernels = load_cpu_kernels(isa)
+    assert kernels is not None
+    return CpuAttentionBackend(kernels)
+
+
+def run_fp8(case: Case, backend, use_sinks: bool) -> torch.Tensor:
+    """The step through `backend` over the case's cache held in FP8 (the prefix quantized as an earlier step would
+    have stored it)."""
+    layer = case.layer(backend)
+    shape = layer.k_cache.shape
+    layer.k_cache = quantize_kv(case.k_cache.view(-1, *shape[2:]), K_SCALE).view(shape)
+    layer.v_cache = quantize_kv(case.v_cache.view(-1, *shape[2:]), V_SCALE).view(shape)
+    layer.k_scale, layer.v_scale = K_SCALE.clone(), V_SCALE.clone()
+    return backend.forward(layer, case.q, case.k, case.v, case.meta, case.sinks if use_sinks else None)
+
+
+def reference_fp8(case: Case, use_sinks: bool) -> torch.Tensor:
+    """The torch reference over fp32 caches holding the dequantized FP8 values: what an FP8 path must compute."""
+    layer = case.layer(TorchAttentionBackend())
+    shape = layer.k_cache.shape
+    layer.k_cache = fake_quantized(case.k_cache.view(-1, *shape[2:]), K_SCALE).view(shape)
+    layer.v_cache = fake_quantized(case.v_cache.view(-1, *shape[2:]), V_SCALE).view(shape)
+    k, v = fake_quantized(case.k, K_SCALE), fake_quantized(case.v, V_SCALE)
+    return layer.backend.forward(layer, case.q, k, v, case.meta, case.sinks if use_sinks else None)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_every_attention_path_reads_fp8_as_the_dequantized_reference(request, path, window, use_sinks):
+    backend = _backend(path, request)
+    for seed, specs in enumerate([SPECS, [(1, n) for n in (1, 5, 12, 33)]]):  # mixed steps, then a decode batch
+        case = paged_cases.make_case(TINY, specs, window=window, seed=seed)
+        out = run_fp8(case, backend, use_sinks)
+        ref = reference_fp8(case, use_sinks)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        # ... and FP8 is not a no-op: the model-dtype cache gives something measurably different.
+        assert (case.reference(use_sinks) - out).abs().max() > 1e-4
+
+
+def needle_step(context: int, needle_pos: int, seed: int = 0) -> tuple[Case, torch.Tensor]:
+    """One decode at the end of a long context whose key at `needle_pos` matches the query (a planted fact the
+    attention must find among `context` distractors); returns the case and the needle's value."""
+    g = torch.Generator().manual_seed(seed)
+    case = paged_cases.make_case(TINY, [(1, context)], seed=seed)
+    heads, kvh, d = TINY.heads, TINY.kv_heads, TINY.head_dim
+    flat_k = case.k_cache.view(-1, kvh, d)
+    flat_v = case.v_cache.view(-1, kvh, d)
+    table = case.meta.block_tables[0][0]
+    slot = int(table[needle_pos // TINY.page]) * TINY.page + needle_pos % TINY.page
+    key = torch.randn(kvh, d, generator=g)
+    key = key / key.norm(dim=-1, keepdim=True) * 4.0
+    flat_k[slot] = key
+    needle = torch.randn(kvh, d, generator=g) * 2
+    flat_v[slot] = needle
+    # Every query head asks for its KV head's needle key: a logit of 16 * 4 / sqrt(d) = 16 above the distractors'
+    # typical ones.
+    group = heads // kvh
+    case.q[0] = (key * 4.0).repeat_interleave(group, dim=0)
+    return case, needle
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_needle_early_in_a_long_context_is_recalled_through_fp8(request, path):
+    """Long-context retrieval, as a mechanism: a key planted at position 3 of a 2,000-token context (1,000 under the
+    Triton interpreter), looked up by the last token. With FP8 KV the attention output is still the needle's value
+    (cosine > 0.98, as with fp32 KV) and within 6% (norm of the difference) of the fp32-KV output: the output is
+    the needle's value, whose E4M3 rounding (at most 2^-4 of each element, about 3.6% RMS) it inherits."""
+    backend = _backend(path, request)
+    context = 1000 if path == "triton" else 2000
+    case, needle = needle_step(context, needle_pos=3)
+    group = TINY.heads // TINY.kv_heads
+    expected = needle.repeat_interleave(group, dim=0)  # [H, D]
+    for out in (case.reference(use_sinks=True)[0], run_fp8(case, backend, use_sinks=True)[0]):
+        cos = torch.nn.functional.cosine_similarity(out, expected, dim=-1)
+        assert (cos > 0.98).all(), cos
+    full = case.reference(use_sinks=True)[0]
+    fp8 = run_fp8(case, backend, use_sinks=True)[0]
+    assert (fp8 - full).norm() <= 0.06 * full.norm()
+
+
+def test_checkpoint_scale_names():
+    assert kv_scale_target("model.layers.3.self_attn.k_proj.k_scale") == (3, "k_scale")  # ModelOpt
+    assert kv_scale_target("model.layers.0.self_attn.v_proj.v_scale") == (0, "v_scale")
+    assert kv_scale_target("model.layers.12.self_attn.attn.k_scale") == (12, "k_scale")  # vLLM's own
+    assert kv_scale_target("model.layers.1.self_attn.k_scale") == (1, "k_scale")  # compressed-tensors
+    assert kv_scale_target("model.layers.1.self_attn.kv_scale") == (1, "kv_scale")  # deprecated: both
+    assert kv_scale_target("model.layers.1.self_attn.k_proj.weight_scale") is None
+    assert kv_scale_target("model.layers.1.mlp.experts.gate_up_proj_scales") is None
