@@ -233,6 +233,7 @@ class ModelRunner:
             slot_mappings=[to_device(s, dev) for s in step.slot_mappings],
             block_size=self.block_size,
             dp_num_tokens=step.dp_num_tokens,
+            decode_only=step.decode_only,  # the backends' plans skip their per-sequence scan of the query lengths
         )
         meta.attn_plan = self.kernels.attention.prepare(meta)
         step.meta = meta
