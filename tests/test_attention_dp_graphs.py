@@ -64,12 +64,15 @@ def instrument(shapes: list[tuple[int, int, int]]) -> None:
     DecodeGraphs.run = recording_run  # type: ignore[method-assign]
 
 
-def rank1(model: str, env: dict[str, str], record: str) -> None:
-    """Rank 1 as a launcher starts it (torchrun's variables), its padding rows poisoned in its own process."""
+def rank1(model: str, env: dict[str, str], record: str, cpu_kernels: str = "auto") -> None:
+    """Rank 1 as a launcher starts it (torchrun's variables), its padding rows poisoned in its own process;
+    `cpu_kernels`: rank 0's (this session's `--cpu-kernels`, which a fresh process does not see)."""
     os.environ.update(env)
     shapes: list[tuple[int, int, int]] = []
     instrument(shapes)
-    config = EngineConfig.build(model, None, find_model=True, **OPTIONS, **DP2, cuda_graph_config=GRAPHS)
+    config = EngineConfig.build(
+        model, None, find_model=True, **OPTIONS, **DP2, cuda_graph_config=GRAPHS, cpu_kernels=cpu_kernels
+    )
     place = launcher_env()
     assert place is not None
     run_worker(config, rank_place(config, place))
@@ -115,7 +118,13 @@ def test_poisoned_padding_under_attention_dp_is_token_identical(model, tmp_path,
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     record = tmp_path / "rank1_shapes.json"
     worker = multiprocessing.get_context("spawn").Process(
-        target=rank1, args=(model, {**env, "RANK": "1", "LOCAL_RANK": "1"}, str(record))
+        target=rank1,
+        args=(
+            model,
+            {**env, "RANK": "1", "LOCAL_RANK": "1"},
+            str(record),
+            EngineConfig.model_fields["cpu_kernels"].default,
+        ),
     )
     worker.start()
     try:
