@@ -1,7 +1,7 @@
 """Engine overhead: the host time brisk's Python side costs per step, measured with a model that computes nothing.
 
     python benchmarks/engine_overhead.py [--batch-sizes 1,64,256,1024] [--steps 32] [--skip-http] [--profile]
-                                         [--out engine_overhead.json]
+                                         [--overlap] [--out engine_overhead.json]
 
 The model is `BriskNullForCausalLM` (brisk/models/null.py) at gpt-oss-120b's shape where it matters to the
 host: 36 layers alternating sliding-window / full attention (two KV groups, two block tables per request) and
@@ -10,6 +10,8 @@ block accounting, building the step's input tensors, sampling, and turning token
 
     a) engine core: `EngineCore.step()` in-process, `batch` requests all decoding: host time per step (median,
        p90) and the token rate it allows, batch / step time. `--profile` adds where that time goes (cProfile).
+       `--overlap` runs the overlap scheduler as on a GPU (step N+1 laid out before step N's tokens are read;
+       off by default on a CPU).
     b) offline: `LLM.generate` (detokenization included) of `batch` requests: output tokens/s.
     c) HTTP: `brisk serve` in a subprocess, streamed /v1/completions requests at each concurrency: tokens/s.
 
@@ -46,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import brisk
+import brisk.host
 from brisk import LLM, SamplingParams
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
@@ -183,8 +186,11 @@ def write_null_model(path: str, shape: NullModelShape) -> None:
     write_synthetic_tokenizer(path, shape.vocab_size)
 
 
-def engine_options(shape: NullModelShape, max_batch_size: int, max_seq_len: int) -> dict[str, Any]:
-    """EngineConfig options: dummy weights, and a KV cache that holds `max_batch_size` requests of `max_seq_len`."""
+def engine_options(
+    shape: NullModelShape, max_batch_size: int, max_seq_len: int, overlap: bool = False
+) -> dict[str, Any]:
+    """EngineConfig options: dummy weights, and a KV cache that holds `max_batch_size` requests of `max_seq_len`;
+    `overlap`: the overlap scheduler on (a CPU's default is off)."""
     num_groups = 2 if shape.num_layers > 1 else 1  # sliding-window layers and full-attention layers
     kv_blocks = num_groups * math.ceil(max_seq_len / BLOCK_SIZE) * max_batch_size + 1  # + the null block
     return {
@@ -196,6 +202,7 @@ def engine_options(shape: NullModelShape, max_batch_size: int, max_seq_len: int)
         "max_num_tokens": MAX_NUM_TOKENS,
         "max_seq_len": max_seq_len,
         "kv_cache_config": {"tokens_per_block": BLOCK_SIZE, "max_blocks": kv_blocks},
+        **({"disable_overlap_scheduler": False} if overlap else {}),
     }
 
 
@@ -232,6 +239,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 class EnginePoint:
     batch: int
     step_ms: list[float]
+    # This process's CPU time per step: on a shared machine, wall time also counts the waits for a core.
+    step_cpu_ms: list[float]
+    gc_ms: float = 0.0  # the garbage collector's pauses during the timed steps, in all
     profile: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -239,9 +249,31 @@ class EnginePoint:
         return {
             "step_ms_median": median,
             "step_ms_p90": percentile(self.step_ms, 90),
+            "step_cpu_ms_median": statistics.median(self.step_cpu_ms),
+            # the throughput-relevant figure: a median leaves out the rare long steps (full GC collections)
+            "step_cpu_ms_mean": statistics.mean(self.step_cpu_ms),
+            "gc_ms_per_step": self.gc_ms / len(self.step_ms),
             "tokens_per_s": self.batch / (median / 1000),
             "steps": len(self.step_ms),
         }
+
+
+@contextlib.contextmanager
+def collector_pauses() -> Iterator[list[float]]:
+    """Milliseconds the garbage collector ran inside the block (a one-element list, filled as it runs)."""
+    total, started = [0.0], [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            total[0] += (time.perf_counter() - started[0]) * 1000
+
+    gc.callbacks.append(callback)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def measure_engine(engine: EngineCore, batch: int, steps: int, profile: bool, max_tokens: int) -> EnginePoint:
@@ -260,12 +292,14 @@ def measure_engine(engine: EngineCore, batch: int, steps: int, profile: bool, ma
         if len(outputs) != batch or any(out.finished for out in outputs):
             raise RuntimeError(f"expected {batch} decoding requests, got {len(outputs)} outputs; raise max_tokens")
 
-    step_ms = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        one_step()
-        step_ms.append((time.perf_counter() - start) * 1000)
-    point = EnginePoint(batch, step_ms)
+    step_ms, step_cpu_ms = [], []
+    with collector_pauses() as gc_ms:
+        for _ in range(steps):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            one_step()
+            step_ms.append((time.perf_counter() - start) * 1000)
+            step_cpu_ms.append((time.process_time() - start_cpu) * 1000)
+    point = EnginePoint(batch, step_ms, step_cpu_ms, gc_ms[0])
     if profile:
         profiler = cProfile.Profile()
         for _ in range(steps):
@@ -536,13 +570,17 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = "| batch / concurrency | engine step ms (median / p90) | engine tok/s | offline tok/s | HTTP tok/s |"
-    lines = [header, "|---:|---:|---:|---:|---:|"]
+    header = (
+        "| batch / concurrency | engine step ms (median / p90) | engine step CPU ms | engine tok/s | offline tok/s "
+        "| HTTP tok/s |"
+    )
+    lines = [header, "|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         engine = row.engine or {}
         step = f"{engine['step_ms_median']:.2f} / {engine['step_ms_p90']:.2f}" if engine else "-"
         lines.append(
-            f"| {row.batch} | {step} | {_cell(engine.get('tokens_per_s'), ',.0f')} | "
+            f"| {row.batch} | {step} | {_cell(engine.get('step_cpu_ms_median'), '.2f')} | "
+            f"{_cell(engine.get('tokens_per_s'), ',.0f')} | "
             f"{_cell(row.offline_tokens_per_s, ',.0f')} | {_cell(row.http_tokens_per_s, ',.0f')} |"
         )
     return "\n".join(lines)
@@ -642,6 +680,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="torch intra-op threads, here and in the server (default 1)",
     )
     p.add_argument("--skip-http", action="store_true", help="no `brisk serve` measurement")
+    p.add_argument("--overlap", action="store_true", help="overlap scheduling on (in-process engine and server)")
+    p.add_argument("--skip-offline", action="store_true", help="no `LLM.generate` measurement")
     p.add_argument("--profile", action="store_true", help="also profile the engine and offline steps (cProfile)")
     p.add_argument("--out", help="write the results as JSON to this path")
     args = p.parse_args(argv)
@@ -667,20 +707,27 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         write_null_model(model_dir, shape)
 
         # One LLM for both in-process paths: its `engine` is the EngineCore measured on its own in (a).
-        llm = LLM(model_dir, **engine_options(shape, max(args.batch_sizes), PROMPT_LEN + max_output_tokens))
+        max_seq_len = PROMPT_LEN + max_output_tokens
+        llm = LLM(model_dir, **engine_options(shape, max(args.batch_sizes), max_seq_len, args.overlap))
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2))  # first-call costs
+        # What the server's engine process does after start-up (brisk.host.freeze_startup_heap; absent from
+        # older trees, which engine_step_ab.py runs this script against).
+        freeze = getattr(brisk.host, "freeze_startup_heap", None)
+        if freeze is not None:
+            freeze()
         for batch in args.batch_sizes:
             point = measure_engine(llm.engine, batch, args.steps, args.profile, max_output_tokens)
-            rows[batch].engine = point.summary()
+            engine = rows[batch].engine = point.summary()
             if point.profile:
                 rows[batch].profiles["engine core"] = point.profile
-            offline, offline_profile = measure_offline(llm, batch, args.steps, args.profile)
-            rows[batch].offline_tokens_per_s = offline
-            if offline_profile:
-                rows[batch].profiles["offline LLM.generate"] = offline_profile
+            if not args.skip_offline:
+                offline, offline_profile = measure_offline(llm, batch, args.steps, args.profile)
+                rows[batch].offline_tokens_per_s = offline
+                if offline_profile:
+                    rows[batch].profiles["offline LLM.generate"] = offline_profile
             print(
-                f"batch {batch}: engine step {rows[batch].engine['step_ms_median']:.2f} ms, "
-                f"offline {offline:,.0f} tok/s",
+                f"batch {batch}: engine step {engine['step_ms_median']:.2f} ms, "
+                f"offline {_cell(rows[batch].offline_tokens_per_s, ',.0f')} tok/s",
                 file=sys.stderr,
             )
         del llm
@@ -688,7 +735,9 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
         if not args.skip_http:
             # `--max_batch_size 1024` as a deployment would have; HTTP prompts are text, so leave them room.
-            server_options = engine_options(shape, max(1024, *args.http_concurrency), 4 * PROMPT_LEN + args.steps)
+            server_options = engine_options(
+                shape, max(1024, *args.http_concurrency), 4 * PROMPT_LEN + args.steps, args.overlap
+            )
             with running_server(model_dir, server_options, work_dir, args.torch_threads) as server:
                 url = server.url
                 warm_up_http(url, max(args.http_concurrency))
@@ -714,6 +763,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "sampling": "greedy, ignore_eos",
             "torch_threads": args.torch_threads,
             "profile": args.profile,
+            "overlap": args.overlap,
         },
         "results": [
             {

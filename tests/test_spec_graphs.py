@@ -55,7 +55,7 @@ def test_verification_on_static_buffers_is_token_identical(arch, layout, tmp_pat
     with LLM(str(tmp_path), **OPTIONS) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
     with LLM(str(tmp_path), **OPTIONS, **layout, speculative_config=NGRAM, cuda_graph_config=GRAPHS) as llm:
-        graphs = llm.engine.executor.runner.graphs  # rank 0's (under attention DP each rank pads its own rows)
+        graphs = llm.engine.executor.runner.graphs  # rank 0's (under attention DP: to the ranks' common size)
         assert graphs is not None and graphs.query_lens == [1, K + 1]
         graphs.pad_input_id, graphs.pad_position = 321, 7  # padding rows' inputs must not reach the real rows
         shapes = record_static_steps(graphs)

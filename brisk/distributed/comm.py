@@ -27,12 +27,17 @@ def all_gather_last_dim(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[counts[rank], ...] on each rank -> [sum(counts), ...], rank 0's rows first."""
+    """[counts[rank], ...] on each rank -> [sum(counts), ...], rank 0's rows first. Equal counts (attention-DP
+    steps on the static buffers, every rank padded to one size) exchange the rows as they are."""
     width = max(counts)
-    padded = x.new_zeros((width, *x.shape[1:]))
-    padded[: x.shape[0]] = x
+    padded = x
+    if x.shape[0] != width:
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded.contiguous())
+    if min(counts) == width:
+        return torch.cat(parts)
     return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
@@ -40,11 +45,14 @@ def reduce_scatter_rows(x: torch.Tensor, counts: list[int], rank: int) -> torch.
     """The inverse of all_gather_rows for partial sums: x [sum(counts), ...] on every rank -> this rank's
     counts[rank] rows of the sum over ranks."""
     width = max(counts)
-    padded = x.new_zeros((len(counts) * width, *x.shape[1:]))
-    offset = 0
-    for r, n in enumerate(counts):
-        padded[r * width : r * width + n] = x[offset : offset + n]
-        offset += n
+    if min(counts) == width:  # the rows already lie rank by rank at the common width
+        padded = x.contiguous()
+    else:
+        padded = x.new_zeros((len(counts) * width, *x.shape[1:]))
+        offset = 0
+        for r, n in enumerate(counts):
+            padded[r * width : r * width + n] = x[offset : offset + n]
+            offset += n
     if dist.get_backend() == "gloo":  # gloo has no reduce-scatter: reduce everything, keep our slice
         dist.all_reduce(padded)
         return padded[rank * width : rank * width + counts[rank]].clone()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig, load_model_config
 from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import WorldPlace, init_distributed
-from brisk.host import cpu_threads_per_rank, resolve_device
+from brisk.host import cpu_threads_per_rank, freeze_startup_heap, resolve_device
 from brisk.model_runner.interface import ModelRunnerInterface
 from brisk.model_runner.setup import load_model_runner
 from brisk.scheduler.output import SchedulerOutput
@@ -51,6 +51,7 @@ def run_worker(config: EngineConfig, place: WorldPlace) -> None:
         torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
     runner, channel = join_world(config, place, device, *load_model_config(config, device))
     logger.info("rank %d/%d ready on %s", place.rank, place.world_size, device)
+    freeze_startup_heap()
     decoder = msgspec.msgpack.Decoder(list[SchedulerOutput])
     while (payload := channel.receive()) is not None:
         runner.execute_model(decoder.decode(payload))

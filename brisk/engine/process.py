@@ -38,7 +38,7 @@ from brisk.engine.messages import (
 from brisk.engine.output_batcher import StreamIntervalBatcher
 from brisk.engine.profiler import EngineProfiler
 from brisk.errors import InvalidRequest
-from brisk.host import cpu_threads_per_rank, resolve_device
+from brisk.host import cpu_threads_per_rank, freeze_startup_heap, resolve_device
 
 logger = logging.getLogger("brisk.engine")
 IDLE_POLL_MS = 1000  # how long an idle loop blocks waiting for work
@@ -93,6 +93,7 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
             outbox.send(msgspec.msgpack.encode(EngineStartupError(message)))
             outbox.close(linger=10_000)  # delivered before the process goes
             sys.exit(STARTUP_ERROR_EXIT)
+        freeze_startup_heap()
         _serve(core, inbox, outbox)
     except Exception:
         logger.error("engine core failed:\n%s", traceback.format_exc())

@@ -10,6 +10,12 @@ captured once at start-up (warm-up run, then `torch.cuda.CUDAGraph` capture into
 step is a copy of its inputs into the buffers plus one replay; on a CPU the padded buffers are all there is,
 which is what CI tests of this path run.
 
+Under attention data parallelism the MoE layers gather every DP rank's rows, so the ranks' steps must have one
+shape for a captured graph to hold: a decode step runs on the static buffers only when every rank's does, at the
+largest of their padded sizes (`common_shape`; each rank knows every rank's SchedulerOutput, so they agree without
+exchanging anything), and every rank's MoE gathers and scatters that many rows. A rank with nothing scheduled
+joins with padding rows only; while any rank runs a mixed or oversized step, every rank runs eagerly.
+
 Padding rows read and write only the null block: input token 0 at position 0, one slot of block 0, a context of
 as many tokens as the row computes, block table rows of zeros. Whatever a padding row computes is never sampled and lands in block 0,
 which no request owns.
@@ -31,6 +37,7 @@ from brisk.config import CudaGraphConfig, EngineConfig
 from brisk.layers.attention import AttentionBackend, AttentionMetadata
 from brisk.model_runner.input_batch import to_device
 from brisk.model_runner.layout import StepBatch
+from brisk.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from brisk.models.registry import BriskModel
@@ -71,10 +78,18 @@ class GraphedModel:
 
 class DecodeGraphs:
     def __init__(
-        self, target: GraphedModel, sizes: list[int], enable_padding: bool, capture: bool, verify_len: int = 1
+        self,
+        target: GraphedModel,
+        sizes: list[int],
+        enable_padding: bool,
+        capture: bool,
+        verify_len: int = 1,
+        dp_size: int = 1,
     ) -> None:
-        """verify_len: tokens a speculative verification step computes per request (1 + max_draft_len; 1: none)."""
+        """verify_len: tokens a speculative verification step computes per request (1 + max_draft_len; 1: none).
+        dp_size: attention-DP ranks (each captures its graphs with every rank's MoE rows at the graph's size)."""
         self.target = target
+        self.dp_size = dp_size
         self.sizes = sizes
         self.enable_padding = enable_padding
         self.capture = capture
@@ -118,7 +133,24 @@ class DecodeGraphs:
             return self.sizes[i], t
         return None
 
-    def _meta(self, padded: int, t: int, width: int, dp_num_tokens: list[int] | None = None) -> AttentionMetadata:
+    def common_shape(self, scheds: list[SchedulerOutput]) -> tuple[int, int] | None:
+        """Attention DP: the shape every rank's step runs at, the largest of the working ranks' padded shapes (ranks
+        with nothing scheduled join with padding rows), or None: every rank runs eagerly (some rank's step does not
+        fit the buffers, or the ranks' steps compute different tokens per request)."""
+        shapes = [
+            self.padded_shape_of(list(s.num_scheduled_tokens.values()), s.num_sampled_requests)
+            for s in scheds
+            if s.num_scheduled_tokens
+        ]
+        if not shapes or None in shapes or len({shape[1] for shape in shapes if shape is not None}) > 1:
+            return None
+        return max(shape for shape in shapes if shape is not None)
+
+    def dp_num_tokens(self, padded: int, t: int) -> list[int] | None:
+        """Every DP rank's rows at a static shape (None without attention DP)."""
+        return [padded * t] * self.dp_size if self.dp_size > 1 else None
+
+    def _meta(self, padded: int, t: int, width: int) -> AttentionMetadata:
         meta = AttentionMetadata(
             query_start_loc=list(range(0, (padded + 1) * t, t)),
             seq_lens=[],  # filled below on the host path; the graph path reads the tensors
@@ -130,14 +162,14 @@ class DecodeGraphs:
             max_seq_len=self.target.max_seq_len,
             decode_only=t == 1,
             static_query_len=t,
-            dp_num_tokens=dp_num_tokens,
+            dp_num_tokens=self.dp_num_tokens(padded, t),
         )
         return meta
 
     def run(self, step: StepBatch, last_sampled: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """Copy the step into the buffers (placeholders from `last_sampled`, the batch's last token per row), pad,
         run (replay on a GPU); returns the real tokens' hidden states (the real requests come first, each with t
-        tokens: their layout is the step's own)."""
+        tokens: their layout is the step's own). A step of no rows (an idle attention-DP rank) runs padding only."""
         (padded, t), b, dev = shape, step.num_rows, self.target.device
         n = b * t  # the step's tokens
         self.input_ids[:n].copy_(to_device(step.input_ids_host, dev), non_blocking=True)
@@ -174,7 +206,7 @@ class DecodeGraphs:
                 decoder: Any = self.target.model.model  # llama.py's DecoderModel (EAGLE3 targets are CausalLMs)
                 decoder.aux_hidden_states = self._graph_aux[padded, t]
             return self._graph_hidden[padded, t][:n]
-        meta = self._meta(padded, t, width, step.dp_num_tokens)
+        meta = self._meta(padded, t, width)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
         meta.attn_plan = self.target.attention.prepare(meta)
         return self.target.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]

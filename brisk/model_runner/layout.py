@@ -52,7 +52,7 @@ def lay_out_step(batch: InputBatch, sched: SchedulerOutput, block_size: int, dev
     nst = sched.num_scheduled_tokens
     row_of = batch.row_of
     num_rows = len(nst)
-    rows = np.fromiter((row_of[rid] for rid in nst), dtype=np.int64, count=num_rows)
+    rows = np.fromiter(map(row_of.__getitem__, nst), dtype=np.int64, count=num_rows)
     counts = np.fromiter(nst.values(), dtype=np.int64, count=num_rows)
     computed = batch.num_computed[rows]
     host_len = batch.num_host_tokens[rows]

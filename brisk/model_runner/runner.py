@@ -117,10 +117,14 @@ class ModelRunner:
         # 2. the step's layout; the batch's computed tokens advance by it
         step = lay_out_step(self.batch, sched, self.block_size, self.device)
         self.batch.num_computed[step.rows] = step.seq_lens
-        if p.dp_size > 1:  # what each rank runs (the MoE layers gather them): padded where a rank pads
-            step.dp_num_tokens = [self._num_tokens_run(s) for s in scheds]
+        shape = self._static_shape(step, scheds)  # None: eager
+        if p.dp_size > 1:  # what each rank runs (the MoE layers gather them)
+            if self.graphs is not None and shape is not None:
+                step.dp_num_tokens = self.graphs.dp_num_tokens(*shape)
+            else:
+                step.dp_num_tokens = [s.total_num_scheduled_tokens for s in scheds]
         # 3. forward
-        hidden = self._forward(step)
+        hidden = self._forward(step, shape)
         mine_prompt_logprobs = None
         if sched.needs_prompt_logprobs:  # only steps that compute prompt positions some request asked about
             mine_prompt_logprobs = prompt_logprobs(self.model, self.batch, step, hidden, self.device)
@@ -206,19 +210,18 @@ class ModelRunner:
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             batch.append_blocks(row_of[rid], block_ids)
 
-    def _num_tokens_run(self, sched: SchedulerOutput) -> int:
-        n = sched.total_num_scheduled_tokens
-        if self.graphs is not None:
-            shape = self.graphs.padded_shape_of(list(sched.num_scheduled_tokens.values()), sched.num_sampled_requests)
-            if shape is not None:
-                return shape[0] * shape[1]
-        return n
+    def _static_shape(self, step: StepBatch, scheds: list[SchedulerOutput]) -> tuple[int, int] | None:
+        """The (padded requests, tokens per request) this step runs at on the static buffers; None: eagerly.
+        Under attention DP every rank takes the one shape (cuda_graph.py), an idle rank included."""
+        if self.graphs is None:
+            return None
+        if self.parallel.dp_size > 1:
+            return self.graphs.common_shape(scheds)
+        return self.graphs.padded_shape(step)
 
-    def _forward(self, step: StepBatch) -> torch.Tensor:
-        if self.graphs is not None:
-            shape = self.graphs.padded_shape(step)
-            if shape is not None:
-                return self.graphs.run(step, self.batch.last_sampled, shape)
+    def _forward(self, step: StepBatch, shape: tuple[int, int] | None) -> torch.Tensor:
+        if self.graphs is not None and shape is not None:
+            return self.graphs.run(step, self.batch.last_sampled, shape)
         dev = self.device
         input_ids = to_device(step.input_ids_host, dev)
         if len(step.placeholder_idx):
@@ -231,6 +234,7 @@ class ModelRunner:
             slot_mappings=[to_device(s, dev) for s in step.slot_mappings],
             block_size=self.block_size,
             dp_num_tokens=step.dp_num_tokens,
+            decode_only=step.decode_only,  # the backends' plans skip their per-sequence scan of the query lengths
         )
         meta.attn_plan = self.kernels.attention.prepare(meta)
         step.meta = meta

@@ -64,10 +64,10 @@ def load_model_runner(
     graph_config = effective_graph_config(config, device)
     sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []
     if graph_config is not None and sizes:
-        # Under attention DP the ranks' padded sizes differ step by step (the MoE gathers every rank's rows): their
-        # steps run on the padded buffers uncaptured. Capture needs backends without host syncs (the Triton ones);
-        # others run the buffers uncaptured.
-        capture = device.type == "cuda" and parallel.dp_size == 1 and kernels.graph_safe
+        # Capture needs backends without host syncs (the Triton ones); others run the buffers uncaptured. Under
+        # attention DP every rank pads to one common size per step (cuda_graph.py), so its MoE collectives have
+        # the captured shapes.
+        capture = device.type == "cuda" and kernels.graph_safe
         target = GraphedModel(
             model,
             kernels.attention,
@@ -77,7 +77,9 @@ def load_model_runner(
             len(runner.kv_groups),
             runner.batch.block_tables[0].shape[1],
         )
-        runner.graphs = DecodeGraphs(target, sizes, graph_config.enable_padding, capture, 1 + runner.k)
+        runner.graphs = DecodeGraphs(
+            target, sizes, graph_config.enable_padding, capture, 1 + runner.k, parallel.dp_size
+        )
         runner.graphs.capture_all()
         startup.mark("graph_capture")
         if runner.drafter is not None:  # every verification then has the static shape

@@ -383,16 +383,21 @@ class Scheduler:
             req.num_placeholders -= 1
             if spec_scheduled and rid in spec_scheduled:
                 self._roll_back(req, len(spec_scheduled[rid]), len(tokens) - 1)
-            done = False
-            for n, token in enumerate(tokens, 1):
-                req.output_token_ids.append(token)
-                req._all_token_ids.append(token)
+            if len(tokens) == 1 and req.grammar is None:  # the common decode step, without the loop's overhead
+                req.output_token_ids.append(tokens[0])
+                req._all_token_ids.append(tokens[0])
                 done = req.check_stop()
-                if not done and req.grammar is not None:
-                    done = self._advance_grammar(req, [token])
-                if done:  # a stop inside an accepted run: the tokens after it are not output
-                    tokens = tokens[:n]
-                    break
+            else:
+                done = False
+                for n, token in enumerate(tokens, 1):
+                    req.output_token_ids.append(token)
+                    req._all_token_ids.append(token)
+                    done = req.check_stop()
+                    if not done and req.grammar is not None:
+                        done = self._advance_grammar(req, [token])
+                    if done:  # a stop inside an accepted run: the tokens after it are not output
+                        tokens = tokens[:n]
+                        break
             if done:
                 self._finish(req, FinishReason.STOP)
             elif drafts_out is not None:

@@ -135,7 +135,9 @@ class Drafter:
                 self._draft_probs[req_ids[i]] = q[: len(drafts[i])]
             else:
                 self._draft_probs.pop(req_ids[i], None)
-        if self.pad_drafts and any(drafts):
+        # Under attention DP a rank pads even when none of its requests drafted: every rank's next step is then a
+        # verification, and the ranks share one static shape (cuda_graph.py's common_shape).
+        if self.pad_drafts and (any(drafts) or (p.dp_size > 1 and eligible)):
             # repeating each request's last token: every request's next step verifies k drafts
             drafts = [d + [row[row[k + 1] - 1]] * (k - len(d)) for d, row in zip(drafts, host)]
         return drafts
