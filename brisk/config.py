@@ -81,6 +81,13 @@ class KvCacheConfig(_Strict):
         gt=0.0,
         le=1.0,
     )
+    host_cache_size: int = option(
+        0,
+        "bytes of host memory (each rank) for prefix-cache KV blocks evicted from the device pool; a later request "
+        "with their prefix gets them copied back instead of recomputed (0: none, evicted blocks are dropped)",
+        trtllm="kv_cache_config.host_cache_size",
+        ge=0,
+    )
     max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
     dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto",
@@ -265,6 +272,18 @@ class EngineConfig(_Strict):
         gt=0.0,
         le=1.0,
     )
+    kv_offloading_size: float | None = option(
+        None,
+        "vLLM's host KV tier size in GiB, summed over the ranks; converted to kv_cache_config.host_cache_size (each "
+        "rank's share, in bytes) at start-up",
+        vllm="kv_offloading_size",
+        ge=0.0,
+    )
+    kv_offloading_backend: Literal["native", "lmcache"] = option(
+        "native",
+        "vLLM's host KV tier implementation: native is brisk's own; lmcache is not available",
+        vllm="kv_offloading_backend",
+    )
     cuda_graph_config: CudaGraphConfig | None = option(
         default_factory=CudaGraphConfig,
         help="CUDA graphs of decode steps (null: none); on a CPU, given explicitly, the same padded static buffers "
@@ -417,6 +436,30 @@ class EngineConfig(_Strict):
             data = {**data, "ep_size": world}
         return data
 
+    @field_validator("kv_offloading_backend")
+    @classmethod
+    def _native_offloading_only(cls, value: str) -> str:
+        if value != "native":
+            raise ValueError(
+                f"brisk has no {value} KV offloading; its own host KV tier serves --kv-offloading-size (give "
+                "--kv-offloading-backend native, or leave it out)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _host_tier_needs_prefix_caching(self) -> EngineConfig:
+        kv = self.kv_cache_config
+        if self.kv_offloading_size is not None and "host_cache_size" in kv.model_fields_set:
+            raise ValueError(
+                "kv_offloading_size and kv_cache_config.host_cache_size both size the host KV tier: give one of them"
+            )
+        if (kv.host_cache_size or self.kv_offloading_size) and not kv.enable_block_reuse:
+            raise ValueError(
+                "the host KV tier keeps prefix-cache blocks: kv_cache_config.host_cache_size / kv_offloading_size "
+                "need kv_cache_config.enable_block_reuse (vLLM: --enable-prefix-caching)"
+            )
+        return self
+
     @field_validator("backend")
     @classmethod
     def _pytorch_only(cls, value: str) -> str:
@@ -543,10 +586,21 @@ class EngineConfig(_Strict):
                     "kv_cache_free_gpu_memory_fraction is a share of GPU memory; on a CPU the KV cache takes that "
                     "share of the available RAM, at most 2 GiB (kv_cache_config.max_blocks sets it exactly)"
                 )
+        kv_changes: dict[str, Any] = {}
         if self.gpu_memory_utilization is not None:
             fraction, note = kv_fraction_for_utilization(self, gpu)
             notes.append(note)
-            changes["kv_cache_config"] = self.kv_cache_config.model_copy(update={"free_gpu_memory_fraction": fraction})
+            kv_changes["free_gpu_memory_fraction"] = fraction
+        if self.kv_offloading_size is not None:  # vLLM's GiB over all ranks -> each rank's bytes
+            per_rank = int(self.kv_offloading_size * 2**30) // self.tp_size
+            notes.append(
+                f"kv_offloading_size {self.kv_offloading_size:g} GiB: kv_cache_config.host_cache_size {per_rank} "
+                f"bytes on each of the {self.tp_size} rank(s)"
+            )
+            kv_changes["host_cache_size"] = per_rank
+            changes["kv_offloading_size"] = None  # converted: the engine process validates the config again
+        if kv_changes:
+            changes["kv_cache_config"] = self.kv_cache_config.model_copy(update=kv_changes)
         if "enable_mixed_sampler" in given:
             notes.append("enable_mixed_sampler: brisk always samples each request with its own parameters")
         if self.trust_remote_code:

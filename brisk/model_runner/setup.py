@@ -55,6 +55,7 @@ def load_model_runner(
         num_blocks = agree_min(num_blocks, cpu_group)
     startup.mark("kv_sizing")
     runner.allocate_kv_cache(num_blocks)
+    runner.allocate_host_kv_cache()
     startup.mark("kv_allocation")
     graph_config = effective_graph_config(config, device)
     sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []

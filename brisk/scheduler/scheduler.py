@@ -312,6 +312,7 @@ class Scheduler:
             scheduled_spec_decode_tokens={r.request_id: d for r, d in spec_tokens.items()} if spec_tokens else {},
             finished_req_ids=finished,
             preempted_req_ids=preempted_ids,
+            kv_block_copies=self.kv.take_copies(),
         )
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
