@@ -25,6 +25,7 @@ from brisk.kv_cache.host_tier import HostTier, KVBlockCopy
 from brisk.kv_cache.manager import NULL_BLOCK, KVCacheManager, KVGroupSpec
 from brisk.model_runner.kv_offload import _runs
 from brisk.server.metrics import ServerMetrics
+from tests.fake_engine import FakeEngine
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -144,6 +145,50 @@ def test_copy_runs_merge_only_consecutive_blocks_in_order():
     assert _runs(copies) == [(True, 3, 0, 2), (True, 9, 2, 1), (False, 0, 5, 2), (True, 6, 3, 1)]
 
 
+# ---- the scheduler with a model-free runner (tests/fake_engine.py: a wrong copy changes the output) ----------
+FULL = [KVGroupSpec((0, 1))]
+HYBRID = [KVGroupSpec((1, 3)), KVGroupSpec((0, 2), sliding_window=6)]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_preempted_requests_come_back_through_the_host_tier(groups, overlap):
+    """A preempted request's computed blocks stay indexed; evicted while it waits, the host tier keeps them, and
+    it resumes with them copied back (swap instead of recompute): outputs exact, every block free at the end."""
+    rng = random.Random(3)
+    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8, overlap=overlap, host_blocks=200)
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
+    reqs = [engine.add(p, 20) for p in prompts]
+    resumed_with_blocks = 0
+    while engine.busy():
+        out = engine.step()
+        resumed_with_blocks += sum(1 for n in out.new_requests if n.resumed and n.num_computed_tokens > 0)
+    assert engine.sched.num_preemptions > 0 and resumed_with_blocks > 0
+    assert engine.kv.host_tier.blocks_to_device > 0
+    for req, prompt in zip(reqs, prompts):
+        assert req.output_token_ids == engine.expected_output(prompt, 20), req.request_id
+    assert engine.kv.pool.num_used == 0 and not engine.kv.tables
+
+
+@pytest.mark.parametrize("host_blocks", [12, 400], ids=["small-tier", "big-tier"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_returning_prefixes_are_copied_back_exactly(groups, overlap, host_blocks):
+    rng = random.Random(5)
+    engine = FakeEngine(groups, num_blocks=40, block_size=4, max_batch_size=3, overlap=overlap, host_blocks=host_blocks)
+    histories = [[rng.randrange(1, 97) for _ in range(10 + i)] for i in range(6)]
+    for _ in range(4):  # turns: each conversation resends its history, plus a new message
+        prompts = [h + [rng.randrange(1, 97) for _ in range(3)] for h in histories]
+        reqs = [engine.add(p, 4) for p in prompts]
+        engine.run()
+        for h, p, req in zip(histories, prompts, reqs):
+            assert req.output_token_ids == engine.expected_output(p, 4), req.request_id
+            h[:] = p + req.output_token_ids
+    host = engine.kv.host_tier
+    assert host.blocks_to_host > 0 and host.blocks_to_device > 0 and engine.kv.host_hits > 0
+    assert engine.kv.pool.num_used == 0 and not engine.kv.tables and not host.pinned
+
+
 # ---- the engine -------------------------------------------------------------------------------------------------
 ENGINE = dict(dtype="float32", tokens_per_block=BS, max_num_tokens=32, seed=0, check_kv_invariants=True)
 SMALL_POOL = {"llama": 40, "gpt_oss": 64}  # far less than the conversations' history (several hundred blocks)
@@ -213,11 +258,14 @@ def test_a_small_host_tier_evicts_and_still_generates_the_same(model):
     with LLM(path, **options) as big:
         expected = _multi_turn(big, turns=3, conversations=8)
         per_block = big.engine.executor.runner.kv_layout.bytes_per_block
-    tier = {"max_blocks": SMALL_POOL[arch], "host_cache_size": 24 * per_block}
+        history = len(big.engine.kv.pool.cached)  # every block the workload indexed (this pool evicted none)
+    num_host = history * 3 // 4
+    tier = {"max_blocks": SMALL_POOL[arch], "host_cache_size": num_host * per_block}
     with LLM(path, **options, kv_cache_config=tier) as tiered:
-        assert tiered.engine.kv.host_tier.num_blocks == 24
+        assert tiered.engine.kv.host_tier.num_blocks == num_host
         assert _multi_turn(tiered, turns=3, conversations=8) == expected
         stats = _end_state(tiered)
+    assert stats.host_bytes_to_host > num_host * per_block  # it took more than it holds: it evicted
     assert stats.host_hits > 0 and stats.num_preemptions > 0
 
 

@@ -40,7 +40,6 @@ class HostTier:
         self.pinned: set[int] = set()  # read by a copy-in not yet handed to the runner
         self.copies: list[KVBlockCopy] = []
         # Cumulative counts for /metrics.
-        self.hit_blocks = 0
         self.blocks_to_host = 0
         self.blocks_to_device = 0
 
@@ -78,14 +77,12 @@ class HostTier:
         self.blocks_to_host += 1
 
     def onboard(self, host_block: int, device_block: int) -> None:
-        """Copy a hit back into a fresh device block; the host block keeps its content (and stays pinned until the
-        copies are taken, so no eviction in the same step reuses it before it is read)."""
+        """Copy a hit back into a fresh device block; the host block keeps its content. The caller pinned it first."""
         self.copies.append(KVBlockCopy(False, device_block, host_block))
         self.blocks_to_device += 1
-        self.hit_blocks += 1
-        self.pin(host_block)
 
     def pin(self, host_block: int) -> None:
+        """Until the copies are taken: no eviction in this step reuses the block before its copy-in reads it."""
         self.lru.pop(host_block, None)
         self.pinned.add(host_block)
 
