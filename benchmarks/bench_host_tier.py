@@ -110,7 +110,9 @@ def main() -> None:
         ),
     }
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    conversations = {name: Conversations(args.conversations, args.first_len, args.user_len, vocab, 0) for name in engines}
+    conversations = {
+        name: Conversations(args.conversations, args.first_len, args.user_len, vocab, 0) for name in engines
+    }
     results: dict[str, list[dict]] = {name: [] for name in engines}
     for turn in range(args.turns):
         for name, llm in engines.items():  # interleaved: the machine's load drift hits both alike

@@ -328,7 +328,9 @@ def test_a_host_tier_beyond_the_ram_or_under_a_block_is_a_start_up_error(model):
 
 def test_host_tier_metrics():
     metrics = ServerMetrics("m")
-    stats = SchedulerStats(host_queries=100, host_hits=40, host_bytes_to_host=4096, host_bytes_to_device=2048, host_usage=0.5)
+    stats = SchedulerStats(
+        host_queries=100, host_hits=40, host_bytes_to_host=4096, host_bytes_to_device=2048, host_usage=0.5
+    )
     metrics.observe_engine(stats)
     text = metrics.render().decode()
     for line in (

@@ -94,7 +94,9 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         hashes = self._block_hashes(req, max_blocks)
-        found = [[self._lookup(BlockKey(g, h, parent, toks)) for h, parent, toks in hashes] for g in range(len(self.groups))]
+        found = [
+            [self._lookup(BlockKey(g, h, parent, toks)) for h, parent, toks in hashes] for g in range(len(self.groups))
+        ]
         limit = max_blocks
         for g, spec in enumerate(self.groups):
             if spec.sliding_window is None:

@@ -185,7 +185,10 @@ class ServerMetrics:
             registry=r,
         )
         self.host_usage = Gauge(
-            "brisk:kv_host_cache_usage_perc", "Fraction of the host KV tier's blocks holding content", labels, registry=r
+            "brisk:kv_host_cache_usage_perc",
+            "Fraction of the host KV tier's blocks holding content",
+            labels,
+            registry=r,
         )
         self.engine_up = Gauge(
             "brisk:engine_up", "1 while the engine-core process runs, 0 once it died", labels, registry=r
