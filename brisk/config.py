@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
@@ -51,6 +51,19 @@ TRTLLM_ATTENTION_BACKENDS = {
     "flashinfer": "auto",
     "flashinfer_star_attention": "auto",
     "vanilla": "torch",
+}
+# Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
+BRISKS_OWN_ONLY = {
+    "backend": (
+        "pytorch",
+        "brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave --backend "
+        "out)",
+    ),
+    "kv_offloading_backend": (
+        "native",
+        "brisk has no {value} KV offloading; its own host KV tier serves --kv-offloading-size (give "
+        "--kv-offloading-backend native, or leave it out)",
+    ),
 }
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -436,16 +449,6 @@ class EngineConfig(_Strict):
             data = {**data, "ep_size": world}
         return data
 
-    @field_validator("kv_offloading_backend")
-    @classmethod
-    def _native_offloading_only(cls, value: str) -> str:
-        if value != "native":
-            raise ValueError(
-                f"brisk has no {value} KV offloading; its own host KV tier serves --kv-offloading-size (give "
-                "--kv-offloading-backend native, or leave it out)"
-            )
-        return value
-
     @model_validator(mode="after")
     def _host_tier_needs_prefix_caching(self) -> EngineConfig:
         kv = self.kv_cache_config
@@ -460,14 +463,13 @@ class EngineConfig(_Strict):
             )
         return self
 
-    @field_validator("backend")
+    @field_validator("backend", "kv_offloading_backend")
     @classmethod
-    def _pytorch_only(cls, value: str) -> str:
-        if value != "pytorch":
-            raise ValueError(
-                f"brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave "
-                "--backend out)"
-            )
+    def _brisks_own_only(cls, value: str, info: ValidationInfo) -> str:
+        """Peers' implementation choices where brisk has only its own: that one, or a clear refusal."""
+        accepted, refusal = BRISKS_OWN_ONLY[info.field_name]
+        if value != accepted:
+            raise ValueError(refusal.format(value=value))
         return value
 
     @field_validator("attn_backend", mode="before")

@@ -25,6 +25,14 @@ class BlockKey:
     token_ids: tuple[int, ...]
 
 
+def verified_lookup(index: dict[tuple[int, int], int], keys: list[BlockKey | None], key: BlockKey) -> int | None:
+    """The block `index` lists for the key's (group, hash), if `keys` says it holds exactly this content."""
+    block_id = index.get((key.group, key.block_hash))
+    if block_id is None or keys[block_id] != key:
+        return None
+    return block_id
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -89,10 +97,7 @@ class BlockPool:
 
     def lookup(self, key: BlockKey) -> int | None:
         """The block holding exactly this content, if cached (tokens and parent verified, not just the hash)."""
-        block_id = self.cached.get((key.group, key.block_hash))
-        if block_id is None or self.keys[block_id] != key:
-            return None
-        return block_id
+        return verified_lookup(self.cached, self.keys, key)
 
     def cache(self, block_id: int, key: BlockKey) -> None:
         if self.keys[block_id] is not None or (key.group, key.block_hash) in self.cached:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from brisk.kv_cache.block_pool import BlockKey
+from brisk.kv_cache.block_pool import BlockKey, verified_lookup
 
 
 class KVBlockCopy(msgspec.Struct, array_like=True, frozen=True):
@@ -52,10 +52,7 @@ class HostTier:
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
     def lookup(self, key: BlockKey) -> int | None:
-        block = self.index.get((key.group, key.block_hash))
-        if block is None or self.keys[block] != key:
-            return None
-        return block
+        return verified_lookup(self.index, self.keys, key)
 
     def offload(self, device_block: int, key: BlockKey) -> None:
         """The device pool evicts `device_block` holding `key`: keep its content here (the LRU host block goes)."""
