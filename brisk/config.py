@@ -109,6 +109,11 @@ class KvCacheConfig(_Strict):
         trtllm="kv_cache_config.dtype",
     )
 
+    @field_validator("host_cache_size", mode="before")
+    @classmethod
+    def _no_host_tier_as_zero(cls, value: Any) -> Any:
+        return 0 if value is None else value  # trtllm's null: no host tier
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _lower_dtype(cls, value: Any) -> Any:

@@ -296,6 +296,8 @@ def test_host_tier_options(tmp_path, caplog):
     yaml_path = tmp_path / "extra.yaml"
     yaml_path.write_text("kv_cache_config:\n  host_cache_size: 1048576\n")
     assert EngineConfig.build("m", yaml_path=yaml_path).kv_cache_config.host_cache_size == 1 << 20
+    yaml_path.write_text("kv_cache_config:\n  host_cache_size: null\n")  # trtllm's default
+    assert EngineConfig.build("m", yaml_path=yaml_path).kv_cache_config.host_cache_size == 0
     caplog.set_level("INFO", logger="brisk.config")
     vllm = EngineConfig.build("m", kv_offloading_size=2.0, kv_offloading_backend="native", tp_size=2, device="cpu")
     assert vllm.kv_cache_config.host_cache_size == 1 << 30 and vllm.kv_offloading_size is None  # each rank's share
