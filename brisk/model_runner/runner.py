@@ -1,6 +1,7 @@
 """ModelRunner: one rank's model, KV cache and persistent batch; a SchedulerOutput in, a launched step out.
 
 One step pipeline, for plain and speculative steps alike (`execute_model`):
+0. the host KV tier's block copies the scheduler decided (kv_offload.py), launched first; the forward waits for them;
 1. update the persistent batch (requests that joined, left or grew; input_batch.py);
 2. lay out the step (layout.py) and advance the batch's computed tokens by it;
 3. forward (on the static buffers / CUDA graphs of cuda_graph.py where the step fits them);
