@@ -322,6 +322,9 @@ def test_host_tier_options(tmp_path, caplog):
 
 def test_a_host_tier_beyond_the_ram_or_under_a_block_is_a_start_up_error(model):
     _, path = model
+    with LLM(path, **ENGINE, kv_offloading_size=0.001, kv_cache_config={"max_blocks": 8}) as vllm_spelling:
+        per_block = vllm_spelling.engine.executor.runner.kv_layout.bytes_per_block
+        assert vllm_spelling.engine.kv.host_tier.num_blocks == int(0.001 * 2**30) // per_block
     with pytest.raises(ConfigError, match="RAM available"):
         LLM(path, **ENGINE, kv_cache_config={"max_blocks": 8, "host_cache_size": 1 << 50})
     with pytest.raises(ConfigError, match="holds no KV block"):
