@@ -472,7 +472,7 @@ class EngineConfig(_Strict):
     @classmethod
     def _brisks_own_only(cls, value: str, info: ValidationInfo) -> str:
         """Peers' implementation choices where brisk has only its own: that one, or a clear refusal."""
-        accepted, refusal = BRISKS_OWN_ONLY[info.field_name]
+        accepted, refusal = BRISKS_OWN_ONLY[str(info.field_name)]
         if value != accepted:
             raise ValueError(refusal.format(value=value))
         return value
