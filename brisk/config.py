@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
@@ -52,6 +52,19 @@ TRTLLM_ATTENTION_BACKENDS = {
     "flashinfer_star_attention": "auto",
     "vanilla": "torch",
 }
+# Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
+BRISKS_OWN_ONLY = {
+    "backend": (
+        "pytorch",
+        "brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave --backend "
+        "out)",
+    ),
+    "kv_offloading_backend": (
+        "native",
+        "brisk has no {value} KV offloading; its own host KV tier serves --kv-offloading-size (give "
+        "--kv-offloading-backend native, or leave it out)",
+    ),
+}
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_SKIP_LAYER_TYPES = ("sliding_window",)  # vLLM's --kv-cache-dtype-skip-layers layer types
 
@@ -82,6 +95,13 @@ class KvCacheConfig(_Strict):
         gt=0.0,
         le=1.0,
     )
+    host_cache_size: int = option(
+        0,
+        "bytes of host memory (each rank) for prefix-cache KV blocks evicted from the device pool; a later request "
+        "with their prefix gets them copied back instead of recomputed (0: none, evicted blocks are dropped)",
+        trtllm="kv_cache_config.host_cache_size",
+        ge=0,
+    )
     max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
     dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto",
@@ -92,11 +112,17 @@ class KvCacheConfig(_Strict):
     )
     dtype_skip_layers: list[str] = option(
         default_factory=list,
-        help="layer types whose KV stays in the model's dtype under an FP8 KV cache: sliding_window",
+        help="layer types whose KV stays in the model's dtype under an FP8 KV cache: sliding_window (brisk's KV "
+        "groups share one block layout, so a model with such layers keeps its whole cache in its dtype)",
         vllm="kv_cache_dtype_skip_layers",
         nargs="+",
         metavar="LAYER_TYPE",
     )
+
+    @field_validator("host_cache_size", mode="before")
+    @classmethod
+    def _no_host_tier_as_zero(cls, value: Any) -> Any:
+        return 0 if value is None else value  # trtllm's null: no host tier
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -289,6 +315,18 @@ class EngineConfig(_Strict):
         gt=0.0,
         le=1.0,
     )
+    kv_offloading_size: float | None = option(
+        None,
+        "vLLM's host KV tier size in GiB, summed over the ranks; converted to kv_cache_config.host_cache_size (each "
+        "rank's share, in bytes) at start-up",
+        vllm="kv_offloading_size",
+        ge=0.0,
+    )
+    kv_offloading_backend: Literal["native", "lmcache"] = option(
+        "native",
+        "vLLM's host KV tier implementation: native is brisk's own; lmcache is not available",
+        vllm="kv_offloading_backend",
+    )
     cuda_graph_config: CudaGraphConfig | None = option(
         default_factory=CudaGraphConfig,
         help="CUDA graphs of decode steps (null: none); on a CPU, given explicitly, the same padded static buffers "
@@ -441,14 +479,27 @@ class EngineConfig(_Strict):
             data = {**data, "ep_size": world}
         return data
 
-    @field_validator("backend")
-    @classmethod
-    def _pytorch_only(cls, value: str) -> str:
-        if value != "pytorch":
+    @model_validator(mode="after")
+    def _host_tier_needs_prefix_caching(self) -> EngineConfig:
+        kv = self.kv_cache_config
+        if self.kv_offloading_size is not None and "host_cache_size" in kv.model_fields_set:
             raise ValueError(
-                f"brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave "
-                "--backend out)"
+                "kv_offloading_size and kv_cache_config.host_cache_size both size the host KV tier: give one of them"
             )
+        if (kv.host_cache_size or self.kv_offloading_size) and not kv.enable_block_reuse:
+            raise ValueError(
+                "the host KV tier keeps prefix-cache blocks: kv_cache_config.host_cache_size / kv_offloading_size "
+                "need kv_cache_config.enable_block_reuse (vLLM: --enable-prefix-caching)"
+            )
+        return self
+
+    @field_validator("backend", "kv_offloading_backend")
+    @classmethod
+    def _brisks_own_only(cls, value: str, info: ValidationInfo) -> str:
+        """Peers' implementation choices where brisk has only its own: that one, or a clear refusal."""
+        accepted, refusal = BRISKS_OWN_ONLY[str(info.field_name)]
+        if value != accepted:
+            raise ValueError(refusal.format(value=value))
         return value
 
     @field_validator("attn_backend", mode="before")
@@ -567,10 +618,21 @@ class EngineConfig(_Strict):
                     "kv_cache_free_gpu_memory_fraction is a share of GPU memory; on a CPU the KV cache takes that "
                     "share of the available RAM, at most 2 GiB (kv_cache_config.max_blocks sets it exactly)"
                 )
+        kv_changes: dict[str, Any] = {}
         if self.gpu_memory_utilization is not None:
             fraction, note = kv_fraction_for_utilization(self, gpu)
             notes.append(note)
-            changes["kv_cache_config"] = self.kv_cache_config.model_copy(update={"free_gpu_memory_fraction": fraction})
+            kv_changes["free_gpu_memory_fraction"] = fraction
+        if self.kv_offloading_size is not None:  # vLLM's GiB over all ranks -> each rank's bytes
+            per_rank = int(self.kv_offloading_size * 2**30) // self.tp_size
+            notes.append(
+                f"kv_offloading_size {self.kv_offloading_size:g} GiB: kv_cache_config.host_cache_size {per_rank} "
+                f"bytes on each of the {self.tp_size} rank(s)"
+            )
+            kv_changes["host_cache_size"] = per_rank
+            changes["kv_offloading_size"] = None  # converted: the engine process validates the config again
+        if kv_changes:
+            changes["kv_cache_config"] = self.kv_cache_config.model_copy(update=kv_changes)
         if "enable_mixed_sampler" in given:
             notes.append("enable_mixed_sampler: brisk always samples each request with its own parameters")
         if self.trust_remote_code:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+from brisk.kv_cache.host_tier import HostTier
 from brisk.kv_cache.manager import KVCacheManager, KVGroupSpec
 from brisk.sampling_params import SamplingParams
 from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -54,14 +55,17 @@ class FakeEngine:
         chunked=True,
         prefix_caching=True,
         overlap=False,
+        host_blocks=0,
     ):
-        self.kv = KVCacheManager(groups, num_blocks, block_size, prefix_caching)
+        host = HostTier(host_blocks, bytes_per_block=1) if host_blocks else None
+        self.kv = KVCacheManager(groups, num_blocks, block_size, prefix_caching, host)
         self.sched = Scheduler(self.kv, max_batch_size, max_num_tokens, chunked)
         self.groups = groups
         self.block_size = block_size
         self.overlap = overlap
         # One "tensor" per group; a slot holds (position, token id) so reading a wrong slot shows.
         self.cache = [dict() for _ in groups]
+        self.host_cache = [dict() for _ in groups]  # the host KV tier's blocks, the same way
         self.ids = itertools.count()
         self.finished: list[Request] = []
         self.rows: dict[str, _FakeRow] = {}
@@ -87,6 +91,15 @@ class FakeEngine:
 
     def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The fake model runner: only what the SchedulerOutput says."""
+        bs = self.block_size
+        for copy in out.kv_block_copies:  # before the step, in order, as the model runner does
+            for device, host in zip(self.cache, self.host_cache):
+                src, dst = (device, host) if copy.to_host else (host, device)
+                s0, d0 = (copy.device_block, copy.host_block) if copy.to_host else (copy.host_block, copy.device_block)
+                for o in range(bs):
+                    dst.pop(d0 * bs + o, None)
+                    if s0 * bs + o in src:
+                        dst[d0 * bs + o] = src[s0 * bs + o]
         for rid in out.finished_req_ids:
             self.rows.pop(rid, None)
             self.preempted.pop(rid, None)

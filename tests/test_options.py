@@ -555,6 +555,12 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{DROPIN}::test_vllm_command_serves",
     ],
     "kv_cache_config.tokens_per_block": [f"{HERE}::test_max_model_len_and_block_size"],
+    "kv_cache_config.host_cache_size": [
+        "tests/test_kv_host_tier.py::test_host_tier_options",
+        "tests/test_kv_host_tier.py::test_multi_turn_beyond_the_device_pool_is_served_from_the_host_tier",
+    ],
+    "kv_offloading_size": ["tests/test_kv_host_tier.py::test_host_tier_options"],
+    "kv_offloading_backend": ["tests/test_kv_host_tier.py::test_host_tier_options"],
     "kv_cache_config.free_gpu_memory_fraction": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
     "kv_cache_config.max_blocks": [f"{HERE}::test_kv_memory_share_and_fixed_blocks"],
     "kv_cache_config.dtype": [

@@ -21,6 +21,7 @@ from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
 from brisk.errors import InvalidRequest
 from brisk.host import resolve_device
+from brisk.kv_cache.host_tier import HostTier
 from brisk.kv_cache.manager import KVCacheManager
 from brisk.model_runner.interface import StepHandle
 from brisk.scheduler.output import FinishReason, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
@@ -66,7 +67,8 @@ class EngineCore:
         self.kv_managers: list[KVCacheManager] = []
         self.schedulers: list[Scheduler] = []
         for _ in range(spec.dp_size):
-            kv = KVCacheManager(spec.groups, spec.num_blocks, spec.block_size, config.enable_prefix_caching)
+            host = HostTier(spec.num_host_blocks, spec.host_bytes_per_block) if spec.num_host_blocks else None
+            kv = KVCacheManager(spec.groups, spec.num_blocks, spec.block_size, config.enable_prefix_caching, host)
             self.kv_managers.append(kv)
             self.schedulers.append(
                 Scheduler(
@@ -90,11 +92,12 @@ class EngineCore:
             config.grammar_max_json_whitespace,
         )
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_seq_len %d, overlap scheduling %s",
+            "engine ready: %s on %s, %d KV blocks of %d tokens%s, max_seq_len %d, overlap scheduling %s",
             self.model_config.architecture,
             self.device,
             self.num_kv_blocks,
             config.block_size,
+            f" (+ {spec.num_host_blocks} in host memory)" if spec.num_host_blocks else "",
             self.max_seq_len,
             "on" if self.overlap else "off",
         )
@@ -124,6 +127,20 @@ class EngineCore:
             sum(s.spec_stats.num_draft_tokens for s in scheds),
             sum(s.spec_stats.num_accepted_tokens for s in scheds),
             tuple(map(sum, zip(*(s.spec_stats.accepted_per_pos for s in scheds)))),
+            *self._host_tier_stats(),
+        )
+
+    def _host_tier_stats(self) -> tuple[int, int, int, int, float]:
+        """Host KV tier: tokens looked up, tokens it gave back, bytes to host, bytes to the device, its usage."""
+        tiers = [(kv, kv.host_tier) for kv in self.kv_managers if kv.host_tier is not None]
+        if not tiers:
+            return 0, 0, 0, 0, 0.0
+        return (
+            sum(kv.prefix_queries for kv, _ in tiers),
+            sum(kv.host_hits for kv, _ in tiers),
+            sum(t.blocks_to_host * t.bytes_per_block for _, t in tiers),
+            sum(t.blocks_to_device * t.bytes_per_block for _, t in tiers),
+            sum(t.usage for _, t in tiers) / len(tiers),
         )
 
     def shutdown(self) -> None:

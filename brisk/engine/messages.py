@@ -89,6 +89,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Host KV tier (kv_cache_config.host_cache_size), cumulative: prompt tokens looked up with it on, tokens whose
+    # KV it gave back, bytes copied to host and back; and the share of its blocks holding content.
+    host_queries: int = 0
+    host_hits: int = 0
+    host_bytes_to_host: int = 0
+    host_bytes_to_device: int = 0
+    host_usage: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

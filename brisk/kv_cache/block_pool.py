@@ -2,12 +2,14 @@
 
 Block 0 is the null block: never handed out, it pads block tables. Every other block is either in
 the free queue (ref_cnt 0; it may still hold cached content until it is reused) or in use (ref_cnt
-> 0), so `num_free + num_used == num_usable` always holds.
+> 0), so `num_free + num_used == num_usable` always holds. With a host tier (host_tier.py), cached
+content a reuse evicts is handed to it first (`on_evict`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NULL_BLOCK = 0
@@ -23,6 +25,14 @@ class BlockKey:
     token_ids: tuple[int, ...]
 
 
+def verified_lookup(index: dict[tuple[int, int], int], keys: list[BlockKey | None], key: BlockKey) -> int | None:
+    """The block `index` lists for the key's (group, hash), if `keys` says it holds exactly this content."""
+    block_id = index.get((key.group, key.block_hash))
+    if block_id is None or keys[block_id] != key:
+        return None
+    return block_id
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -35,6 +45,8 @@ class BlockPool:
         # LRU order: allocation pops from the front, so cached content freed longest ago goes first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
+        # Called with each block whose cached content a reuse evicts, before it goes (the host tier's offload).
+        self.on_evict: Callable[[int, BlockKey], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -54,6 +66,9 @@ class BlockPool:
         ids = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
+            key = self.keys[block_id]
+            if key is not None and self.on_evict is not None:
+                self.on_evict(block_id, key)
             self._uncache(block_id)
             self.ref_cnt[block_id] = 1
             ids.append(block_id)
@@ -82,10 +97,7 @@ class BlockPool:
 
     def lookup(self, key: BlockKey) -> int | None:
         """The block holding exactly this content, if cached (tokens and parent verified, not just the hash)."""
-        block_id = self.cached.get((key.group, key.block_hash))
-        if block_id is None or self.keys[block_id] != key:
-            return None
-        return block_id
+        return verified_lookup(self.cached, self.keys, key)
 
     def cache(self, block_id: int, key: BlockKey) -> None:
         if self.keys[block_id] is not None or (key.group, key.block_hash) in self.cached:

@@ -8,6 +8,10 @@ gpt-oss's layers cost O(window) memory instead of O(context).
 
 Prefix caching hashes each full block by (parent hash, token ids); a hit is verified against the
 stored tokens. A hit must leave at least one token to compute (its logits are needed).
+
+Host tier (host_tier.py, `kv_cache_config.host_cache_size`): cached blocks the pool evicts are copied to host
+memory; a prefix block found there (and not on the device) counts as found, and admission copies it back into a
+fresh device block, indexed again. The scheduler sees a host hit exactly as a device hit.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from brisk.kv_cache.block_pool import NULL_BLOCK, BlockKey, BlockPool
+from brisk.kv_cache.host_tier import HostTier, KVBlockCopy
 
 
 class KVRequest(Protocol):
@@ -38,7 +43,9 @@ class KVGroupSpec:
 @dataclass
 class PrefixHit:
     num_tokens: int
-    blocks: list[list[int]]  # per group; the null block where a sliding window needs nothing
+    # Per group; the null block where a sliding window needs nothing; -1 - h: host block h (host tier), copied into
+    # a fresh device block at admission.
+    blocks: list[list[int]]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,11 +53,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[KVGroupSpec], num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(
+        self,
+        groups: list[KVGroupSpec],
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        host_tier: HostTier | None = None,
+    ):
         self.groups = groups
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host_tier = host_tier if enable_prefix_caching else None
+        if self.host_tier is not None:
+            self.pool.on_evict = self.host_tier.offload
         self._no_sliding = all(g.sliding_window is None for g in groups)
         self._next_release: dict[str, int] = {}  # sliding windows: when a request next has a block to release
         self.tables: dict[str, list[list[int]]] = {}
@@ -58,6 +75,7 @@ class KVCacheManager:
         self._hashes: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.host_hits = 0  # prompt tokens whose KV the host tier gave back (admitted requests only)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -77,8 +95,7 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // bs
         hashes = self._block_hashes(req, max_blocks)
         found = [
-            [self.pool.lookup(BlockKey(g, h, parent, toks)) for h, parent, toks in hashes]
-            for g in range(len(self.groups))
+            [self._lookup(BlockKey(g, h, parent, toks)) for h, parent, toks in hashes] for g in range(len(self.groups))
         ]
         limit = max_blocks
         for g, spec in enumerate(self.groups):
@@ -97,6 +114,15 @@ class KVCacheManager:
                 self.prefix_hits += n * bs
                 return PrefixHit(n * bs, blocks)
         return empty
+
+    def _lookup(self, key: BlockKey) -> int | None:
+        """The device block holding `key`, else -1 - h for host block h holding it, else None."""
+        block = self.pool.lookup(key)
+        if block is None and self.host_tier is not None:
+            host = self.host_tier.lookup(key)
+            if host is not None:
+                return -1 - host
+        return block
 
     def _first_needed_block(self, spec: KVGroupSpec, num_computed: int) -> int:
         """First block index the next query (at position num_computed) still reads."""
@@ -155,20 +181,44 @@ class KVCacheManager:
         total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
         needed = [max(0, total_blocks - len(t)) for t in tables]
         reused_free = 0
-        if hit is not None:
-            reused_free = sum(1 for t in tables for b in t if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
+        if hit is not None:  # its device blocks still in the free queue, and its host blocks (each a fresh block)
+            reused_free = sum(1 for t in tables for b in t if b < 0 or (b != NULL_BLOCK and self.pool.ref_cnt[b] == 0))
         if sum(needed) + reused_free > self.pool.num_free:
             return False
         if hit is not None:
             for t in tables:
                 for b in t:
-                    if b != NULL_BLOCK:
+                    if b > NULL_BLOCK:
                         self.pool.touch(b)
+            self._onboard(req, tables)
             self.tables[rid] = tables
             self.num_cached_blocks[rid] = hit.num_tokens // self.block_size
         for t, n in zip(tables, needed):
             t.extend(self.pool.allocate(n))
         return True
+
+    def _onboard(self, req: KVRequest, tables: list[list[int]]) -> None:
+        """Replace a hit's host blocks by fresh device blocks, their copies decided and the blocks indexed."""
+        host = self.host_tier
+        if host is None or not any(b < 0 for t in tables for b in t):
+            return
+        for t in tables:  # pinned first: the evictions of the allocations below must not reuse them
+            for b in t:
+                if b < 0:
+                    host.pin(-1 - b)
+        self.host_hits += self.block_size * sum(any(t[i] < 0 for t in tables) for i in range(len(tables[0])))
+        hashes = self._block_hashes(req, len(tables[0]))
+        for g, t in enumerate(tables):
+            for i, b in enumerate(t):
+                if b < 0:
+                    (block,) = self.pool.allocate(1)
+                    host.onboard(-1 - b, block)
+                    self.pool.cache(block, BlockKey(g, *hashes[i]))
+                    t[i] = block
+
+    def take_copies(self) -> list[KVBlockCopy]:
+        """The host-tier copies decided since the last call, in order: the next step that runs does them first."""
+        return self.host_tier.take_copies() if self.host_tier is not None else []
 
     def _next_release_at(self, num_computed: int) -> int:
         """The computed-token count at which some sliding group's window next leaves a whole block behind."""
@@ -212,6 +262,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Pool consistency plus: every block reference is held by exactly one table entry."""
         self.pool.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         refs: dict[int, int] = {}
         for tables in self.tables.values():
             for table in tables:

@@ -43,6 +43,8 @@ class KVCacheSpec:
     dp_size: int  # one KV pool (and scheduler) per attention-DP rank
     spec_lookahead_slots: int = 0  # KV slots past a request's tokens its drafter writes (spec_decode/proposer.py)
     kv_dtypes: tuple[torch.dtype, ...] = ()  # per group: the dtype its K and V are stored in
+    num_host_blocks: int = 0  # the host KV tier's blocks (kv_cache_config.host_cache_size; 0: none)
+    host_bytes_per_block: int = 0  # bytes one block copy moves (all ranks holding a share of the pool)
 
 
 class StepHandle(Protocol):

@@ -6,15 +6,17 @@ bytes are `num_slots * 2 * block_size * kv_heads * head_dim * dtype`, plus a dra
 same blocks. `allocate_kv_cache` binds the tensors to the attention layers (and the drafter's).
 
 Each group stores its K and V in one dtype (`kv_group_dtypes`): the model's, or FP8 E4M3 (kv_cache_config.dtype,
-layers/kv_fp8.py) except for the layer types kv_cache_config.dtype_skip_layers keeps in the model's dtype. A slot
-tensor is raw bytes sized for the widest group that uses it; each group views it in its own dtype. So FP8 halves a
-block's bytes where every group is FP8; where a skipped group has as many layers as an FP8 one (gpt-oss: 12
-sliding, 12 full), the block keeps its size (the skipped group's half of the slots sets it) and only accuracy
-differs.
+layers/kv_fp8.py). Groups share the slot tensors, so they share one dtype: a block id's bytes in slot j belong to
+whichever group holds that block, and two dtypes would put block b of one group over other blocks of the other.
+So kv_cache_config.dtype_skip_layers (vLLM's `--kv-cache-dtype-skip-layers sliding_window`) keeps a hybrid model's
+whole cache in the model's dtype (a start-up warning says so; FP8 on the full-attention half alone would add its
+error without saving a byte, the sliding half's slots setting the block size), and changes nothing on a model
+whose layers are of one type it does not name.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 from brisk.model_runner.memory import available_host_memory
 from brisk.spec_decode.proposer import Proposer
 
+logger = logging.getLogger("brisk.model_runner.setup")
 CPU_KV_CACHE_CAP_BYTES = 2 << 30  # a CPU box runs small models; never take more than this by default
 GIB = 1 << 30
 
@@ -33,12 +36,19 @@ GIB = 1 << 30
 def kv_group_dtypes(
     kv_config: KvCacheConfig, model_dtype: torch.dtype, groups: list[KVGroupSpec]
 ) -> tuple[torch.dtype, ...]:
-    """Per KV group, the dtype its K and V are stored in: FP8 E4M3 under an FP8 KV cache except the layer types
-    dtype_skip_layers names (sliding_window), else the model's dtype."""
+    """Per KV group, the dtype its K and V are stored in: FP8 E4M3 under an FP8 KV cache, else the model's dtype;
+    one dtype for all groups (they share the slot tensors)."""
     if not kv_config.fp8:
         return (model_dtype,) * len(groups)
     skip_sliding = "sliding_window" in kv_config.dtype_skip_layers
-    return tuple(model_dtype if g.sliding_window and skip_sliding else FP8_KV_DTYPE for g in groups)
+    if skip_sliding and any(g.sliding_window for g in groups):
+        logger.warning(
+            "kv_cache_dtype_skip_layers sliding_window: this model's KV groups share one block layout, so its whole "
+            "KV cache stays in the model's dtype (%s); FP8 KV is off",
+            model_dtype,
+        )
+        return (model_dtype,) * len(groups)
+    return (FP8_KV_DTYPE,) * len(groups)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,10 @@ class KVTensorLayout:
     draft_bytes_per_block: int = 0  # a drafter's own KV in the same blocks
     group_dtypes: tuple[torch.dtype, ...] = ()  # per group: its K / V storage dtype (empty: the model's)
 
+    def __post_init__(self) -> None:
+        if len(set(self.kv_dtypes)) > 1:  # kv_group_dtypes never asks for it: see the module's docstring
+            raise ValueError(f"KV groups sharing slot tensors need one dtype, not {self.kv_dtypes}")
+
     @property
     def num_slots(self) -> int:
         return max(len(g.layer_ids) for g in self.groups)
@@ -60,9 +74,8 @@ class KVTensorLayout:
         return self.group_dtypes or (self.dtype,) * len(self.groups)
 
     def slot_bytes_per_block(self, slot: int) -> int:
-        """Bytes of one block of slot tensor `slot` (K or V): the widest dtype of the groups that use it."""
-        elt = max(d.itemsize for g, d in zip(self.groups, self.kv_dtypes) if len(g.layer_ids) > slot)
-        return self.block_size * self.num_kv_heads * self.head_dim * elt
+        """Bytes of one block of slot tensor `slot` (K or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtypes[0].itemsize
 
     @property
     def bytes_per_block(self) -> int:

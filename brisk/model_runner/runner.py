@@ -1,6 +1,7 @@
 """ModelRunner: one rank's model, KV cache and persistent batch; a SchedulerOutput in, a launched step out.
 
 One step pipeline, for plain and speculative steps alike (`execute_model`):
+0. the host KV tier's block copies the scheduler decided (kv_offload.py), launched first; the forward waits for them;
 1. update the persistent batch (requests that joined, left or grew; input_batch.py);
 2. lay out the step (layout.py) and advance the batch's computed tokens by it;
 3. forward (on the static buffers / CUDA graphs of cuda_graph.py where the step fits them);
@@ -24,6 +25,7 @@ from brisk.model_runner.binding import Kernels
 from brisk.model_runner.cuda_graph import DecodeGraphs
 from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
 from brisk.model_runner.interface import KVCacheSpec, kv_groups_for
+from brisk.model_runner.kv_offload import HostKVCache
 from brisk.model_runner.kv_tensors import KVTensorLayout, allocate_kv_cache, kv_group_dtypes, release_kv_cache
 from brisk.model_runner.layout import StepBatch, lay_out_step
 from brisk.model_runner.prompt_logprobs import prompt_logprobs
@@ -84,6 +86,7 @@ class ModelRunner:
             kv_group_dtypes(config.kv_cache_config, model_config.dtype, self.kv_groups),
         )
         self.num_blocks = 0  # set by allocate_kv_cache (setup.py)
+        self.host_kv: HostKVCache | None = None  # the host KV tier (kv_cache_config.host_cache_size; setup.py)
         self.graphs: DecodeGraphs | None = None  # set by setup.py where cuda_graph_config is in effect
         self._previous: StepResult | None = None  # the step launched last (its tokens may be on the device still)
 
@@ -96,11 +99,29 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         release_kv_cache(self.attn_layers)
 
+    def allocate_host_kv_cache(self) -> None:
+        """The host tier for the KV pool allocated last, where kv_cache_config.host_cache_size asks for one."""
+        size = self.config.kv_cache_config.host_cache_size
+        if size and self.config.enable_prefix_caching:
+            draft_kv = self.drafter.proposer.kv_caches() if self.drafter is not None else []
+            self.host_kv = HostKVCache.for_layers(self.attn_layers, draft_kv, size, self.device)
+
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         lookahead = self.drafter.proposer.lookahead_slots() if self.drafter is not None else 0
+        host = self.host_kv
         return KVCacheSpec(
-            self.kv_groups, self.num_blocks, self.block_size, self.parallel.dp_size, lookahead, self.kv_layout.kv_dtypes
+            self.kv_groups,
+            self.num_blocks,
+            self.block_size,
+            self.parallel.dp_size,
+            lookahead,
+            self.kv_layout.kv_dtypes,
+            num_host_blocks=host.num_blocks if host is not None else 0,
+            # a block's bytes on every rank holding a share of this pool (TP ranks split the KV heads)
+            host_bytes_per_block=host.bytes_per_block * self.parallel.world_size // self.parallel.dp_size
+            if host is not None
+            else 0,
         )
 
     # ---- one step ------------------------------------------------------------------------------
@@ -112,6 +133,8 @@ class ModelRunner:
         for the drafter)."""
         p = self.parallel
         sched = scheds[p.dp_rank]
+        if sched.kv_block_copies and self.host_kv is not None:  # host tier: before the forward (it waits for them)
+            self.host_kv.start(sched.kv_block_copies)
         # 1. the persistent batch
         self._update_batch(sched)
         # 2. the step's layout; the batch's computed tokens advance by it
@@ -220,6 +243,8 @@ class ModelRunner:
         return self.graphs.padded_shape(step)
 
     def _forward(self, step: StepBatch, shape: tuple[int, int] | None) -> torch.Tensor:
+        if self.host_kv is not None:
+            self.host_kv.wait()
         if self.graphs is not None and shape is not None:
             return self.graphs.run(step, self.batch.last_sampled, shape)
         dev = self.device

@@ -59,6 +59,7 @@ def load_model_runner(
         num_blocks = agree_min(num_blocks, cpu_group)
     startup.mark("kv_sizing")
     runner.allocate_kv_cache(num_blocks)
+    runner.allocate_host_kv_cache()
     logger.info("%s", runner.kv_layout.describe(num_blocks))
     startup.mark("kv_allocation")
     graph_config = effective_graph_config(config, device)

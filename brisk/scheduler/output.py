@@ -14,6 +14,7 @@ import enum
 
 import msgspec
 
+from brisk.kv_cache.host_tier import KVBlockCopy
 from brisk.sampling_params import SamplingParams
 
 
@@ -77,6 +78,9 @@ class SchedulerOutput(msgspec.Struct):
     grammar_bitmask: bytes = b""
     # With drafts, a request has a row per verified position: the position (0 = its next token) of each row.
     grammar_positions: list[int] = []  # empty: every row is position 0
+    # Host KV tier: blocks copied between the device pool and host memory before this step's forward, in this order
+    # (evictions to host, host hits back to fresh device blocks; kv_cache/host_tier.py).
+    kv_block_copies: list[KVBlockCopy] = []
 
     def __bool__(self) -> bool:
         return self.total_num_scheduled_tokens > 0

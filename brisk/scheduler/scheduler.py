@@ -4,7 +4,7 @@ Every step hands out a token budget (`max_num_tokens`): running requests first (
 token, an unfinished prefill its next chunk), then waiting requests by (priority, arrival) while
 blocks and batch slots last. When the pool runs dry a running request is preempted by recompute:
 its blocks are freed and it re-enters the waiting queue with `num_computed_tokens = 0` (a prefix-cache
-hit may give much of it back). Prefill, chunked prefill, prefix hits and preemption need no other
+hit may give much of it back; with the host KV tier, blocks evicted while it waited come back from host memory). Prefill, chunked prefill, prefix hits and preemption need no other
 state than that counter.
 
 Speculative decoding: a decoding request's drafts (`spec_token_ids`, proposed by the runner with the last step's
@@ -312,6 +312,7 @@ class Scheduler:
             scheduled_spec_decode_tokens={r.request_id: d for r, d in spec_tokens.items()} if spec_tokens else {},
             finished_req_ids=finished,
             preempted_req_ids=preempted_ids,
+            kv_block_copies=self.kv.take_copies(),
         )
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:

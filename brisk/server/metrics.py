@@ -164,6 +164,32 @@ class ServerMetrics:
             "brisk:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
         )
         self.preemptions = Counter("brisk:num_preemptions", "Requests preempted (recomputed)", labels, registry=r)
+        # The host KV tier (kv_cache_config.host_cache_size): vLLM's names for prefix hits served from outside the
+        # device pool, the bytes copied each way, and its usage.
+        self.host_queries = Counter(
+            "brisk:external_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache with the host KV tier on",
+            labels,
+            registry=r,
+        )
+        self.host_hits = Counter(
+            "brisk:external_prefix_cache_hits",
+            "Prompt tokens whose KV the host KV tier gave back (copied to the device, not recomputed)",
+            labels,
+            registry=r,
+        )
+        self.host_bytes = Counter(
+            "brisk:kv_offload_bytes",
+            "Bytes of KV blocks copied between the device pool and the host KV tier",
+            labels + ["direction"],
+            registry=r,
+        )
+        self.host_usage = Gauge(
+            "brisk:kv_host_cache_usage_perc",
+            "Fraction of the host KV tier's blocks holding content",
+            labels,
+            registry=r,
+        )
         self.engine_up = Gauge(
             "brisk:engine_up", "1 while the engine-core process runs, 0 once it died", labels, registry=r
         )
@@ -294,6 +320,15 @@ class ServerMetrics:
         for pos, total in enumerate(stats.spec_accepted_per_pos):
             key = f"accepted_pos_{pos}"
             self.spec_accepted_per_pos.labels(m, str(pos)).inc(max(0, total - self._last_totals.get(key, 0)))
+            self._last_totals[key] = max(total, self._last_totals.get(key, 0))
+        self.host_usage.labels(m).set(stats.host_usage)
+        for key, total, child in (
+            ("host_queries", stats.host_queries, self.host_queries.labels(m)),
+            ("host_hits", stats.host_hits, self.host_hits.labels(m)),
+            ("host_bytes_to_host", stats.host_bytes_to_host, self.host_bytes.labels(m, "to_host")),
+            ("host_bytes_to_device", stats.host_bytes_to_device, self.host_bytes.labels(m, "to_device")),
+        ):
+            child.inc(max(0, total - self._last_totals.get(key, 0)))
             self._last_totals[key] = max(total, self._last_totals.get(key, 0))
 
     def observe_client(self, num_in_flight: int, num_coalesced_deltas: int) -> None:

@@ -55,6 +55,9 @@ class Eagle3Proposer:
     def lookahead_slots(self) -> int:
         return self.k
 
+    def kv_caches(self) -> list[torch.Tensor]:
+        return [self.head.attn.k_cache, self.head.attn.v_cache]
+
     def bind_kv(self, num_blocks: int, block_size: int, device: torch.device) -> None:
         """The draft layer's KV cache, and the target's attention backend and CPU kernels (bound by now)."""
         attn = self.head.attn

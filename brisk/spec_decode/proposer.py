@@ -73,6 +73,10 @@ class Proposer(Protocol):
 
     def bind_kv(self, num_blocks: int, block_size: int, device: torch.device) -> None: ...
 
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The draft KV tensors bound by bind_kv (block-major, like the target's): the host KV tier copies them too."""
+        ...
+
     def lookahead_slots(self) -> int:
         """KV slots past a request's tokens its next drafting writes (0 for a drafter without KV)."""
         ...
@@ -88,6 +92,9 @@ class ModelFreeProposer:
 
     def bind_kv(self, num_blocks: int, block_size: int, device: torch.device) -> None:
         pass
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        return []
 
     def lookahead_slots(self) -> int:
         return 0

@@ -1,0 +1,350 @@
+"""The host KV tier (kv_cache_config.host_cache_size / vLLM's --kv-offloading-size).
+
+The books (KVCacheManager + HostTier) are checked on simulated memory: every block's content is the tokens it
+should hold, each step's copies are applied in their order, and every block a hit hands out must then hold
+exactly its tokens, under random workloads with shared prefixes, a pool far too small, a host tier that evicts too,
+and a sliding-window group. The engine is checked end to end on tiny Llama and gpt-oss (two KV groups: full and
+sliding window): a multi-turn workload that overflows a small device pool generates exactly what a pool holding
+everything does, with blocks served from the host tier, KV invariants checked every step, every device block free
+at the end; with overlap scheduling and concurrent requests too; a tier of 0 is today's engine.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from brisk import LLM, SamplingParams
+from brisk.cli import build_parser
+from brisk.config import OPTIONS, ConfigError, EngineConfig, build_serve_configs
+from brisk.engine.messages import SchedulerStats
+from brisk.kv_cache.host_tier import HostTier, KVBlockCopy
+from brisk.kv_cache.manager import NULL_BLOCK, KVCacheManager, KVGroupSpec
+from brisk.model_runner.kv_offload import _runs
+from brisk.server.metrics import ServerMetrics
+from tests.fake_engine import FakeEngine
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+BS = 4
+DEMO = str(Path(__file__).resolve().parents[1] / "brisk" / "demo_model")
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    tokens: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.tokens
+
+
+@dataclass
+class Memory:
+    """Simulated KV memory: what each device and host block holds (group, its tokens)."""
+
+    device: dict[int, tuple] = field(default_factory=dict)
+    host: dict[int, tuple] = field(default_factory=dict)
+
+    def apply(self, copies: list[KVBlockCopy]) -> None:
+        for c in copies:
+            if c.to_host:
+                self.host[c.host_block] = self.device.get(c.device_block)
+            else:
+                self.device[c.device_block] = self.host.get(c.host_block)
+
+
+def _content(req: FakeRequest, g: int, i: int) -> tuple:
+    return (g, tuple(req.tokens[: (i + 1) * BS]))  # a block's KV depends on every token up to its end
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
+def test_every_hit_reads_the_right_content(seed, sliding):
+    rng = random.Random(seed)
+    groups = [KVGroupSpec((0,))] + ([KVGroupSpec((1,), sliding_window=8)] if sliding else [])
+    host = HostTier(num_blocks=rng.choice([6, 20, 200]), bytes_per_block=100)
+    kv = KVCacheManager(groups, num_blocks=24, block_size=BS, enable_prefix_caching=True, host_tier=host)
+    mem = Memory()
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(5)]
+    live: list[FakeRequest] = []
+    ids = 0
+    for step in range(120):
+        admitted = []
+        for _ in range(rng.randrange(1, 4)):  # one schedule(): several admissions, then the step's copies
+            stem = rng.choice(stems)
+            ids += 1  # unique: the manager keeps a request's block hashes by its id
+            req = FakeRequest(str(ids), stem + [rng.randrange(50) for _ in range(rng.randrange(1, 9))])
+            hit = kv.get_computed_blocks(req)
+            if kv.max_blocks_per_request(req.num_tokens) > kv.pool.num_usable:
+                continue
+            while not kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit):
+                if not live:
+                    break
+                kv.free(live.pop(rng.randrange(len(live))))
+                hit = kv.get_computed_blocks(req)
+            else:
+                req.num_computed_tokens = hit.num_tokens
+                admitted.append((req, hit.num_tokens // BS))
+        mem.apply(kv.take_copies())
+        for req, n_hit in admitted:
+            for g, table in enumerate(kv.tables[req.request_id]):
+                for i in range(n_hit):
+                    if table[i] != NULL_BLOCK:
+                        assert mem.device[table[i]] == _content(req, g, i), (step, req.request_id, g, i)
+                for i in range(n_hit, len(table)):  # the step computes the rest
+                    mem.device[table[i]] = _content(req, g, i) if (i + 1) * BS <= req.num_tokens else None
+            req.num_computed_tokens = req.num_tokens
+            kv.cache_full_blocks(req)
+            live.append(req)
+        kv.check_invariants()
+        while len(live) > 3:
+            kv.free(live.pop(0))
+    for req in live:
+        kv.free(req)
+    kv.check_invariants()
+    assert kv.pool.num_used == 0 and not host.pinned and not host.copies
+    assert host.blocks_to_device > 0 and host.blocks_to_host > 0
+
+
+def test_a_host_block_read_this_step_is_not_reused_this_step():
+    """A hit pins its host blocks until the step's copies are taken: evictions in the same step go elsewhere."""
+    host = HostTier(num_blocks=2, bytes_per_block=1)
+    kv = KVCacheManager([KVGroupSpec((0,))], num_blocks=4, block_size=BS, enable_prefix_caching=True, host_tier=host)
+    a = FakeRequest("a", list(range(9)))  # two full blocks + one token
+    assert kv.allocate_slots(a, 9, kv.get_computed_blocks(a))
+    a.num_computed_tokens = 9
+    kv.cache_full_blocks(a)
+    kv.free(a)
+    b = FakeRequest("b", list(range(100, 109)))
+    assert kv.allocate_slots(b, 9, kv.get_computed_blocks(b))  # evicts a's two cached blocks to the host
+    kv.free(b)  # b's blocks were never indexed: nothing to keep
+    copies = kv.take_copies()
+    assert [c.to_host for c in copies] == [True, True]
+    a2 = FakeRequest("a2", list(range(9)))
+    hit = kv.get_computed_blocks(a2)
+    assert hit.num_tokens == 8 and all(b < 0 for b in hit.blocks[0])
+    assert kv.allocate_slots(a2, 1, hit)
+    assert host.pinned == {0, 1} and not host.lru
+    assert [c.to_host for c in kv.take_copies()] == [False, False]
+    assert not host.pinned and len(host.lru) == 2
+
+
+def test_copy_runs_merge_only_consecutive_blocks_in_order():
+    copies = [KVBlockCopy(True, 3, 0), KVBlockCopy(True, 4, 1), KVBlockCopy(True, 9, 2), KVBlockCopy(False, 5, 0)]
+    copies += [KVBlockCopy(False, 6, 1), KVBlockCopy(True, 6, 3)]
+    assert _runs(copies) == [(True, 3, 0, 2), (True, 9, 2, 1), (False, 0, 5, 2), (True, 6, 3, 1)]
+
+
+# ---- the scheduler with a model-free runner (tests/fake_engine.py: a wrong copy changes the output) ----------
+FULL = [KVGroupSpec((0, 1))]
+HYBRID = [KVGroupSpec((1, 3)), KVGroupSpec((0, 2), sliding_window=6)]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_preempted_requests_come_back_through_the_host_tier(groups, overlap):
+    """A preempted request's computed blocks stay indexed; evicted while it waits, the host tier keeps them, and
+    it resumes with them copied back (swap instead of recompute): outputs exact, every block free at the end."""
+    rng = random.Random(3)
+    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8, overlap=overlap, host_blocks=200)
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
+    reqs = [engine.add(p, 20) for p in prompts]
+    resumed_with_blocks = 0
+    while engine.busy():
+        out = engine.step()
+        resumed_with_blocks += sum(1 for n in out.new_requests if n.resumed and n.num_computed_tokens > 0)
+    assert engine.sched.num_preemptions > 0 and resumed_with_blocks > 0
+    assert engine.kv.host_tier.blocks_to_device > 0
+    for req, prompt in zip(reqs, prompts):
+        assert req.output_token_ids == engine.expected_output(prompt, 20), req.request_id
+    assert engine.kv.pool.num_used == 0 and not engine.kv.tables
+
+
+@pytest.mark.parametrize("host_blocks", [12, 400], ids=["small-tier", "big-tier"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_returning_prefixes_are_copied_back_exactly(groups, overlap, host_blocks):
+    rng = random.Random(5)
+    engine = FakeEngine(groups, num_blocks=40, block_size=4, max_batch_size=3, overlap=overlap, host_blocks=host_blocks)
+    histories = [[rng.randrange(1, 97) for _ in range(10 + i)] for i in range(6)]
+    for _ in range(4):  # turns: each conversation resends its history, plus a new message
+        prompts = [h + [rng.randrange(1, 97) for _ in range(3)] for h in histories]
+        reqs = [engine.add(p, 4) for p in prompts]
+        engine.run()
+        for h, p, req in zip(histories, prompts, reqs):
+            assert req.output_token_ids == engine.expected_output(p, 4), req.request_id
+            h[:] = p + req.output_token_ids
+    host = engine.kv.host_tier
+    assert host.blocks_to_host > 0 and host.blocks_to_device > 0 and engine.kv.host_hits > 0
+    assert engine.kv.pool.num_used == 0 and not engine.kv.tables and not host.pinned
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+ENGINE = dict(dtype="float32", tokens_per_block=BS, max_num_tokens=32, seed=0, check_kv_invariants=True)
+SMALL_POOL = {"llama": 40, "gpt_oss": 64}  # far less than the conversations' history (several hundred blocks)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_oss"])
+def model(request, tmp_path_factory) -> tuple[str, str]:
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(request.param, path, seed=0)
+    make_tiny_tokenizer(path)
+    return request.param, str(path)
+
+
+def _multi_turn(llm: LLM, turns: int = 4, conversations: int = 6) -> list[list[int]]:
+    """Conversations that resend their growing history each turn; all conversations of a turn are sent at once."""
+    rng = random.Random(0)
+    histories = [[rng.randrange(1, 512) for _ in range(18 + c)] for c in range(conversations)]
+    outputs = []
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for _ in range(turns):
+        prompts = [h + [rng.randrange(1, 512) for _ in range(5)] for h in histories]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for h, p, r in zip(histories, prompts, results):
+            tokens = list(r.outputs[0].token_ids)
+            outputs.append(tokens)
+            h[:] = p + tokens
+    return outputs
+
+
+def _end_state(llm: LLM) -> SchedulerStats:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    for kv in engine.kv_managers:
+        kv.check_invariants()
+        assert kv.pool.num_used == 0 and not kv.tables
+        if kv.host_tier is not None:
+            assert not kv.host_tier.pinned and not kv.host_tier.copies
+    return engine.stats()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_multi_turn_beyond_the_device_pool_is_served_from_the_host_tier(model, overlap):
+    arch, path = model
+    options = dict(ENGINE, disable_overlap_scheduler=not overlap, max_batch_size=2)
+    with LLM(path, **options) as big:  # a pool that holds every conversation: no eviction at all
+        expected = _multi_turn(big)
+        reference = _end_state(big)
+    small = {"max_blocks": SMALL_POOL[arch]}
+    with LLM(path, **options, kv_cache_config=small) as dropped:  # today: evicted prefixes are recomputed
+        assert _multi_turn(dropped) == expected
+        without = _end_state(dropped)
+    with LLM(path, **options, kv_cache_config={**small, "host_cache_size": 1 << 20}) as tiered:
+        assert tiered.engine.executor.runner.host_kv is not None
+        assert _multi_turn(tiered) == expected
+        stats = _end_state(tiered)
+    assert without.prefix_hits < reference.prefix_hits  # the small pool loses prefixes ...
+    assert stats.host_hits > 0  # ... the host tier gives them back (sliding-window groups included)
+    assert stats.prefix_hits == reference.prefix_hits  # every prefix the big pool hit
+    assert stats.host_bytes_to_host > 0 and stats.host_bytes_to_device > 0 and 0 < stats.host_usage <= 1
+
+
+def test_a_small_host_tier_evicts_and_still_generates_the_same(model):
+    """A host tier smaller than the history: its LRU drops blocks too, copy-ins pin theirs; concurrent requests
+    (batch 4) evict each other's prefixes mid-run, and preempted requests come back through the tiers."""
+    arch, path = model
+    options = dict(ENGINE, max_batch_size=4)
+    with LLM(path, **options) as big:
+        expected = _multi_turn(big, turns=3, conversations=8)
+        per_block = big.engine.executor.runner.kv_layout.bytes_per_block
+        history = len(big.engine.kv.pool.cached)  # every block the workload indexed (this pool evicted none)
+    num_host = history * 3 // 4
+    tier = {"max_blocks": SMALL_POOL[arch], "host_cache_size": num_host * per_block}
+    with LLM(path, **options, kv_cache_config=tier) as tiered:
+        assert tiered.engine.kv.host_tier.num_blocks == num_host
+        assert _multi_turn(tiered, turns=3, conversations=8) == expected
+        stats = _end_state(tiered)
+    assert stats.host_bytes_to_host > num_host * per_block  # it took more than it holds: it evicted
+    assert stats.host_hits > 0 and stats.num_preemptions > 0
+
+
+def test_a_host_tier_of_zero_is_todays_engine(model):
+    arch, path = model
+    small = {"max_blocks": SMALL_POOL[arch]}
+    with LLM(path, **ENGINE, max_batch_size=2, kv_cache_config=small) as default:
+        expected = _multi_turn(default, turns=2)
+        stats = _end_state(default)
+    with LLM(path, **ENGINE, max_batch_size=2, kv_cache_config={**small, "host_cache_size": 0}) as zero:
+        assert zero.engine.executor.runner.host_kv is None and zero.engine.kv.host_tier is None
+        copies = []
+        step = zero.engine.scheduler.schedule
+
+        def spy():
+            out = step()
+            copies.extend(out.kv_block_copies)
+            return out
+
+        zero.engine.scheduler.schedule = spy
+        assert _multi_turn(zero, turns=2) == expected
+        assert _end_state(zero) == stats and not copies
+
+
+# ---- the options ------------------------------------------------------------------------------------------------
+def test_host_tier_options(tmp_path, caplog):
+    assert EngineConfig.build("m").kv_cache_config.host_cache_size == 0
+    yaml_path = tmp_path / "extra.yaml"
+    yaml_path.write_text("kv_cache_config:\n  host_cache_size: 1048576\n")
+    assert EngineConfig.build("m", yaml_path=yaml_path).kv_cache_config.host_cache_size == 1 << 20
+    yaml_path.write_text("kv_cache_config:\n  host_cache_size: null\n")  # trtllm's default
+    assert EngineConfig.build("m", yaml_path=yaml_path).kv_cache_config.host_cache_size == 0
+    caplog.set_level("INFO", logger="brisk.config")
+    vllm = EngineConfig.build("m", kv_offloading_size=2.0, kv_offloading_backend="native", tp_size=2, device="cpu")
+    assert vllm.kv_cache_config.host_cache_size == 1 << 30 and vllm.kv_offloading_size is None  # each rank's share
+    assert "kv_offloading_size 2 GiB: kv_cache_config.host_cache_size 1073741824 bytes" in caplog.text
+    # the converted config crosses to the engine process as JSON and validates again
+    assert EngineConfig.model_validate_json(vllm.model_dump_json(exclude_unset=True)) == vllm
+    flags = ["serve", "--kv-offloading-size", "0.5", "--kv-offloading-backend", "native", "--device", "cpu"]
+    engine, _ = build_serve_configs(None, OPTIONS.given(build_parser().parse_args(flags)), default_model=DEMO)
+    assert engine.kv_cache_config.host_cache_size == 1 << 29
+    with pytest.raises(ConfigError, match="kv_offloading_backend"):
+        flags = ["serve", "--kv-offloading-size", "1", "--kv-offloading-backend", "nixl"]
+        build_serve_configs(None, OPTIONS.given(build_parser().parse_args(flags)), default_model=DEMO)
+    with pytest.raises(ConfigError, match="no lmcache KV offloading"):
+        EngineConfig.build("m", kv_offloading_size=1, kv_offloading_backend="lmcache")
+    with pytest.raises(ConfigError, match="both size the host KV tier"):
+        EngineConfig.build("m", kv_offloading_size=1, kv_cache_config={"host_cache_size": 10})
+    with pytest.raises(ConfigError, match="need kv_cache_config.enable_block_reuse"):
+        EngineConfig.build("m", enable_prefix_caching=False, kv_cache_config={"host_cache_size": 10})
+    with pytest.raises(ConfigError, match="host_cache_size"):
+        EngineConfig.build("m", kv_cache_config={"host_cache_size": -1})
+
+
+def test_a_host_tier_beyond_the_ram_or_under_a_block_is_a_start_up_error(model):
+    _, path = model
+    with LLM(path, **ENGINE, kv_offloading_size=0.001, kv_cache_config={"max_blocks": 8}) as vllm_spelling:
+        per_block = vllm_spelling.engine.executor.runner.kv_layout.bytes_per_block
+        assert vllm_spelling.engine.kv.host_tier.num_blocks == int(0.001 * 2**30) // per_block
+    with pytest.raises(ConfigError, match="RAM available"):
+        LLM(path, **ENGINE, kv_cache_config={"max_blocks": 8, "host_cache_size": 1 << 50})
+    with pytest.raises(ConfigError, match="holds no KV block"):
+        LLM(path, **ENGINE, kv_cache_config={"max_blocks": 8, "host_cache_size": 1})
+
+
+def test_host_tier_metrics():
+    metrics = ServerMetrics("m")
+    stats = SchedulerStats(
+        host_queries=100, host_hits=40, host_bytes_to_host=4096, host_bytes_to_device=2048, host_usage=0.5
+    )
+    metrics.observe_engine(stats)
+    text = metrics.render().decode()
+    for line in (
+        'brisk:external_prefix_cache_queries_total{model_name="m"} 100.0',
+        'brisk:external_prefix_cache_hits_total{model_name="m"} 40.0',
+        'brisk:kv_offload_bytes_total{direction="to_host",model_name="m"} 4096.0',
+        'brisk:kv_offload_bytes_total{direction="to_device",model_name="m"} 2048.0',
+        'brisk:kv_host_cache_usage_perc{model_name="m"} 0.5',
+    ):
+        assert line in text
+    metrics.observe_engine(SchedulerStats(host_queries=150, host_hits=40))  # counters advance by what is new
+    assert 'brisk:external_prefix_cache_queries_total{model_name="m"} 150.0' in metrics.render().decode()
