@@ -190,7 +190,9 @@ def test_cors_allows_only_the_configured_origin(server):
 def fake_state(**overrides) -> ServerState:
     """A ServerState over a fake engine client, for in-process apps (no engine process)."""
     info = SimpleNamespace(max_seq_len=64, vocab_size=64, block_size=16, num_kv_blocks=8, num_kv_groups=1)
-    client = SimpleNamespace(dead=False, info=info, num_in_flight=0, num_coalesced_deltas=0, stats_listeners=[])
+    client = SimpleNamespace(
+        dead=False, info=info, num_in_flight=0, num_coalesced_deltas=0, stats_listeners=[], in_flight_listeners=[]
+    )
     config = SimpleNamespace(
         model="fake", max_batch_size=4, max_num_waiting=4, stream_interval=1, enable_prefix_caching=True, dtype="auto"
     )
