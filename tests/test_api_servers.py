@@ -16,6 +16,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -23,8 +24,11 @@ import pytest
 import zmq
 
 import brisk
-from brisk.engine.messages import EngineCoreOutput, EngineOutputs, SchedulerStats
+from brisk.engine.messages import EngineCoreOutput, EngineInfo, EngineOutputs, SchedulerStats
 from brisk.engine.process import OutputRouter
+from brisk.server.errors import APIError
+from brisk.server.peers import Peers
+from brisk.server.state import ServerState
 from tests.server_utils import RunningServer, wait_until
 
 DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
@@ -129,6 +133,34 @@ def test_output_router_sends_each_output_to_its_process():
         assert not pulls[1].poll(0)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_admission_counts_the_other_processes_requests(tmp_path):
+    # One process's own in-flight requests are not the engine's load: it also counts what the engine last reported.
+    info = EngineInfo("LlamaForCausalLM", 64, 64, 8, 16, 1)
+    config = SimpleNamespace(
+        model="fake", max_batch_size=4, max_num_waiting=4, enable_prefix_caching=True, dtype="auto"
+    )
+    for peers, engine_load, admitted in (
+        (Peers(str(tmp_path), 1, 2), 7, True),
+        (Peers(str(tmp_path), 1, 2), 8, False),
+        (None, 8, True),
+    ):
+        client = SimpleNamespace(
+            dead=False,
+            info=info,
+            num_in_flight=1,
+            stats_listeners=[],
+            in_flight_listeners=[],
+            engine_load=lambda n=engine_load: n,
+        )
+        state = ServerState(client, None, config, "fake", {}, False, peers=peers)
+        if admitted:
+            state.admit()
+        else:
+            with pytest.raises(APIError) as refused:
+                state.admit()
+            assert refused.value.status == 429
 
 
 # ---- every API from every process -----------------------------------------------------------------------------------

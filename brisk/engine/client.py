@@ -45,6 +45,7 @@ logger = logging.getLogger("brisk.server")
 LIVENESS_POLL_S = 0.5  # how often a quiet output loop checks that the engine process is alive
 # A consumer this many deltas behind (a slow SSE reader) gets its pending deltas merged (see DeltaBuffer).
 MAX_PENDING_DELTAS = 64
+STATS_FRESH_S = 1.0  # scheduler stats older than this say nothing about the engine's load now
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class AsyncEngineClient:
         self.output_processor = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
+        self._stats_at = -STATS_FRESH_S  # time.monotonic() of the last stats
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []  # called with every stats message
         # called with (requests in flight, deltas coalesced so far) whenever a request starts or ends
         self.in_flight_listeners: list[Callable[[int, int], None]] = []
@@ -224,6 +226,13 @@ class AsyncEngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def engine_load(self) -> int:
+        """Requests in the engine (running and waiting, every API-server process's), as its last stats said; 0
+        when they are stale (an API-server process hears from the engine only about its own requests)."""
+        if time.monotonic() - self._stats_at > STATS_FRESH_S:
+            return 0
+        return self.stats.num_running + self.stats.num_waiting
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if some still are after `timeout` seconds."""
@@ -336,6 +345,7 @@ class AsyncEngineClient:
 
     async def _dispatch(self, msg: EngineOutputs) -> None:
         self.stats = msg.stats
+        self._stats_at = time.monotonic()
         for listener in self.stats_listeners:
             listener(msg.stats)
         for rid, param, message in msg.refused:

@@ -114,7 +114,10 @@ class ServerState:
         capacity = self.config.max_batch_size + self.config.max_num_waiting
         if num_requests > capacity:
             raise APIError(400, f"A request may hold at most {capacity} prompts.", param="prompt")
-        if self.client.num_in_flight + num_requests > capacity:
+        load = self.client.num_in_flight
+        if self.peers is not None:  # the engine's count holds the other API-server processes' requests too
+            load = max(load, self.client.engine_load())
+        if load + num_requests > capacity:
             raise APIError(
                 429, "The server is at capacity; retry later.", code="queue_full", headers={"Retry-After": "1"}
             )
