@@ -526,8 +526,13 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     for concurrency in args.concurrency:
                         for name, server, log in servers if round_ % 2 == 0 else servers[::-1]:
                             points.append(measure(name, "null", server, interval, concurrency, args, log))
+        vllm_error = None
         if args.vllm_python:
-            points += side_by_side(args, work_dir, trees)
+            try:
+                points += side_by_side(args, work_dir, trees)
+            except RuntimeError as exc:  # vLLM did not come up: the rest of the run stands
+                vllm_error = str(exc).splitlines()[-1]
+                print(f"vLLM side-by-side not measured: {vllm_error}", file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": engine_overhead.machine_info(),
@@ -544,6 +549,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "vllm_model": args.vllm_model,
         },
         "results": summarize(points),
+        "vllm_error": vllm_error,
         "samples": [p.as_dict() for p in points],
         "profiles": profiles,
         "table": format_table(summarize(points)),

@@ -53,6 +53,15 @@ class Processes:
         self.engine = int(found.group(1))
         self.api = [int(pid) for pid in found.group(2).split()]
         self.sockets = [os.path.join(found.group(3), f"api-{pid}.sock") for pid in self.api]
+        for index in range(len(self.api)):  # the port answered: one process serves; wait for each
+            assert wait_until(lambda index=index: self._healthy(index), timeout=60), server.log()
+
+    def _healthy(self, index: int) -> bool:
+        try:
+            with self.client(index, timeout=5) as http:
+                return http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def client(self, index: int, **kw) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=self.sockets[index]), base_url="http://brisk", **kw)
@@ -60,6 +69,16 @@ class Processes:
     def async_client(self, index: int, **kw) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(uds=self.sockets[index])
         return httpx.AsyncClient(transport=transport, base_url="http://brisk", **kw)
+
+    async def stream(self, index: int, body: dict, started: asyncio.Event) -> list:
+        """The events of a streamed completion from process `index`; `started` is set at its first line."""
+        async with self.async_client(index, timeout=120) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    started.set()
+                return _sse("\n".join(lines))
 
 
 def _serve(state_dir: Path, *args: str) -> RunningServer:
@@ -189,6 +208,9 @@ def test_two_api_servers_serve_every_api(server, processes):
             assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
             r = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 8, "temperature": 0})
             assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
+            body = {"input": "Hi", "max_output_tokens": 8, "temperature": 0, "stream": True}
+            kinds = [e["type"] for e in _sse(http.post("/v1/responses", json=body).text) if isinstance(e, dict)]
+            assert kinds[0] == "response.created" and kinds[-1] == f"response.{r.json()['status']}"
             assert http.get("/health").status_code == 200
     assert texts[0] == texts[1]  # greedy: one engine, the same tokens whichever process asked
     r = httpx.post(f"{server.url}/v1/completions", json=completion, timeout=120)  # the shared port
@@ -288,20 +310,11 @@ def test_sigterm_drains_every_api_server(tmp_path):
         long = {"prompt": "long", "n": 8, "max_tokens": 1500, "stream": True, **GREEDY}
         short = {"prompt": "short", "max_tokens": 3, "stream": True, **GREEDY}
 
-        async def stream(index: int, body: dict, started: asyncio.Event) -> list:
-            async with procs.async_client(index, timeout=120) as http:
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    lines = []
-                    async for line in r.aiter_lines():
-                        lines.append(line)
-                        started.set()
-                    return _sse("\n".join(lines))
-
         async def run():
             started = [asyncio.Event() for _ in range(3)]
-            tasks = [asyncio.create_task(stream(i, long, started[i])) for i in range(2)]
-            tasks.append(asyncio.create_task(stream(1, short, started[2])))
-            await asyncio.gather(*(e.wait() for e in started))  # in flight in both processes
+            tasks = [asyncio.create_task(procs.stream(i, long, started[i])) for i in range(2)]
+            tasks.append(asyncio.create_task(procs.stream(1, short, started[2])))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)  # in flight in both processes
             os.kill(srv.proc.pid, signal.SIGTERM)
             signalled = time.monotonic()
             for index in range(2):
@@ -332,19 +345,10 @@ def test_engine_death_stops_every_api_server(tmp_path):
         assert "num_postprocess_workers 2: brisk detokenizes in its API-server processes" in srv.log()
         body = {"prompt": "Speak on", "max_tokens": 1500, "stream": True, **GREEDY}
 
-        async def stream(index: int, started: asyncio.Event) -> list:
-            async with procs.async_client(index, timeout=60) as http:
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    lines = []
-                    async for line in r.aiter_lines():
-                        lines.append(line)
-                        started.set()
-                    return _sse("\n".join(lines))
-
         async def run():
             started = [asyncio.Event(), asyncio.Event()]
-            tasks = [asyncio.create_task(stream(i, started[i])) for i in range(2)]
-            await asyncio.gather(*(e.wait() for e in started))  # a stream in flight in each process
+            tasks = [asyncio.create_task(procs.stream(i, body, started[i])) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)  # one in flight in each process
             os.kill(procs.engine, signal.SIGKILL)
             return await asyncio.gather(*tasks)
 

@@ -108,7 +108,9 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
         previous = {sig: signal.signal(sig, supervisor.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             info = supervisor.wait_ready(readiness)
-            if info is not None:
+            if info is None:  # one ended before serving: the others stop too
+                supervisor.signal_children()
+            else:
                 announce_ready(plan, info)
             return supervisor.supervise()
         finally:
@@ -129,9 +131,9 @@ class Supervisor:
 
     def on_signal(self, sig: int, frame: FrameType | None) -> None:
         self.num_signals += 1
-        self._signal_children()
+        self.signal_children()
 
-    def _signal_children(self) -> None:
+    def signal_children(self) -> None:
         for child in self.children:
             if child.pid is not None and child.exitcode is None:
                 try:
@@ -188,13 +190,13 @@ class Supervisor:
                         logger.error(
                             "API-server process %d exited with %s: stopping the others", child.pid, child.exitcode
                         )
-                        self._signal_children()
+                        self.signal_children()
         return 1 if self.failed or any(c.exitcode != 0 for c in self.children if c.exitcode is not None) else 0
 
     def stop_all(self) -> None:
         """Whatever still runs (after an error): the API-server processes drained for a while, then killed; the engine
         killed (it holds nothing to flush)."""
-        self._signal_children()
+        self.signal_children()
         for child in self.children:
             child.join(self.shutdown_timeout + ABORT_GRACE_S + 5)
             if child.exitcode is None:

@@ -165,7 +165,8 @@ async def serve_api(
     on_ready: Callable[[EngineInfo], None] | None = None,
 ) -> int:
     """One API-server process serving on `sock`: with its own engine process, or (`peers`, `engine_pid`) one of
-    several attached to the supervisor's (then also on its `private_sock`, and `on_ready` is told when it serves)."""
+        several attached to the supervisor's (then also on its `private_sock`). `on_ready` (default: print the ready line)
+    is told once it accepts connections."""
     config, server = plan.config, plan.server
     observability = observability_for(server)
     exit_code = {"value": 0}
@@ -219,9 +220,9 @@ async def serve_api(
         ),
         state,
         server.shutdown_timeout,
+        on_listening=functools.partial(on_ready or functools.partial(announce_ready, plan), info),
     )
     server_box["server"] = http
-    (on_ready or functools.partial(announce_ready, plan))(info)
     try:
         await http.serve(sockets=[sock] if private_sock is None else [sock, private_sock])
     finally:
