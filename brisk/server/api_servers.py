@@ -21,6 +21,7 @@ them end with the supervisor if it is killed outright (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -155,16 +156,23 @@ class Supervisor:
                 try:
                     kind, value = conn.recv()
                 except EOFError:  # it ended before it served
-                    self.failed = True
+                    self._report_early_exits()
                     return None
                 if kind == "error":
                     self.failed = True
                     raise ConfigError(value)
                 info = value
             if any(c.exitcode is not None for c in self.children):
-                self.failed = True
+                self._report_early_exits()
                 return None
         return info
+
+    def _report_early_exits(self) -> None:
+        self.failed = True
+        for child in self.children:
+            child.join(1.0)  # its pipe closed: it is exiting
+            if child.exitcode is not None:
+                logger.error("API-server process %d ended before serving (exit code %s)", child.pid, child.exitcode)
 
     def supervise(self) -> int:
         """Wait until every API-server process has exited; 0 when all ended well (a drain), else 1."""
@@ -219,6 +227,7 @@ def run_api_server(
     """One API-server process of several (its main): serves `sock` (and its private socket) until drained or the
     engine dies; tells the supervisor through `ready` when it serves, or why it could not start."""
     os.setpgid(0, 0)  # signals come from the supervisor, once each (a terminal's Ctrl-C goes to its group)
+    faulthandler.enable()  # a crash in native code (tokenizers, ZMQ) says where, as the supervisor sees only its code
     end_with_parent()
     configure_logging(server.log_format, server.log_level, quiet_requests=server.disable_log_requests)
     use_multiprocess_metrics(peers.metrics_dir)
