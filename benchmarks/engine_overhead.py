@@ -397,7 +397,8 @@ def running_server(
     import yaml
 
     options_path = os.path.join(work_dir, "engine_options.yaml")
-    cli_keys = [k for k in ("load_format", "max_batch_size", "dtype", "device") if k in options]  # flags; the rest YAML
+    flags = ("load_format", "max_batch_size", "dtype", "device", "api_server_count")
+    cli_keys = [k for k in flags if k in options]  # flags; the rest YAML
     with open(options_path, "w") as f:
         yaml.safe_dump({k: v for k, v in options.items() if k not in cli_keys}, f)
     port = free_port()

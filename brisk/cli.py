@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = str(given.get("log_level", "")).lower() in DEBUG_LOG_LEVELS
     try:
         if args.command == "serve":
-            from brisk.server.serve import run
+            from brisk.server.api_servers import run
 
             return run(args.model, given)
         return _generate(args, given)

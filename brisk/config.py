@@ -706,12 +706,17 @@ class ServerConfig(_Strict):
     response_ttl: float = option(30 * 24 * 3600.0, "seconds a stored Response is kept (default 30 days)", gt=0.0)
     max_stored_responses: int = option(100_000, "stored Responses kept at most; the oldest go first", ge=1)
     api_server_count: int = option(
-        1, "API server processes: one (several are not implemented yet)", vllm="api_server_count", short=("-asc",), ge=1
+        1,
+        "API-server processes on the one port, each tokenizing, detokenizing and streaming its own requests to the one "
+        "engine process; more than 1 when the API side is the bottleneck (docs/deploy.md)",
+        vllm="api_server_count",
+        short=("-asc",),
+        ge=1,
     )
     num_postprocess_workers: int = option(
         0,
-        "trtllm's detokenizing processes: brisk detokenizes in the API server process (0 or 1; more are not "
-        "implemented yet)",
+        "trtllm's detokenizing processes: brisk post-processes in its API-server processes, so N > 1 runs N of them "
+        "(as --api-server-count N)",
         ge=0,
         trtllm="num_postprocess_workers",
     )
@@ -749,21 +754,21 @@ class ServerConfig(_Strict):
         trtllm = {"trace": "debug", "verbose": "debug", "internal_error": "error"}
         return trtllm.get(value.lower(), value.lower()) if isinstance(value, str) else value
 
-    @field_validator("api_server_count")
-    @classmethod
-    def _one_api_server(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError(f"{value} API server processes are not implemented yet; use 1")
-        return value
-
-    @field_validator("num_postprocess_workers")
-    @classmethod
-    def _no_postprocess_workers(cls, value: int) -> int:
-        if value > 1:
+    @model_validator(mode="after")
+    def _one_process_count(self) -> ServerConfig:
+        workers, count = self.num_postprocess_workers, self.api_server_count
+        if workers > 1 and "api_server_count" in self.model_fields_set and count != workers:
             raise ValueError(
-                f"{value} postprocess workers are not implemented yet: brisk detokenizes in the API server; use 0"
+                f"api_server_count {count} and num_postprocess_workers {workers} both set how many API-server "
+                "processes run: give one of them"
             )
-        return value
+        return self
+
+    @property
+    def num_api_servers(self) -> int:
+        """The API-server processes to run: --api-server-count, or trtllm's num_postprocess_workers (brisk
+        post-processes each request in the API-server process that serves it)."""
+        return max(self.api_server_count, self.num_postprocess_workers)
 
     @field_validator("tool_call_parser")
     @classmethod
@@ -868,6 +873,12 @@ def build_serve_configs(
         server = ServerConfig(**merged[ServerConfig])
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+    if server.num_postprocess_workers > 1:
+        logger.info(
+            "num_postprocess_workers %d: brisk detokenizes in its API-server processes, so %d of them run "
+            "(as --api-server-count %d)",
+            *(server.num_postprocess_workers,) * 3,
+        )
     return EngineConfig.from_options(model or default_model, merged[EngineConfig], find_model=bool(model)), server
 
 

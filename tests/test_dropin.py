@@ -296,7 +296,7 @@ CORES = os.cpu_count() or 1
         (f"--tp_size {CORES + 1}", [f"tp_size {CORES + 1} needs {CORES + 1} devices", "lower --tp_size"]),
         ("--backend tensorrt", ["brisk has no tensorrt engine"]),
         ("--kv-cache-dtype fp8_e5m2", ["kv_cache_config.dtype", "fp8_e5m2 is not supported"]),
-        ("--api-server-count 4", ["api_server_count", "not implemented yet"]),
+        ("--api-server-count 4 --num-postprocess-workers 2", ["api_server_count 4 and num_postprocess_workers 2"]),
         ("LLAMA --tool-call-parser openai", ["--tool-call-parser", "harmony models"]),
         ("--max-num-seqs 0", ["max_batch_size", "max_num_seqs"]),
         # raised in the engine process (as a KV cache too small for the GPU would be), reported by the server

@@ -438,11 +438,16 @@ def test_chat_template(tmp_path):
 
 
 # ---- effects: server options that need no running server ----------------------------------------------------
-def test_server_option_checks():
-    assert ServerConfig(api_server_count=1, num_postprocess_workers=1).api_server_count == 1
+def test_server_option_checks(caplog):
+    assert ServerConfig(api_server_count=1, num_postprocess_workers=1).num_api_servers == 1
+    assert ServerConfig(api_server_count=2).num_api_servers == 2
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        _, server = build_serve_configs(None, {"num_postprocess_workers": 3}, default_model=DEMO)
+    assert server.num_api_servers == 3  # trtllm's post-processing processes are brisk's API-server processes
+    assert "num_postprocess_workers 3: brisk detokenizes in its API-server processes, so 3 of them run" in caplog.text
+    with pytest.raises(ConfigError, match="api_server_count 2 and num_postprocess_workers 4 both set"):
+        build_serve_configs(None, {"api_server_count": 2, "num_postprocess_workers": 4}, default_model=DEMO)
     for key, value, match in (
-        ("api_server_count", 2, "2 API server processes are not implemented yet"),
-        ("num_postprocess_workers", 4, "4 postprocess workers are not implemented yet"),
         ("tool_call_parser", "hermes", "no tool-call parser 'hermes'"),
         ("reasoning_parser", "deepseek_r1", "no reasoning parser 'deepseek_r1'"),
     ):
@@ -528,8 +533,15 @@ OPTION_TESTS: dict[str, list[str]] = {
     "state_dir": [f"{HERE}::test_response_store_options"],
     "response_ttl": [f"{HERE}::test_response_store_options"],
     "max_stored_responses": [f"{HERE}::test_response_store_options"],
-    "api_server_count": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
-    "num_postprocess_workers": [f"{HERE}::test_server_option_checks"],
+    "api_server_count": [
+        f"{HERE}::test_server_option_checks",
+        f"{DROPIN}::test_vllm_command_serves",
+        "tests/test_api_servers.py::test_two_api_servers_serve_every_api",
+    ],
+    "num_postprocess_workers": [
+        f"{HERE}::test_server_option_checks",
+        "tests/test_api_servers.py::test_engine_death_stops_every_api_server",
+    ],
     "tool_call_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "enable_auto_tool_choice": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],

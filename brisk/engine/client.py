@@ -1,7 +1,8 @@
 """API-server side of the engine: starts the engine-core process, talks to it over ZMQ, routes outputs.
 
 Tokenization and detokenization stay in this process (the `OutputProcessor`), so the engine loop
-never waits on text work. Each in-flight request has a `DeltaBuffer` of `CompletionDelta`s; a
+never waits on text work. One API server starts the engine process itself; with several
+(--api-server-count) the supervisor starts it and each API-server process attaches to it (`EngineLink`). Each in-flight request has a `DeltaBuffer` of `CompletionDelta`s; a
 request whose consumer goes away (client disconnect) or runs past its deadline is aborted in the
 core, freeing its KV blocks.
 """
@@ -17,6 +18,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -43,6 +45,53 @@ logger = logging.getLogger("brisk.server")
 LIVENESS_POLL_S = 0.5  # how often a quiet output loop checks that the engine process is alive
 # A consumer this many deltas behind (a slow SSE reader) gets its pending deltas merged (see DeltaBuffer).
 MAX_PENDING_DELTAS = 64
+STATS_FRESH_S = 1.0  # scheduler stats older than this say nothing about the engine's load now
+
+
+@dataclass(frozen=True)
+class EngineLink:
+    """How an API-server process reaches an engine process someone else started (brisk/server/api_servers.py)."""
+
+    ipc_dir: str  # the private directory of the IPC sockets
+    client_index: int  # this process's place among the API-server processes (its outputs' address)
+    engine_pid: int
+
+
+def make_ipc_dir() -> str:
+    """A private directory for the IPC sockets: reachable only by this user (never TCP on 0.0.0.0)."""
+    path = tempfile.mkdtemp(prefix="brisk-ipc-")
+    os.chmod(path, 0o700)
+    return path
+
+
+def engine_endpoints(ipc_dir: str, client_index: int) -> tuple[str, str]:
+    """The (to engine, from engine) addresses of one API-server process; that process binds them."""
+    return f"ipc://{ipc_dir}/to_engine_{client_index}", f"ipc://{ipc_dir}/from_engine_{client_index}"
+
+
+def engine_process(config: EngineConfig, ipc_dir: str, num_clients: int) -> multiprocessing.process.BaseProcess:
+    """The engine-core process (not started) serving `num_clients` API-server processes."""
+    return multiprocessing.get_context("spawn").Process(
+        target=run_engine_process,
+        args=(encode_config(config), [engine_endpoints(ipc_dir, i) for i in range(num_clients)]),
+        name="brisk-engine-core",
+        daemon=True,
+    )
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 class EngineDeadError(RuntimeError):
@@ -97,44 +146,58 @@ class DeltaBuffer:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, tokenizer, on_engine_death: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer,
+        on_engine_death: Callable[[], None] | None = None,
+        link: EngineLink | None = None,
+    ) -> None:
+        """Starts its own engine process, or with `link` attaches to one that runs already."""
         self.config = config
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
+        self._stats_at = -STATS_FRESH_S  # time.monotonic() of the last stats
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []  # called with every stats message
+        # called with (requests in flight, deltas coalesced so far) whenever a request starts or ends
+        self.in_flight_listeners: list[Callable[[int, int], None]] = []
         self.dead = False
         self.on_engine_death = on_engine_death
         self._queues: dict[str, DeltaBuffer] = {}
         self._idle = asyncio.Event()  # set while no request is in flight (graceful shutdown waits on it)
         self._idle.set()
         self.num_coalesced_deltas = 0
-        # Private directory: the IPC sockets are reachable only by this user (never TCP on 0.0.0.0).
-        self._ipc_dir = tempfile.mkdtemp(prefix="brisk-ipc-")
-        os.chmod(self._ipc_dir, 0o700)
+        self.link = link
+        self.client_index = 0 if link is None else link.client_index
+        self._ipc_dir = make_ipc_dir() if link is None else link.ipc_dir
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._from_engine = self._ctx.socket(zmq.PULL)
-        to_addr, from_addr = f"ipc://{self._ipc_dir}/to_engine", f"ipc://{self._ipc_dir}/from_engine"
+        to_addr, from_addr = engine_endpoints(self._ipc_dir, self.client_index)
         self._to_engine.bind(to_addr)
         self._from_engine.bind(from_addr)
         self._from_engine_now = zmq.Socket.shadow(self._from_engine.underlying)  # the same socket, non-async reads
-        for name in ("to_engine", "from_engine"):  # the directory already shuts others out; belt and braces
-            os.chmod(os.path.join(self._ipc_dir, name), 0o600)
+        for addr in (to_addr, from_addr):  # the directory already shuts others out; belt and braces
+            os.chmod(addr.removeprefix("ipc://"), 0o600)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process,
-            args=(encode_config(config), to_addr, from_addr),
-            name="brisk-engine-core",
-            daemon=True,
-        )
+        self._proc = engine_process(config, self._ipc_dir, 1) if link is None else None
         self._output_task: asyncio.Task | None = None
+
+    def _engine_alive(self) -> bool:
+        if self.link is not None:
+            return process_alive(self.link.engine_pid)
+        return self._proc is not None and self._proc.is_alive()
+
+    def _engine_exit_code(self) -> int | None:
+        return self._proc.exitcode if self._proc is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
-        self._proc.start()
+        if self._proc is not None:
+            self._proc.start()
         while True:
             if await self._from_engine.poll(int(LIVENESS_POLL_S * 1000)):
                 msg = self._decoder.decode(await self._from_engine.recv())
@@ -143,25 +206,33 @@ class AsyncEngineClient:
                     break
                 if isinstance(msg, EngineStartupError):
                     raise ConfigError(msg.message)
-            elif not self._proc.is_alive():
-                raise EngineDeadError(f"the engine process exited with code {self._proc.exitcode} while starting")
+            elif not self._engine_alive():
+                raise EngineDeadError(f"the engine process exited with code {self._engine_exit_code()} while starting")
         self._output_task = asyncio.create_task(self._output_loop(), name="brisk-engine-outputs")
         return self.info
 
     async def shutdown(self) -> None:
         if self._output_task is not None:
             self._output_task.cancel()
-        if self._proc.is_alive():
+        if self._proc is not None and self._proc.is_alive():
             # The engine ignores SIGTERM/SIGINT (a signal to the whole process group must not kill it
             # before the server has drained), so it is stopped with SIGKILL; it holds nothing to flush.
             self._proc.kill()
             self._proc.join(timeout=10)
         self._ctx.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self.link is None:  # an attached process's directory is its supervisor's to remove
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def engine_load(self) -> int:
+        """Requests in the engine (running and waiting, every API-server process's), as its last stats said; 0
+        when they are stale (an API-server process hears from the engine only about its own requests)."""
+        if time.monotonic() - self._stats_at > STATS_FRESH_S:
+            return 0
+        return self.stats.num_running + self.stats.num_waiting
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if some still are after `timeout` seconds."""
@@ -200,13 +271,16 @@ class AsyncEngineClient:
         buffer = DeltaBuffer()
         self._queues[request_id] = buffer
         self._idle.clear()
+        self._in_flight_changed()
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, detokenize)
         deadline = None if timeout is None else time.monotonic() + timeout
         num_unfinished = params.n  # completions whose final delta the consumer has not taken yet
         finished = False
         try:
             await self._to_engine.send(
-                self._encoder.encode(AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params)))
+                self._encoder.encode(
+                    AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params), self.client_index)
+                )
             )
             while True:
                 if deadline is None:
@@ -233,16 +307,21 @@ class AsyncEngineClient:
             self.num_coalesced_deltas += buffer.num_coalesced
             if not self._queues:
                 self._idle.set()
+            self._in_flight_changed()
             if not finished:  # client went away or the consumer stopped early
                 self.output_processor.abort(request_id)
                 if not self.dead:
                     await self._to_engine.send(self._encoder.encode(AbortRequests([(request_id, -1)])))
 
+    def _in_flight_changed(self) -> None:
+        for listener in self.in_flight_listeners:
+            listener(len(self._queues), self.num_coalesced_deltas)
+
     async def _output_loop(self) -> None:
         try:
             while True:
                 if not await self._from_engine.poll(int(LIVENESS_POLL_S * 1000)):
-                    if not self._proc.is_alive():
+                    if not self._engine_alive():
                         self._engine_died()
                         return
                     continue
@@ -266,6 +345,7 @@ class AsyncEngineClient:
 
     async def _dispatch(self, msg: EngineOutputs) -> None:
         self.stats = msg.stats
+        self._stats_at = time.monotonic()
         for listener in self.stats_listeners:
             listener(msg.stats)
         for rid, param, message in msg.refused:
@@ -285,7 +365,7 @@ class AsyncEngineClient:
         if self.dead:
             return
         self.dead = True
-        logger.error("the engine core process died (exit code %s)", self._proc.exitcode)
+        logger.error("the engine core process died (exit code %s)", self._engine_exit_code())
         for buffer in self._queues.values():
             buffer.put(EngineDeadError("the engine core died while serving this request"))
         if self.on_engine_death is not None:

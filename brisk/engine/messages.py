@@ -44,6 +44,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 # ---- over the wire between the API server process and the engine-core process ------------------
 class AddRequest(msgspec.Struct, tag=True):
     request: EngineCoreRequest
+    client_index: int = 0  # which API-server process sent it: its outputs go back to that process
 
 
 class AbortRequests(msgspec.Struct, tag=True):

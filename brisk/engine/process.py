@@ -1,8 +1,9 @@
 """The engine-core process: a busy loop that owns the model, fed and drained over ZMQ.
 
-The API server binds two IPC sockets in a private directory; this process connects to them, loads the
-model, announces `EngineInfo`, then alternates between draining requests (blocking only when idle)
-and running one `EngineCore.step()`.
+Each API-server process binds two IPC sockets in a private directory; this process connects to every pair, loads
+the model, announces `EngineInfo` to each, then alternates between draining requests (blocking only when idle)
+and running one `EngineCore.step()`. With several API-server processes (--api-server-count) every request's
+outputs go back to the process that sent it (`OutputRouter`).
 
 Its lifetime belongs to the API server: it ignores SIGINT/SIGTERM (a Ctrl-C or a SIGTERM sent to the
 whole process group must not kill it while the server drains in-flight requests), the server stops it
@@ -18,6 +19,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Container
 
 import msgspec
 import torch
@@ -59,28 +61,33 @@ def encode_config(config: EngineConfig) -> bytes:
     return config.model_dump_json(exclude_unset=True).encode()
 
 
-def _end_with_parent() -> None:
-    """On Linux, have the kernel SIGKILL this process when the API server's process ends, however it ends: a server
-    killed outright runs no cleanup, and an engine blocked sending to it would never see getppid() change."""
+def end_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent (the API server, or the supervisor of several)
+    ends, however it ends: a parent killed outright runs no cleanup, and an engine blocked sending to an API server
+    would never see getppid() change."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass  # not Linux: the getppid() check of the loop remains
 
 
-def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr: str) -> None:
+def run_engine_process(config_json: bytes, endpoints: list[tuple[str, str]]) -> None:
+    """The engine-core process's main: `endpoints` are the (to engine, from engine) addresses of each API-server
+    process, in the order of their `client_index`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     # tqdm's default lock (the weight loader's progress bar) is a multiprocessing semaphore: this process ends by
     # SIGKILL or a start-up error, and the parent's resource tracker then warns about it on the user's terminal.
     tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _end_with_parent()
+    end_with_parent()
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(to_engine_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(from_engine_addr)
+    inbox = ctx.socket(zmq.PULL)  # fair-queued from every API-server process
+    outboxes = []
+    for to_engine_addr, from_engine_addr in endpoints:
+        inbox.connect(to_engine_addr)
+        outboxes.append(ctx.socket(zmq.PUSH))
+        outboxes[-1].connect(from_engine_addr)
     try:
         config = EngineConfig.model_validate_json(config_json)
         if resolve_device(config.device).type == "cpu":
@@ -90,30 +97,66 @@ def run_engine_process(config_json: bytes, to_engine_addr: str, from_engine_addr
         except (ConfigError, torch.OutOfMemoryError) as exc:
             message = str(exc) if isinstance(exc, ConfigError) else OUT_OF_MEMORY.format(config=config)
             logger.debug("engine start-up failed:\n%s", traceback.format_exc())
-            outbox.send(msgspec.msgpack.encode(EngineStartupError(message)))
-            outbox.close(linger=10_000)  # delivered before the process goes
+            for outbox in outboxes:
+                outbox.send(msgspec.msgpack.encode(EngineStartupError(message)))
+                outbox.close(linger=10_000)  # delivered before the process goes
             sys.exit(STARTUP_ERROR_EXIT)
         freeze_startup_heap()
-        _serve(core, inbox, outbox)
+        _serve(core, inbox, OutputRouter(outboxes))
     except Exception:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         sys.exit(1)
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
-    encoder = msgspec.msgpack.Encoder()
+class OutputRouter:
+    """Sends each output to the API-server process that owns its request. Process 0 gets the scheduler stats with
+    every message (its /metrics reports the engine's side for all of them), so it gets one whenever any is sent."""
+
+    def __init__(self, outboxes: list[zmq.Socket]) -> None:
+        self.outboxes = outboxes
+        self.encoder = msgspec.msgpack.Encoder()
+        self._owners: dict[str, int] = {}  # request id -> its API-server process (with several of them)
+
+    def broadcast(self, message: EngineInfo) -> None:
+        for outbox in self.outboxes:
+            outbox.send(self.encoder.encode(message))
+
+    def added(self, request_id: str, client_index: int) -> None:
+        if len(self.outboxes) > 1:
+            self._owners[request_id] = client_index
+
+    def send(self, batch: EngineOutputs, in_flight: Container[str]) -> None:
+        """Send `batch`; `in_flight` (the core's requests) says which requests are over, so forgotten here."""
+        if len(self.outboxes) == 1:
+            self.outboxes[0].send(self.encoder.encode(batch))
+            return
+        parts = [EngineOutputs([], [], batch.stats)]
+        others = msgspec.structs.replace(batch.stats, iteration_tokens=())  # steps are counted once, by process 0
+        parts += [EngineOutputs([], [], others) for _ in self.outboxes[1:]]
+        owners = self._owners
+        for out in batch.outputs:
+            parts[owners.get(out.request_id, 0)].outputs.append(out)
+        for refusal in batch.refused:
+            parts[owners.get(refusal[0], 0)].refused.append(refusal)
+        for rid in {out.request_id for out in batch.outputs}.union(r[0] for r in batch.refused):
+            if rid not in in_flight:
+                owners.pop(rid, None)
+        for index, part in enumerate(parts):
+            if index == 0 or part.outputs or part.refused:
+                self.outboxes[index].send(self.encoder.encode(part))
+
+
+def _serve(core: EngineCore, inbox: zmq.Socket, router: OutputRouter) -> None:
     decoder = msgspec.msgpack.Decoder(ToEngine)
     mc = core.model_config
-    outbox.send(
-        encoder.encode(
-            EngineInfo(
-                mc.architecture,
-                mc.vocab_size,
-                core.max_seq_len,
-                core.num_kv_blocks,
-                core.config.block_size,
-                core.num_kv_groups,
-            )
+    router.broadcast(
+        EngineInfo(
+            mc.architecture,
+            mc.vocab_size,
+            core.max_seq_len,
+            core.num_kv_blocks,
+            core.config.block_size,
+            core.num_kv_groups,
         )
     )
     server_pid = os.getppid()
@@ -128,6 +171,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
             msg = decoder.decode(inbox.recv())
             if isinstance(msg, AddRequest):
                 rid = msg.request.request_id
+                router.added(rid, msg.client_index)
                 try:
                     core.add_request(msg.request)
                 except InvalidRequest as exc:
@@ -153,5 +197,5 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         if batch.outputs or batch.refused:
             batch.stats = core.stats(tuple(iteration_tokens))
             iteration_tokens.clear()
-            outbox.send(encoder.encode(batch))
+            router.send(batch, core.requests)
     logger.error("the API server process is gone; the engine core exits")

@@ -55,9 +55,7 @@ async def models(state: ServerState = Depends(server_state)) -> ModelList:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string", "minLength": 1}}}}},
 )
 async def metrics(state: ServerState = Depends(server_state)) -> Response:
-    """Prometheus text exposition format."""
-    state.metrics.observe_engine(state.client.stats)
-    state.metrics.observe_client(state.client.num_in_flight, state.client.num_coalesced_deltas)
+    """Prometheus text exposition format (summed over the API-server processes, when there are several)."""
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

@@ -1,5 +1,11 @@
 """Prometheus metrics with vLLM's names under the `brisk:` prefix, in a registry owned by the app (no global state).
 
+With several API-server processes (--api-server-count) each records into prometheus-client's multiprocess files
+(`use_multiprocess_metrics`, in a folder of the server's private IPC directory) and a scrape of any of them reads
+all: requests, tokens and latencies are summed over the processes, in-flight requests too; the engine's side
+(scheduler gauges, prefix-cache and speculation counters, step sizes) is recorded by API-server process 0 alone,
+which gets the engine's stats with every message.
+
 docs/observability.md maps each metric to its vLLM name. Per-request timings come from `RequestTiming`: the API
 server's clock for arrival, tokens and the end, the engine's for the step that first scheduled the request
 (both `time.time()` on one machine).
@@ -9,12 +15,14 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from brisk.config import EngineConfig
@@ -135,10 +143,23 @@ def observe_all(histogram: Any, values: list[float]) -> None:
     total.inc(sum(values))
 
 
+def use_multiprocess_metrics(folder: str) -> None:
+    """Record this process's metrics into prometheus-client's multiprocess files under `folder` (an API-server
+    process of several, before it creates any metric). The library picks its value store by this variable."""
+    os.makedirs(folder, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    values.ValueClass = values.get_value_class()
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, multiprocess_dir: str | None = None, observes_engine: bool = True) -> None:
+        """`multiprocess_dir`: the files of every API-server process (see use_multiprocess_metrics), read at each
+        scrape; `observes_engine`: this process records the engine's stats (one process of several does)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.multiprocess_dir = multiprocess_dir
+        self.observes_engine = observes_engine
+        self._client: AsyncEngineClient | None = None
         labels = ["model_name"]
         r = self.registry
 
@@ -146,16 +167,17 @@ class ServerMetrics:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
         # ---- engine state, sampled at each scrape -----------------------------------------------
-        self.running = Gauge("brisk:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("brisk:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_usage = Gauge(
-            "brisk:kv_cache_usage_perc", "Fraction of KV blocks in use (mean over DP ranks)", labels, registry=r
-        )
-        self.kv_usage_by_rank = Gauge(
+        def engine_gauge(name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Gauge:
+            # Set by one process of several (the most recent value is its value); the others never write them.
+            return Gauge(name, doc, labels + list(extra_labels), registry=r, multiprocess_mode="mostrecent")
+
+        self.running = engine_gauge("brisk:num_requests_running", "Requests in the running batch")
+        self.waiting = engine_gauge("brisk:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = engine_gauge("brisk:kv_cache_usage_perc", "Fraction of KV blocks in use (mean over DP ranks)")
+        self.kv_usage_by_rank = engine_gauge(
             "brisk:kv_cache_usage_perc_by_dp_rank",
             "Fraction of KV blocks in use, per attention-DP rank (each has its own pool)",
-            labels + ["dp_rank"],
-            registry=r,
+            ("dp_rank",),
         )
         self.prefix_queries = Counter(
             "brisk:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
@@ -191,13 +213,16 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_up = Gauge(
-            "brisk:engine_up", "1 while the engine-core process runs, 0 once it died", labels, registry=r
+            "brisk:engine_up",
+            "1 while the engine-core process runs, 0 once it died",
+            labels,
+            registry=r,
+            multiprocess_mode="min",  # any process that saw it die says so
         )
-        self.cache_config = Gauge(
+        self.cache_config = engine_gauge(
             "brisk:cache_config_info",
             "KV cache configuration (value 1; the labels carry it)",
-            labels + ["block_size", "num_gpu_blocks", "enable_prefix_caching", "num_kv_groups", "dtype"],
-            registry=r,
+            ("block_size", "num_gpu_blocks", "enable_prefix_caching", "num_kv_groups", "dtype"),
         )
         # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens; mean accepted length =
         # 1 + accepted / drafts; per position, how often the draft token at that position was accepted.
@@ -254,12 +279,19 @@ class ServerMetrics:
         )
         self.request_n = histogram("brisk:request_params_n", "The n of finished requests", N_BUCKETS)
         # ---- the API server ----------------------------------------------------------------------
-        self.in_flight = Gauge("brisk:num_requests_in_flight", "Requests the API server is serving", labels, registry=r)
+        self.in_flight = Gauge(
+            "brisk:num_requests_in_flight",
+            "Requests the API server processes are serving",
+            labels,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.coalesced = Gauge(
             "brisk:stream_deltas_coalesced",
             "Deltas merged because a client read its stream too slowly (monotonic)",
             labels,
             registry=r,
+            multiprocess_mode="sum",
         )
         self.http_requests = Counter(
             "brisk:http_requests",
@@ -280,10 +312,17 @@ class ServerMetrics:
         return child
 
     def bind_engine(self, client: AsyncEngineClient, config: EngineConfig) -> None:
-        """Engine up/down, cache configuration, and per-step stats of a started engine client."""
+        """Engine up/down, cache configuration, per-step stats and in-flight requests of a started engine client."""
         m = self.model_name
-        self.engine_up.labels(m).set_function(lambda: 0.0 if client.dead else 1.0)
+        self._client = client
+        if self.multiprocess_dir is None:
+            self.engine_up.labels(m).set_function(lambda: 0.0 if client.dead else 1.0)
+        else:  # the files hold values, not functions: set at each scrape (render)
+            self.engine_up.labels(m).set(0.0 if client.dead else 1.0)
+        client.in_flight_listeners.append(self.observe_client)
         info = client.info
+        if not self.observes_engine:
+            return
         if info is not None:
             self.cache_config.labels(
                 m,
@@ -293,20 +332,19 @@ class ServerMetrics:
                 str(info.num_kv_groups),
                 config.dtype,
             ).set(1)
-        client.stats_listeners.append(self.observe_iterations)
-
-    def observe_iterations(self, stats: SchedulerStats) -> None:
-        for num_tokens in stats.iteration_tokens:
-            self._labelled(self.iteration_tokens).observe(num_tokens)
+        client.stats_listeners.append(self.observe_engine)
 
     def observe_engine(self, stats: SchedulerStats) -> None:
+        """The engine's stats, as each of its messages brings them."""
         m = self.model_name
+        for num_tokens in stats.iteration_tokens:
+            self._labelled(self.iteration_tokens).observe(num_tokens)
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
         for rank, usage in enumerate(stats.kv_usage_per_dp_rank):
             self.kv_usage_by_rank.labels(m, str(rank)).set(usage)
-        # The engine reports running totals; the counters advance by what is new since the last scrape.
+        # The engine reports running totals; the counters advance by what is new since the last message.
         for key, total, counter in (
             ("queries", stats.prefix_queries, self.prefix_queries),
             ("hits", stats.prefix_hits, self.prefix_hits),
@@ -367,7 +405,13 @@ class ServerMetrics:
             listener(timing)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        if self._client is not None:
+            self.engine_up.labels(self.model_name).set(0.0 if self._client.dead else 1.0)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process, self.multiprocess_dir)
+        return generate_latest(every_process)
 
     def exported_names(self) -> set[str]:
         """Every sample name /metrics can show (a histogram's _bucket/_sum/_count, a counter's _total, ...),

@@ -5,7 +5,8 @@ a terminal completed / incomplete / failed / cancelled) are streamed, or drained
 come from the same per-choice parser fields, so they agree. Stored responses (`store`, default true) are kept in
 the `ResponseStore`; `previous_response_id` continues one. `background: true` runs the response as a task
 (`BackgroundRuns`): GET polls it, GET with `stream=true` (and `starting_after`) replays and follows its events,
-POST .../cancel stops it.
+POST .../cancel stops it. With several API-server processes a background response runs in the one that accepted it;
+a request about it reaching another is forwarded there while it runs (brisk/server/peers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 
 from brisk.server.errors import APIError
+from brisk.server.peers import FORWARDED_HEADER, forward
 from brisk.server.protocol import NamedToolChoice, NamedToolChoiceFunction, ResponsesRequest
 from brisk.server.response_items import input_items, items_to_messages
 from brisk.server.response_run import TERMINAL_EVENTS, ResponseRun
@@ -159,6 +161,20 @@ async def _visible(state: ServerState, raw: Request, response_id: str) -> tuple[
     return owner, stored
 
 
+def _runner_socket(state: ServerState, raw: Request, found: Any) -> str | None:
+    """The socket of the sibling process running `found` (a background response this process does not run), to
+    forward `raw` there; None to answer here."""
+    if (
+        state.peers is None
+        or not isinstance(found, StoredResponse)
+        or not found.running
+        or not found.runner
+        or FORWARDED_HEADER in raw.headers
+    ):
+        return None
+    return state.peers.socket_of(found.runner)
+
+
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, response_model_exclude_unset=True)
 async def get_response(
     response_id: str,
@@ -170,6 +186,9 @@ async def get_response(
     """A stored response; a background one while it runs. `stream=true` replays its events after
     `starting_after` (a sequence number), then follows them until it ends."""
     owner, found = await _visible(state, raw, response_id)
+    runner = _runner_socket(state, raw, found)
+    if runner is not None:
+        return await forward(raw, runner)
     if stream:
         if isinstance(found, ResponseRun):
             return EventStreamResponse(_sse(state.background_runs.follow(response_id, starting_after)))
@@ -229,6 +248,9 @@ async def get_input_items(
 @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
 async def delete_response(response_id: str, raw: Request, state: ServerState = Depends(server_state)):
     owner, found = await _visible(state, raw, response_id)
+    runner = _runner_socket(state, raw, found)
+    if runner is not None:
+        return await forward(raw, runner)
     if isinstance(found, ResponseRun):
         state.background_runs.cancel(response_id)
         await state.background_runs.wait(response_id)
@@ -242,6 +264,9 @@ async def delete_response(response_id: str, raw: Request, state: ServerState = D
 async def cancel_response(response_id: str, raw: Request, state: ServerState = Depends(server_state)):
     """Stop a background response (its status becomes `cancelled`); a finished one is returned as it is."""
     _, found = await _visible(state, raw, response_id)
+    runner = _runner_socket(state, raw, found)
+    if runner is not None:
+        return await forward(raw, runner)
     if not isinstance(found, ResponseRun):
         if not found.body.get("background"):
             raise APIError(400, "Only a background response can be cancelled.", param="response_id")

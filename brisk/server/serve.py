@@ -4,12 +4,14 @@ it as one line)."""
 
 from __future__ import annotations
 
-import asyncio
 import errno
+import functools
 import json
 import logging
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +23,21 @@ from brisk.config import (
     EngineConfig,
     ModelConfig,
     ServerConfig,
-    build_serve_configs,
     check_fits_machine,
     generation_defaults,
     load_chat_template,
 )
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
-from brisk.engine.client import AsyncEngineClient, EngineDeadError
+from brisk.engine.client import AsyncEngineClient, EngineDeadError, EngineLink
+from brisk.engine.messages import EngineInfo
 from brisk.harmony.chat import is_harmony_model
 from brisk.server.app import build_app
+from brisk.server.peers import Peers
 from brisk.server.response_store import ResponseStore
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
 from brisk.server.state import ServerState
-from brisk.server.tracing import ObservabilityConfig, configure_logging, make_tracer_provider
+from brisk.server.tracing import ObservabilityConfig, make_tracer_provider
 
 logger = logging.getLogger("brisk.server")
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
@@ -83,24 +86,41 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -> int:
-    """Serve `config`'s model (MODEL as given: `model`, the default API name) as `server` says."""
+@dataclass
+class ServePlan:
+    """What `brisk serve` checked and loaded before serving; each API-server process serves from one."""
+
+    model: str | None  # MODEL as given
+    config: EngineConfig
+    server: ServerConfig
+    api_key: str | None
+    tokenizer: Any
+    generation_defaults: dict[str, Any]
+    is_harmony: bool
+    names: list[str]  # the served model names, the reported one first
+
+
+def plan_serve(
+    model: str | None, config: EngineConfig, server: ServerConfig, launched_externally: bool, check_machine: bool = True
+) -> ServePlan:
+    """The API key, tokenizer and chat template, and the checks of the configs against the model and the machine."""
     api_key = resolve_api_key(server.api_key, server.api_key_file)
-    observability = observability_for(server)
-    env = launcher_env()
-    if env is not None and env["RANK"] > 0:  # torchrun: ranks > 0 hold model shards, rank 0 serves HTTP
-        run_worker(config, rank_place(config, env))
-        return 0
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     chat_template = load_chat_template(config)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     model_config = ModelConfig.from_pretrained(config.model)
-    check_fits_machine(config, model_config, launched_externally=env is not None)
+    if check_machine:
+        check_fits_machine(config, model_config, launched_externally=launched_externally)
     is_harmony = is_harmony_model(model_config.hf_config.model_type, tokenizer)
     server.check_model(is_harmony)
     names = server.served_model_name or [model or "brisk-demo"]
-    sock = bind_socket(server.host, server.port)
+    return ServePlan(
+        model, config, server, api_key, tokenizer, generation_defaults(config, model_config), is_harmony, names
+    )
+
+
+def announce_config(config: EngineConfig, server: ServerConfig) -> None:
     in_effect = {
         "engine": config.model_dump(mode="json"),
         "server": server.model_dump(mode="json", exclude={"api_key"}),
@@ -110,6 +130,45 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
     else:
         print("brisk serve: configuration in effect:\n" + json.dumps(in_effect, indent=2), flush=True)
 
+
+def announce_ready(plan: ServePlan, info: EngineInfo) -> None:
+    server = plan.server
+    processes = f", {server.num_api_servers} API-server processes" if server.num_api_servers > 1 else ""
+    ready = (
+        f"brisk serve: ready: '{plan.names[0]}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{processes}) on http://{server.host}:{server.port}"
+    )
+    if server.log_format == "json":
+        logger.info(ready)
+    else:
+        print(ready, flush=True)
+
+
+async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -> int:
+    """Serve `config`'s model (MODEL as given: `model`, the default API name) as `server` says, in this process."""
+    env = launcher_env()
+    if env is not None and env["RANK"] > 0:  # torchrun: ranks > 0 hold model shards, rank 0 serves HTTP
+        run_worker(config, rank_place(config, env))
+        return 0
+    plan = plan_serve(model, config, server, launched_externally=env is not None)
+    sock = bind_socket(server.host, server.port)
+    announce_config(config, server)
+    return await serve_api(plan, sock)
+
+
+async def serve_api(
+    plan: ServePlan,
+    sock: socket.socket,
+    peers: Peers | None = None,
+    engine_pid: int | None = None,
+    private_sock: socket.socket | None = None,
+    on_ready: Callable[[EngineInfo], None] | None = None,
+) -> int:
+    """One API-server process serving on `sock`: with its own engine process, or (`peers`, `engine_pid`) one of
+        several attached to the supervisor's (then also on its `private_sock`). `on_ready` (default: print the ready line)
+    is told once it accepts connections."""
+    config, server = plan.config, plan.server
+    observability = observability_for(server)
     exit_code = {"value": 0}
     server_box: dict[str, uvicorn.Server] = {}
 
@@ -118,7 +177,8 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         if "server" in server_box:
             server_box["server"].should_exit = True
 
-    client = AsyncEngineClient(config, tokenizer, on_engine_death)
+    link = None if peers is None or engine_pid is None else EngineLink(peers.ipc_dir, peers.index, engine_pid)
+    client = AsyncEngineClient(config, plan.tokenizer, on_engine_death, link)
     try:
         info = await client.start()
     except EngineDeadError as exc:
@@ -132,16 +192,17 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         raise
     state = ServerState(
         client,
-        tokenizer,
+        plan.tokenizer,
         config,
-        names[0],
-        generation_defaults(config, model_config),
-        is_harmony,
+        plan.names[0],
+        plan.generation_defaults,
+        plan.is_harmony,
         server=server,
-        api_key=api_key,
-        model_aliases=tuple(names[1:]),
+        api_key=plan.api_key,
+        model_aliases=tuple(plan.names[1:]),
         response_store=response_store_for(server),
         observability=observability,
+        peers=peers,
     )
     app = build_app(state)
     # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
@@ -159,18 +220,11 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         ),
         state,
         server.shutdown_timeout,
+        on_listening=functools.partial(on_ready or functools.partial(announce_ready, plan), info),
     )
     server_box["server"] = http
-    ready = (
-        f"brisk serve: ready: '{names[0]}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) on http://{server.host}:{server.port}"
-    )
-    if server.log_format == "json":
-        logger.info(ready)
-    else:
-        print(ready, flush=True)
     try:
-        await http.serve(sockets=[sock])
+        await http.serve(sockets=[sock] if private_sock is None else [sock, private_sock])
     finally:
         await client.shutdown()
         if observability.tracer_provider is not None:
@@ -194,12 +248,3 @@ def response_store_for(server: ServerConfig) -> ResponseStore:
 def default_state_dir() -> Path:
     """Where stored Responses live unless --state-dir says otherwise (XDG's state folder)."""
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "brisk"
-
-
-def run(model: str | None, given: dict[str, Any]) -> int:
-    """`brisk serve MODEL` with the options `given` (flags, as the option table's keys)."""
-    # The flags' logging until the configs are built (their start-up notes are logged), then the configs'.
-    configure_logging(given.get("log_format") or "text", str(given.get("log_level") or "info"))
-    config, server = build_serve_configs(model, given, default_model=str(DEMO_MODEL))
-    configure_logging(server.log_format, server.log_level, quiet_requests=server.disable_log_requests)
-    return asyncio.run(serve(model, config, server))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -25,12 +27,25 @@ ABORT_GRACE_S = 5.0  # after aborting, how long the engine gets to report the ab
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        shutdown_timeout: float,
+        on_listening: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_listening` is called once the server accepts connections on its sockets (ready to serve)."""
         super().__init__(config)
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+        self.on_listening = on_listening
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in a signal handler: only set flags; on_tick (every 0.1 s, on the event loop) acts on them. New

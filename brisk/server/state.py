@@ -30,6 +30,7 @@ from brisk.harmony.chat import render_chat
 from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.metrics import RequestTiming, ServerMetrics
+from brisk.server.peers import Peers
 from brisk.server.response_run import BackgroundRuns
 from brisk.server.response_store import ResponseStore
 from brisk.server.tracing import ObservabilityConfig
@@ -54,6 +55,7 @@ class ServerState:
     response_store: ResponseStore | None = None  # stored Responses (store: true); None keeps none
     draining: bool = False  # set at shutdown: new requests get 503, in-flight ones finish
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # traces, logs, profiling
+    peers: Peers | None = None  # the other API-server processes of this server (--api-server-count > 1)
     metrics: ServerMetrics = field(init=False)
     background_runs: BackgroundRuns = field(init=False)
     _grammar_compiler: GrammarCompiler | None = field(init=False, default=None)
@@ -61,7 +63,12 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name)
+        peers = self.peers
+        self.metrics = ServerMetrics(
+            self.model_name,
+            multiprocess_dir=None if peers is None else peers.metrics_dir,
+            observes_engine=peers is None or peers.index == 0,
+        )
         self.metrics.bind_engine(self.client, self.config)
         self.background_runs = BackgroundRuns()
 
@@ -107,7 +114,10 @@ class ServerState:
         capacity = self.config.max_batch_size + self.config.max_num_waiting
         if num_requests > capacity:
             raise APIError(400, f"A request may hold at most {capacity} prompts.", param="prompt")
-        if self.client.num_in_flight + num_requests > capacity:
+        load = self.client.num_in_flight
+        if self.peers is not None:  # the engine's count holds the other API-server processes' requests too
+            load = max(load, self.client.engine_load())
+        if load + num_requests > capacity:
             raise APIError(
                 429, "The server is at capacity; retry later.", code="queue_full", headers={"Retry-After": "1"}
             )
