@@ -346,7 +346,7 @@ def test_engine_ipc_is_private_and_only_http_listens(server):
     assert tcp_listening_ports(inodes) == {server.port}  # no TCP port but the HTTP one, engine included
 
     ipc_paths = {p for p in unix_socket_paths(inodes) if "brisk-ipc-" in p}
-    assert {Path(p).name for p in ipc_paths} == {"to_engine", "from_engine"}
+    assert {Path(p).name for p in ipc_paths} == {"to_engine_0", "from_engine_0"}  # one API-server process
     ipc_dir = Path(next(iter(ipc_paths))).parent
     dir_stat = ipc_dir.stat()
     assert stat.S_IMODE(dir_stat.st_mode) == 0o700 and dir_stat.st_uid == os.getuid()
