@@ -578,14 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     report = run(args, "python benchmarks/api_overhead.py " + shlex.join(argv))
-    print(report["table"])
-    if report["profile_text"]:
-        print("\n" + report["profile_text"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
-        print(f"\nwrote {args.out}", file=sys.stderr)
+    engine_overhead.print_report(report, args.out)
     return 0
 
 

@@ -783,19 +783,24 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
 
 
+def print_report(report: dict[str, Any], out: str | None) -> None:
+    """The table (and profile) on stdout; the whole report as JSON into `out` where given."""
+    print(report["table"])
+    if report["profile_text"]:
+        print("\n" + report["profile_text"])
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+        print(f"\nwrote {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     with torch_threads(args.torch_threads):
         report = run(args, "python benchmarks/engine_overhead.py " + shlex.join(argv))
-    print(report["table"])
-    if report["profile_text"]:
-        print("\n" + report["profile_text"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
-        print(f"\nwrote {args.out}", file=sys.stderr)
+    print_report(report, args.out)
     return 0
 
 

@@ -311,7 +311,8 @@ def test_a_running_response_is_interrupted_only_when_its_process_is_gone(tmp_pat
 
     # A state folder written by the previous schema (no runner column) opens, and its rows still read.
     old = sqlite3.connect(tmp_path / "responses.sqlite3")
-    old.executescript(SCHEMA)
+    for statement in SCHEMA:
+        old.execute(statement)
     old.execute("INSERT INTO responses VALUES ('resp_old', ?, ?, ?, '[]', '[]')", (owner_of(None), 1e12, '{"id": "resp_old", "status": "completed"}'))  # fmt: skip
     old.commit()
     old.close()
@@ -369,3 +370,23 @@ def test_the_stream_of_a_response_running_elsewhere_ends_with_its_terminal_event
         store.close()
 
     asyncio.run(scenario())
+
+
+def _open_store_at_once(state_dir: str, barrier) -> None:
+    barrier.wait()
+    ResponseStore(state_dir).close()
+
+
+def test_api_server_processes_open_one_store_at_once(tmp_path):
+    """--api-server-count N: N processes open (create, switch to WAL, upgrade) the same file at the same moment; every
+    one of them must come up (an unguarded `PRAGMA journal_mode=WAL` was 'database is locked' for the second)."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    barrier = spawn.Barrier(4)
+    procs = [spawn.Process(target=_open_store_at_once, args=(str(tmp_path), barrier)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0] * 4

@@ -32,17 +32,19 @@ from brisk.server.auth import bearer_token
 
 DEFAULT_TTL_S = 30 * 24 * 3600
 DEFAULT_MAX_RESPONSES = 100_000
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
+BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process of the server holding the file's lock
+WAL_RETRY_S = 0.01  # the pause between tries to switch a file others have open to WAL
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     owner TEXT NOT NULL,
     created REAL NOT NULL,
     body TEXT NOT NULL,
     input_items TEXT NOT NULL,
     history_items TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
-"""
+)""",
+    "CREATE INDEX IF NOT EXISTS responses_created ON responses (created)",
+)
 # Columns added since the first schema (a state folder written by an older brisk gets them at open).
 LATER_COLUMNS = {
     "runner": "TEXT",  # the process running a queued / in_progress response ("pid:start ticks"); NULL once it ended
@@ -109,15 +111,38 @@ class ResponseStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.ttl_s, self.max_responses = ttl_s, max_responses
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-response-store")
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        # Other processes of the server open and write the same file: wait for their locks (set before anything
+        # else), and create or upgrade the schema in one write transaction, so two never both add a column.
+        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
+        self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+        self._use_wal()
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=10000")  # other processes of the server write the same file
-        self._db.executescript(SCHEMA)
-        present = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
-        for column, kind in LATER_COLUMNS.items():
-            if column not in present:
-                self._db.execute(f"ALTER TABLE responses ADD COLUMN {column} {kind}")
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in SCHEMA:
+                self._db.execute(statement)
+            present = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+            for column, kind in LATER_COLUMNS.items():
+                if column not in present:
+                    self._db.execute(f"ALTER TABLE responses ADD COLUMN {column} {kind}")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _use_wal(self) -> None:
+        """The file in WAL mode (kept in the file once set). Switching needs the file to itself and SQLite does not
+        wait for that (busy_timeout does not apply): processes opening it at once retry until BUSY_TIMEOUT_S."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self._db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(WAL_RETRY_S)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
