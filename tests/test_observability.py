@@ -167,7 +167,8 @@ def _query(url: str, expr: str, **params) -> list[dict]:
 
 
 async def _drive_traffic(url: str) -> dict[str, int]:
-    """Shared-prefix completions (some streamed) for TRAFFIC_S seconds, 6 at a time; worker 0 also sends a
+    """Shared-prefix completions (some streamed) for TRAFFIC_S seconds, 10 at a time (max_batch_size 4: requests wait
+    in every scrape, however fast the machine); worker 0 also sends a
     refused request of each kind (401, 400, 404) every 40 of its requests, so the error counters grow."""
     counts = {"ok": 0, "refused": 0}
     deadline = time.monotonic() + TRAFFIC_S
@@ -200,7 +201,7 @@ async def _drive_traffic(url: str) -> dict[str, int]:
                 counts["ok"] += 1
                 i += 1
 
-        await asyncio.gather(*(worker(w) for w in range(6)))
+        await asyncio.gather(*(worker(w) for w in range(10)))
     return counts
 
 
