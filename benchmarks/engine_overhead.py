@@ -276,6 +276,13 @@ def collector_pauses() -> Iterator[list[float]]:
         gc.callbacks.remove(callback)
 
 
+def step_outputs(engine: EngineCore) -> list[Any]:
+    """One step's outputs; engine_step_ab.py also runs this script against trees from before the model-side
+    renovation (5b2e1c0), whose step() returned the list itself."""
+    result: Any = engine.step()
+    return result if isinstance(result, list) else result.outputs
+
+
 def measure_engine(engine: EngineCore, batch: int, steps: int, profile: bool, max_tokens: int) -> EnginePoint:
     """Time `steps` engine steps with `batch` requests all decoding; then (with `profile`) as many under cProfile."""
     rids = [f"engine-b{batch}-{i}" for i in range(batch)]
@@ -284,11 +291,11 @@ def measure_engine(engine: EngineCore, batch: int, steps: int, profile: bool, ma
     # Not measured: the chunked prefill, and one full decode step (which sizes the null model's logit pool).
     started: set[str] = set()
     while len(started) < batch:
-        started.update(out.request_id for out in engine.step().outputs)
+        started.update(out.request_id for out in step_outputs(engine))
     engine.step()
 
     def one_step() -> None:
-        outputs = engine.step().outputs
+        outputs = step_outputs(engine)
         if len(outputs) != batch or any(out.finished for out in outputs):
             raise RuntimeError(f"expected {batch} decoding requests, got {len(outputs)} outputs; raise max_tokens")
 
@@ -711,11 +718,14 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         max_seq_len = PROMPT_LEN + max_output_tokens
         llm = LLM(model_dir, **engine_options(shape, max(args.batch_sizes), max_seq_len, args.overlap))
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2))  # first-call costs
-        # What the server's engine process does after start-up (brisk.host.freeze_startup_heap; absent from
-        # older trees, which engine_step_ab.py runs this script against).
+        # What the server's engine process does after start-up (brisk.host.freeze_startup_heap; older trees, which
+        # engine_step_ab.py runs this script against, lack it: the same done here, so both trees are measured alike).
         freeze = getattr(brisk.host, "freeze_startup_heap", None)
         if freeze is not None:
             freeze()
+        else:
+            gc.collect()
+            gc.freeze()
         for batch in args.batch_sizes:
             point = measure_engine(llm.engine, batch, args.steps, args.profile, max_output_tokens)
             engine = rows[batch].engine = point.summary()

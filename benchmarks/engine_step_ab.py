@@ -4,9 +4,9 @@ different times are not comparable).
 
     git archive <base commit> brisk | tar -x -C /tmp/brisk-base      # the "before" tree
     python benchmarks/engine_step_ab.py --before /tmp/brisk-base [--after .] [--rounds 3]
-        [--batch-sizes 640,1024] [--steps 32] [--vocab-size 4096] [--out engine_step_ab.json]
+        [--batch-sizes 640,1024] [--steps 32] [--vocab-size 4096] [--no-overlap] [--out engine_step_ab.json]
 
-Each round runs `engine_overhead.py --skip-http --skip-offline --overlap` once per tree (order alternating
+Each round runs `engine_overhead.py --skip-http --skip-offline [--overlap]` once per tree (order alternating
 between rounds), with the tree first on PYTHONPATH. The table gives, per batch size, each tree's median over
 rounds of the step's wall milliseconds and CPU milliseconds (each a median over `--steps` steps; CPU also as a
 mean, which counts the rare long steps such as full garbage collections), and after / before; then the mean
@@ -36,7 +36,7 @@ def run_once(tree: str, args: argparse.Namespace, out: str) -> dict[int, dict[st
         os.path.join(HERE, "engine_overhead.py"),
         "--skip-http",
         "--skip-offline",
-        "--overlap",
+        *(["--overlap"] if args.overlap else []),
         "--batch-sizes",
         args.batch_sizes,
         "--steps",
@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="640,1024")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap scheduling on, as on a GPU (--no-overlap: the CPU's default, as engine_overhead.py runs)",
+    )
     p.add_argument("--out", help="write the results as JSON to this path")
     args = p.parse_args(argv)
     trees = {"before": args.before, "after": args.after}
