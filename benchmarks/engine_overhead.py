@@ -52,6 +52,7 @@ import brisk.host
 from brisk import LLM, SamplingParams
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
+from brisk.detokenizer import byte_level_alphabet
 from brisk.host import cpu_info
 
 DEFAULT_BATCH_SIZES = (1, 64, 256, 1024)
@@ -136,13 +137,6 @@ class NullModelShape:
 
 
 # ---- the model directory -----------------------------------------------------------------------------------------
-def byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
 def write_synthetic_tokenizer(path: str, vocab_size: int) -> None:
     """A byte-level BPE tokenizer with exactly `vocab_size` ids: 256 bytes, then every 2- and 3-character string
     of printable ASCII (space included) as merges, then the end-of-text token as the last id.

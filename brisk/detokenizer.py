@@ -8,6 +8,12 @@ decodes to text ending in U+FFFD is an incomplete UTF-8 sequence, so it is held 
 completes it. We implement the algorithm ourselves rather than use `DecodeStream` because finishing a request
 needs the pending bytes flushed, and `DecodeStream` does not expose them.
 
+Byte-level BPE tokenizers (GPT-2's alphabet: gpt-oss's o200k, Llama 3, Qwen) need no window: each id stands for
+fixed bytes, and decode(ids) is those bytes concatenated and decoded as UTF-8 with replacement. For them a request
+keeps an incremental UTF-8 decoder and each token costs a table lookup and a decode of its few bytes (`TokenBytes`),
+which gives the same text as the window algorithm (tests/test_detokenizer.py checks the table against `decode` for
+every id of the bundled and the o200k tokenizers).
+
 Stop strings: the text is searched after each token; on a hit the output is truncated before the stop string
 (after it with `include_stop_str_in_output`). Text that might be the start of a stop string is held back from
 the deltas until the following text rules the stop string in or out, and `flush()` releases it at the end.
@@ -15,6 +21,7 @@ the deltas until the following text rules the stop string in or out, and `flush(
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -36,6 +43,44 @@ class DetokenizerUpdate:
     stop_reason: str | None = None  # the stop string that ended the request in this update, if any
 
 
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in (`bytes_to_unicode`
+    in GPT-2's encoder and in `tokenizers`): printable bytes stand for themselves, the others for U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+class TokenBytes:
+    """The bytes each id of a byte-level BPE tokenizer decodes to, looked up once per id.
+
+    The `tokenizers` ByteLevel decoder maps each token's characters through the alphabet above (a token with a
+    character outside it, such as an added token's text, stands for its own UTF-8 bytes), joins the bytes of all
+    tokens and decodes them as UTF-8 with replacement; skipped special tokens and unknown ids add nothing."""
+
+    def __init__(self, backend, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._alphabet = {c: b for b, c in byte_level_alphabet().items()}
+        added = backend.get_added_tokens_decoder()
+        self._skipped = {i for i, token in added.items() if token.special} if skip_special_tokens else set()
+        self._bytes: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = self._bytes[token_id] = self._lookup(token_id)
+        return data
+
+    def _lookup(self, token_id: int) -> bytes:
+        token = self._backend.id_to_token(token_id)
+        if token is None or token_id in self._skipped:
+            return b""
+        alphabet = self._alphabet
+        if all(c in alphabet for c in token):
+            return bytes(alphabet[c] for c in token)
+        return token.encode()
+
+
 class TokenDecoder:
     """`ids -> text` of one tokenizer with one skip_special_tokens setting, shared by the detokenizers of a front
     end. Single tokens' texts are cached: past its first step a request's decoding window is its last emitted
@@ -46,10 +91,10 @@ class TokenDecoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
         self.decode = _decode_function(tokenizer, skip_special_tokens)
         self._single: dict[int, str] = {}
-        # A byte-level decoder turns ids into bytes, then bytes into text: text decoded up to a character boundary
-        # is a prefix of the text decoded with more tokens, so several new tokens can be decoded as one.
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
+        byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
+        # None: the tokenizer's tokens are decoded in windows (IncrementalDetokenizer)
+        self.token_bytes = TokenBytes(backend, skip_special_tokens) if byte_level else None
 
     def decode_window(self, ids: list[int]) -> str:
         if len(ids) != 1:
@@ -85,6 +130,11 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :])
         self._read_offset = len(self._token_ids)
         self._prefix_text = self.decoder.decode(self._token_ids)
+        # A byte-level tokenizer's tokens are decoded by their bytes (see the module's docstring), unless the prompt
+        # ends inside a character: then the window keeps that character's first bytes with the output's.
+        token_bytes = self.decoder.token_bytes
+        self._token_bytes = token_bytes if not self._prefix_text.endswith(REPLACEMENT_CHAR) else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._token_bytes is not None else None
 
         self.output_token_ids: list[int] = []
         # The text so far is "".join(_emitted) + _unsent: what was returned as deltas, and what was decoded but
@@ -105,8 +155,8 @@ class IncrementalDetokenizer:
         """Add newly generated tokens; return the text that became final and the stop string if one was hit."""
         if self.finished:
             return DetokenizerUpdate("")
-        if len(new_token_ids) > 1 and self.decoder.byte_level and self._add_tokens_at_once(new_token_ids):
-            return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
+        if self._utf8 is not None:
+            return self._update_by_bytes(new_token_ids)
         for token_id in new_token_ids:
             self.output_token_ids.append(token_id)
             self._token_ids.append(token_id)
@@ -114,35 +164,35 @@ class IncrementalDetokenizer:
                 return DetokenizerUpdate(self._take_delta(hold_back=0), self.stop_reason)
         return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
 
+    def _update_by_bytes(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
+        decode, token_bytes = self._utf8.decode, self._token_bytes  # type: ignore[union-attr]
+        if not self._stops:  # nothing to search or hold back: the new bytes' text is the delta (the common case)
+            self.output_token_ids += new_token_ids
+            data = (
+                token_bytes(new_token_ids[0]) if len(new_token_ids) == 1 else b"".join(map(token_bytes, new_token_ids))
+            )  # type: ignore[arg-type]
+            text = decode(data)
+            if text:
+                self._emitted.append(text)
+            return DetokenizerUpdate(text)
+        for token_id in new_token_ids:
+            self.output_token_ids.append(token_id)
+            text = decode(token_bytes(token_id))  # type: ignore[misc]
+            if text and self._add_text(text):
+                return DetokenizerUpdate(self._take_delta(hold_back=0), self.stop_reason)
+        return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
+
     def flush(self) -> str:
         """Finish the request: return the text still held back, incomplete characters included (as U+FFFD)."""
         if self.finished:
             return ""
-        window_text = self.decoder.decode(self._token_ids)
-        self._add_text(window_text[len(self._prefix_text) :])
+        if self._utf8 is not None:
+            self._add_text(self._utf8.decode(b"", final=True))
+        else:
+            window_text = self.decoder.decode(self._token_ids)
+            self._add_text(window_text[len(self._prefix_text) :])
         self.finished = True
         return self._take_delta(hold_back=0)
-
-    def _add_tokens_at_once(self, new_token_ids: Sequence[int]) -> bool:
-        """Several tokens, one decode: the same text as adding them one by one, when the text they complete ends
-        on a whole character and holds no stop string (then token by token changes nothing but the windows).
-        False, and nothing changed, otherwise: the caller goes token by token."""
-        window = self._token_ids + list(new_token_ids)
-        window_text = self.decoder.decode(window)
-        if len(window_text) <= len(self._prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
-            return False
-        new_text = window_text[len(self._prefix_text) :]
-        if self._stops:
-            recent = self._unsent + new_text
-            if any(stop in recent for stop in self._stops):
-                return False  # where a stop string ends decides which tokens are output: found token by token
-        self.output_token_ids += new_token_ids
-        # As if the last token's window were the one emitted: the next window is the last token and the one after.
-        self._token_ids = window[-1:]
-        self._read_offset = 1
-        self._prefix_text = self.decoder.decode_window(self._token_ids)
-        self._unsent += new_text
-        return True
 
     def _add_token_text(self, window_text: str) -> bool:
         """Take the decoded window of the token just added; True if a stop string was hit."""

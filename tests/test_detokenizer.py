@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
+import brisk
 from brisk.detokenizer import IncrementalDetokenizer, TokenDecoder
 from brisk.sampling_params import SamplingParams
 from tests.tiny_tokenizer import IM_END_ID, IM_START_ID, make_tiny_tokenizer
@@ -225,7 +227,7 @@ def chunked_updates(
     include_stop=st.booleans(),
     min_tokens=st.integers(0, 8),
 )
-def test_tokens_decoded_at_once_give_the_deltas_of_one_at_a_time(
+def test_byte_path_gives_the_deltas_of_the_window_path(
     tokenizer: PreTrainedTokenizerFast,
     data: st.DataObject,
     token_ids: list[int],
@@ -234,27 +236,73 @@ def test_tokens_decoded_at_once_give_the_deltas_of_one_at_a_time(
     include_stop: bool,
     min_tokens: int,
 ) -> None:
-    # A byte-level tokenizer decodes several new tokens in one call; the deltas (the text each update releases,
-    # where a stop string cuts the output, how many tokens are output) must be those of the token-by-token
-    # algorithm with the same chunks: random ids split multi-byte characters and make invalid UTF-8 too.
+    # A byte-level tokenizer's tokens are decoded by their bytes, one incremental UTF-8 decode each; the window
+    # algorithm (every other tokenizer's) is the reference. Random ids split multi-byte characters and make invalid
+    # UTF-8 too: where the text is valid, the deltas (the text each update releases, where a stop string cuts the
+    # output, how many tokens are output) are the window path's; where it is not, the byte path gives an invalid
+    # byte's U+FFFD at once while the window holds it until a later token, so the texts agree, not the deltas.
     text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
     stops = []
     if text and data.draw(st.booleans()):  # stop strings that occur in the output (and one that may not)
         start = data.draw(st.integers(0, len(text) - 1))
         stops.append(text[start : start + data.draw(st.integers(1, 4))])
-        stops.append(data.draw(st.sampled_from(["the", "é", "\ufffd", "\n"])))
+        stops.append(data.draw(st.sampled_from(["the", "é", "\n"])))
     params = SamplingParams(
         stop=stops,
         include_stop_str_in_output=include_stop,
         min_tokens=min_tokens,
         skip_special_tokens=skip_special_tokens,
     )
-    at_once = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params)
-    assert at_once.decoder.byte_level
-    one_by_one = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params)
-    one_by_one.decoder.byte_level = False  # its own decoder: every update goes token by token
-    assert chunked_updates(at_once, token_ids, chunk_sizes) == chunked_updates(one_by_one, token_ids, chunk_sizes)
-    assert at_once.output_text == one_by_one.output_text and at_once.stop_reason == one_by_one.stop_reason
+    by_bytes = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params)
+    assert by_bytes.decoder.token_bytes is not None
+    window_decoder = TokenDecoder(tokenizer, skip_special_tokens)
+    window_decoder.token_bytes = None  # as for a tokenizer that is not byte-level
+    by_window = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params, window_decoder)
+    bytes_updates = chunked_updates(by_bytes, token_ids, chunk_sizes)
+    window_updates = chunked_updates(by_window, token_ids, chunk_sizes)
+    if "\ufffd" not in text:
+        assert bytes_updates == window_updates
+        assert by_bytes.stop_reason == by_window.stop_reason
+    elif not stops:
+        assert by_bytes.output_text == by_window.output_text == text
+    assert "".join(delta for delta, _, _ in bytes_updates) == by_bytes.output_text
+
+
+def _gpt_oss_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFast:
+    from tests.harmony_tokenizer import make_gpt_oss_tokenizer
+
+    return make_gpt_oss_tokenizer(tmp_path_factory.mktemp("o200k"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "demo_model", "o200k_harmony"])
+def test_token_bytes_are_what_decode_gives_for_every_id(
+    name: str, tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The byte path rests on each id standing for fixed bytes: check the table against the Rust decoder for every id
+    # of the tokenizers brisk ships or serves (o200k: gpt-oss's 201,088 ids, special tokens included), one id
+    # alone and in random runs where multi-byte characters span ids.
+    import random
+
+    from transformers import AutoTokenizer
+
+    if name == "demo_model":
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(brisk.__file__).parent / "demo_model"))
+    elif name == "o200k_harmony":
+        tokenizer = _gpt_oss_tokenizer(tmp_path_factory)
+    backend = tokenizer.backend_tokenizer
+    rng = random.Random(0)
+    for skip in (False, True):
+        token_bytes = TokenDecoder(tokenizer, skip).token_bytes
+        assert token_bytes is not None
+        ids = range(backend.get_vocab_size(with_added_tokens=True))
+        wrong = [
+            i for i in ids if backend.decode([i], skip_special_tokens=skip) != token_bytes(i).decode("utf-8", "replace")
+        ]
+        assert wrong == []
+        for _ in range(200):
+            run = [rng.randrange(len(ids)) for _ in range(rng.randint(1, 12))]
+            expected = backend.decode(run, skip_special_tokens=skip)
+            assert b"".join(map(token_bytes, run)).decode("utf-8", "replace") == expected
 
 
 def test_a_shared_decoder_decodes_each_single_token_once(tokenizer: PreTrainedTokenizerFast) -> None:

@@ -111,12 +111,15 @@ class OutputProcessor:
                 if not eo.new_token_ids and not eo.finished:
                     continue  # a prompt chunk: nothing for the completion yet
             detok = state.detokenizers[eo.index] if state.detokenizers is not None else None
+            new_ids = eo.new_token_ids  # a fresh list per message: the delta may keep it
             if detok is None:
-                text, new_ids = "", eo.new_token_ids
+                text = ""
             else:
-                text = detok.update(eo.new_token_ids).text_delta
-                # A stop string inside several new tokens (speculative decoding): the tokens after it are not output.
-                new_ids = eo.new_token_ids[: len(detok.output_token_ids) - len(comp.token_ids)]
+                text = detok.update(new_ids).text_delta
+                if detok.stop_reason is not None:
+                    # A stop string inside several new tokens (speculative decoding): the tokens after it are not
+                    # output.
+                    new_ids = new_ids[: len(detok.output_token_ids) - len(comp.token_ids)]
             comp.token_ids.extend(new_ids)
             new_logprobs = None
             if eo.logprobs is not None and comp.logprobs is not None:
@@ -142,7 +145,7 @@ class OutputProcessor:
                     eo.request_id,
                     eo.index,
                     text,
-                    list(new_ids),
+                    new_ids,
                     new_logprobs,
                     comp.finish_reason,
                     comp.stop_reason,
@@ -150,7 +153,7 @@ class OutputProcessor:
                     eo.num_steps,
                 )
             )
-            if state.output.finished:
+            if comp.finished and state.output.finished:
                 result.finished.append(state.output)
                 del self.states[eo.request_id]
         return result

@@ -299,16 +299,18 @@ class ServerMetrics:
             ["method", "path", "status"],
             registry=r,
         )
-        self._last_totals = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self._last_totals: dict[str, int] = {}  # the engine's running totals as last seen, by counter
         # Called with each finished request's timing (traces, the JSON request log).
         self.request_listeners: list[Callable[[RequestTiming], None]] = []
-        self._children: dict[int, Any] = {}  # id(metric) -> its child labelled with this model's name
+        # (id(metric), further labels) -> its child labelled with this model's name and those
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def _labelled(self, metric: Any) -> Any:
-        """`metric.labels(model_name)`, looked up once (labels() costs a lock and a validation each call)."""
-        child = self._children.get(id(metric))
+    def _labelled(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(model_name, *labels)`, looked up once (labels() costs a lock and a validation each call)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
         if child is None:
-            child = self._children[id(metric)] = metric.labels(self.model_name)
+            child = self._children[key] = metric.labels(self.model_name, *labels)
         return child
 
     def bind_engine(self, client: AsyncEngineClient, config: EngineConfig) -> None:
@@ -332,42 +334,55 @@ class ServerMetrics:
                 str(info.num_kv_groups),
                 config.dtype,
             ).set(1)
+        for counter in (
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.spec_drafts,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
+            self.host_queries,
+            self.host_hits,
+        ):
+            self._labelled(counter)  # shown at 0 from the start, as before the first step moves them
+        for direction in ("to_host", "to_device"):
+            self._labelled(self.host_bytes, direction)
         client.stats_listeners.append(self.observe_engine)
 
     def observe_engine(self, stats: SchedulerStats) -> None:
-        """The engine's stats, as each of its messages brings them."""
-        m = self.model_name
+        """The engine's stats, as each of its messages brings them (one a step: children looked up once, counters
+        touched only when they moved)."""
         for num_tokens in stats.iteration_tokens:
             self._labelled(self.iteration_tokens).observe(num_tokens)
-        self.running.labels(m).set(stats.num_running)
-        self.waiting.labels(m).set(stats.num_waiting)
-        self.kv_usage.labels(m).set(stats.kv_usage)
+        self._labelled(self.running).set(stats.num_running)
+        self._labelled(self.waiting).set(stats.num_waiting)
+        self._labelled(self.kv_usage).set(stats.kv_usage)
         for rank, usage in enumerate(stats.kv_usage_per_dp_rank):
-            self.kv_usage_by_rank.labels(m, str(rank)).set(usage)
+            self._labelled(self.kv_usage_by_rank, str(rank)).set(usage)
+        self._labelled(self.host_usage).set(stats.host_usage)
         # The engine reports running totals; the counters advance by what is new since the last message.
-        for key, total, counter in (
-            ("queries", stats.prefix_queries, self.prefix_queries),
-            ("hits", stats.prefix_hits, self.prefix_hits),
-            ("preemptions", stats.num_preemptions, self.preemptions),
-            ("drafts", stats.spec_num_drafts, self.spec_drafts),
-            ("draft_tokens", stats.spec_num_draft_tokens, self.spec_draft_tokens),
-            ("accepted", stats.spec_num_accepted_tokens, self.spec_accepted_tokens),
+        for key, total, counter, label in (
+            ("queries", stats.prefix_queries, self.prefix_queries, None),
+            ("hits", stats.prefix_hits, self.prefix_hits, None),
+            ("preemptions", stats.num_preemptions, self.preemptions, None),
+            ("drafts", stats.spec_num_drafts, self.spec_drafts, None),
+            ("draft_tokens", stats.spec_num_draft_tokens, self.spec_draft_tokens, None),
+            ("accepted", stats.spec_num_accepted_tokens, self.spec_accepted_tokens, None),
+            ("host_queries", stats.host_queries, self.host_queries, None),
+            ("host_hits", stats.host_hits, self.host_hits, None),
+            ("host_bytes_to_host", stats.host_bytes_to_host, self.host_bytes, "to_host"),
+            ("host_bytes_to_device", stats.host_bytes_to_device, self.host_bytes, "to_device"),
         ):
-            counter.labels(m).inc(max(0, total - self._last_totals[key]))
-            self._last_totals[key] = max(total, self._last_totals[key])
+            self._advance(key, total, counter, label)
         for pos, total in enumerate(stats.spec_accepted_per_pos):
-            key = f"accepted_pos_{pos}"
-            self.spec_accepted_per_pos.labels(m, str(pos)).inc(max(0, total - self._last_totals.get(key, 0)))
-            self._last_totals[key] = max(total, self._last_totals.get(key, 0))
-        self.host_usage.labels(m).set(stats.host_usage)
-        for key, total, child in (
-            ("host_queries", stats.host_queries, self.host_queries.labels(m)),
-            ("host_hits", stats.host_hits, self.host_hits.labels(m)),
-            ("host_bytes_to_host", stats.host_bytes_to_host, self.host_bytes.labels(m, "to_host")),
-            ("host_bytes_to_device", stats.host_bytes_to_device, self.host_bytes.labels(m, "to_device")),
-        ):
-            child.inc(max(0, total - self._last_totals.get(key, 0)))
-            self._last_totals[key] = max(total, self._last_totals.get(key, 0))
+            self._advance(f"accepted_pos_{pos}", total, self.spec_accepted_per_pos, str(pos))
+
+    def _advance(self, key: str, total: int, counter: Any, label: str | None) -> None:
+        last = self._last_totals.get(key, 0)
+        if total > last:
+            child = self._labelled(counter) if label is None else self._labelled(counter, label)
+            child.inc(total - last)
+            self._last_totals[key] = total
 
     def observe_client(self, num_in_flight: int, num_coalesced_deltas: int) -> None:
         self.in_flight.labels(self.model_name).set(num_in_flight)

@@ -36,6 +36,7 @@ from brisk.server.app import build_app
 from brisk.server.peers import Peers
 from brisk.server.response_store import ResponseStore
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
+from brisk.server.streaming import with_server_send
 from brisk.server.state import ServerState
 from brisk.server.tracing import ObservabilityConfig, make_tracer_provider
 
@@ -208,7 +209,7 @@ async def serve_api(
     # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
     http = DrainingServer(
         uvicorn.Config(
-            app,
+            with_server_send(app),
             host=server.host,
             port=server.port,
             log_level=server.uvicorn_log_level,

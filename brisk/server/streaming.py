@@ -123,6 +123,23 @@ def error_event(exc: Exception) -> str:
 
 
 DONE_EVENT = "data: [DONE]\n\n"
+# Where `with_server_send` leaves the HTTP server's own `send` in a request's scope.
+SERVER_SEND = "brisk.server_send"
+
+
+def with_server_send(app: Any) -> Any:
+    """The ASGI app `app` with the HTTP server's `send` in each HTTP scope, for EventStreamResponse.
+
+    Every middleware between the server and a route (Starlette's error middleware, the guard, the exception
+    middleware twice) wraps `send` to watch for the response's start; a stream's body chunks, one per token, need
+    none of them, and each wrapper costs the token an await."""
+
+    async def app_with_server_send(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await app(scope, receive, send)
+
+    return app_with_server_send
 
 
 class EventStreamResponse(StreamingResponse):
@@ -141,7 +158,10 @@ class EventStreamResponse(StreamingResponse):
         self.done_marker = done_marker
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        streaming = asyncio.current_task()
+        # The stream runs in a task of its own: each chunk then wakes the few frames between the engine's output and
+        # the socket, not the whole stack of middlewares and routing awaiting the response (a frame each per token).
+        # Cancelling this handler (shutdown) cancels the task it awaits.
+        streaming = asyncio.create_task(self.stream_response(send, scope.get(SERVER_SEND, send)))
         hung_up = False
 
         async def watch() -> None:
@@ -149,22 +169,25 @@ class EventStreamResponse(StreamingResponse):
             while (await receive())["type"] != "http.disconnect":
                 pass
             hung_up = True
-            if streaming is not None:
-                streaming.cancel()
+            streaming.cancel()
 
         watcher = asyncio.create_task(watch())
         try:
-            await self.stream_response(send)
+            await streaming
         except asyncio.CancelledError:
-            if not hung_up:
+            this = asyncio.current_task()
+            if not hung_up or (
+                this is not None and sys.version_info >= (3, 11) and this.cancelling()
+            ):  # not (only) the client's hang-up
                 raise
-            if streaming is not None and sys.version_info >= (3, 11):
-                streaming.uncancel()  # the cancellation was ours, and it is over
         finally:
             watcher.cancel()
 
-    async def stream_response(self, send: Any) -> None:
+    async def stream_response(self, send: Any, send_body: Any = None) -> None:
+        """The start through `send` (the middlewares see it), the chunks through `send_body` (the server's own,
+        see with_server_send), the end through `send` again."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        send_body = send_body or send
         chunks = self.chunks
         while True:
             try:
@@ -173,10 +196,10 @@ class EventStreamResponse(StreamingResponse):
                 break
             except Exception as exc:
                 chunk = error_event(exc)
-                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                await send_body({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
                 break
             body = chunk if isinstance(chunk, bytes) else chunk.encode()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send_body({"type": "http.response.body", "body": body, "more_body": True})
         # [DONE] and the end of the body in one write
         await send(
             {"type": "http.response.body", "body": DONE_EVENT.encode() if self.done_marker else b"", "more_body": False}
