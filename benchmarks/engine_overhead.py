@@ -50,9 +50,9 @@ from typing import Any
 import brisk
 import brisk.host
 from brisk import LLM, SamplingParams
+from brisk.detokenizer import byte_level_alphabet
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
-from brisk.detokenizer import byte_level_alphabet
 from brisk.host import cpu_info
 
 DEFAULT_BATCH_SIZES = (1, 64, 256, 1024)

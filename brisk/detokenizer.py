@@ -133,8 +133,9 @@ class IncrementalDetokenizer:
         # A byte-level tokenizer's tokens are decoded by their bytes (see the module's docstring), unless the prompt
         # ends inside a character: then the window keeps that character's first bytes with the output's.
         token_bytes = self.decoder.token_bytes
-        self._token_bytes = token_bytes if not self._prefix_text.endswith(REPLACEMENT_CHAR) else None
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._token_bytes is not None else None
+        self._by_bytes: tuple[TokenBytes, codecs.IncrementalDecoder] | None = None
+        if token_bytes is not None and not self._prefix_text.endswith(REPLACEMENT_CHAR):
+            self._by_bytes = (token_bytes, codecs.getincrementaldecoder("utf-8")("replace"))
 
         self.output_token_ids: list[int] = []
         # The text so far is "".join(_emitted) + _unsent: what was returned as deltas, and what was decoded but
@@ -155,8 +156,8 @@ class IncrementalDetokenizer:
         """Add newly generated tokens; return the text that became final and the stop string if one was hit."""
         if self.finished:
             return DetokenizerUpdate("")
-        if self._utf8 is not None:
-            return self._update_by_bytes(new_token_ids)
+        if self._by_bytes is not None:
+            return self._update_by_bytes(*self._by_bytes, new_token_ids)
         for token_id in new_token_ids:
             self.output_token_ids.append(token_id)
             self._token_ids.append(token_id)
@@ -164,20 +165,22 @@ class IncrementalDetokenizer:
                 return DetokenizerUpdate(self._take_delta(hold_back=0), self.stop_reason)
         return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
 
-    def _update_by_bytes(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
-        decode, token_bytes = self._utf8.decode, self._token_bytes  # type: ignore[union-attr]
+    def _update_by_bytes(
+        self, token_bytes: TokenBytes, utf8: codecs.IncrementalDecoder, new_token_ids: Sequence[int]
+    ) -> DetokenizerUpdate:
+        decode = utf8.decode
         if not self._stops:  # nothing to search or hold back: the new bytes' text is the delta (the common case)
             self.output_token_ids += new_token_ids
             data = (
                 token_bytes(new_token_ids[0]) if len(new_token_ids) == 1 else b"".join(map(token_bytes, new_token_ids))
-            )  # type: ignore[arg-type]
+            )
             text = decode(data)
             if text:
                 self._emitted.append(text)
             return DetokenizerUpdate(text)
         for token_id in new_token_ids:
             self.output_token_ids.append(token_id)
-            text = decode(token_bytes(token_id))  # type: ignore[misc]
+            text = decode(token_bytes(token_id))
             if text and self._add_text(text):
                 return DetokenizerUpdate(self._take_delta(hold_back=0), self.stop_reason)
         return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
@@ -186,8 +189,8 @@ class IncrementalDetokenizer:
         """Finish the request: return the text still held back, incomplete characters included (as U+FFFD)."""
         if self.finished:
             return ""
-        if self._utf8 is not None:
-            self._add_text(self._utf8.decode(b"", final=True))
+        if self._by_bytes is not None:
+            self._add_text(self._by_bytes[1].decode(b"", final=True))
         else:
             window_text = self.decoder.decode(self._token_ids)
             self._add_text(window_text[len(self._prefix_text) :])

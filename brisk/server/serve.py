@@ -36,8 +36,8 @@ from brisk.server.app import build_app
 from brisk.server.peers import Peers
 from brisk.server.response_store import ResponseStore
 from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
-from brisk.server.streaming import with_server_send
 from brisk.server.state import ServerState
+from brisk.server.streaming import with_server_send
 from brisk.server.tracing import ObservabilityConfig, make_tracer_provider
 
 logger = logging.getLogger("brisk.server")
