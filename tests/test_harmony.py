@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from brisk.detokenizer import TokenDecoder
 from brisk.harmony import (
     HarmonyDelta,
     HarmonyParser,
@@ -493,6 +494,28 @@ def test_garbage_never_raises_and_streams_consistently(
     assert joined == as_dict(result) == as_dict(expected)
     assert result.warnings == expected.warnings
     assert "<|" not in result.content + result.reasoning_content  # no special token leaks into text
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=GARBAGE, cuts=st.lists(st.integers(0, 1000), max_size=8))
+def test_bodies_decoded_by_bytes_give_the_window_decode(
+    tokenizer: PreTrainedTokenizerFast, pieces: list[str | int], cuts: list[int]
+) -> None:
+    # o200k is byte-level: message bodies go through TokenBytes and one UTF-8 decoder; the window algorithm (any
+    # other tokenizer's path) must give the same reasoning, content, tool calls and warnings, stream and whole.
+    token_ids: list[int] = []
+    for piece in pieces:
+        token_ids.extend([piece] if isinstance(piece, int) else harmony_ids(tokenizer, piece))
+    by_bytes = new_parser(tokenizer)
+    assert by_bytes._token_bytes is not None
+    decoder = TokenDecoder(tokenizer, skip_special_tokens=True)
+    by_window = HarmonyParser(
+        HarmonySpecialTokens.from_tokenizer(tokenizer), decoder.decode, tool_call_ids=make_tool_call_id_factory(seed=0)
+    )
+    result, joined = stream(by_bytes, token_ids, cuts)
+    expected, expected_joined = stream(by_window, token_ids, cuts)
+    assert as_dict(result) == as_dict(expected) and joined == expected_joined
+    assert result.warnings == expected.warnings
 
 
 def test_parser_works_with_any_tokenizer_with_harmony_tokens(tmp_path: Path) -> None:

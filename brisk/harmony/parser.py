@@ -30,8 +30,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
+from brisk.detokenizer import TokenDecoder
 from brisk.harmony.results import HarmonyDelta, HarmonyResult, ToolCall, ToolCallDelta, make_tool_call_id_factory
 from brisk.harmony.text import IncrementalText
 
@@ -146,14 +147,17 @@ class HarmonyParser:
         decode: Callable[[Sequence[int]], str],
         *,
         tool_call_ids: Callable[[], str] | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
-        """`decode` turns text token ids into text (byte-level BPE: it may end in U+FFFD mid-character)."""
+        """`decode` turns text token ids into text (byte-level BPE: it may end in U+FFFD mid-character);
+        `token_bytes`, where the tokenizer is byte-level, each id's bytes (message bodies decode by them)."""
         self._tokens = special_tokens
         self._structural = frozenset(
             (special_tokens.start, special_tokens.end, special_tokens.message, special_tokens.channel)
             + (special_tokens.constrain, special_tokens.return_, special_tokens.call)
         )
         self._decode = decode
+        self._token_bytes = token_bytes
         self._new_tool_call_id = tool_call_ids or make_tool_call_id_factory()
         # Exactly one of _header and _body is set while parsing; neither after <|end|> or once stopped.
         self._header: _Header | None = _Header(explicit=False)
@@ -168,14 +172,22 @@ class HarmonyParser:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: PreTrainedTokenizerBase, *, tool_call_ids: Callable[[], str] | None = None
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        tool_call_ids: Callable[[], str] | None = None,
+        text_decoder: TokenDecoder | None = None,
     ) -> HarmonyParser:
-        def decode(token_ids: Sequence[int]) -> str:
-            # Other special tokens (<|endoftext|>, reserved ones) are not text.
-            text = tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            return cast(str, text)  # one sequence of ids decodes to one string
-
-        return cls(HarmonySpecialTokens.from_tokenizer(tokenizer), decode, tool_call_ids=tool_call_ids)
+        """`text_decoder`: the tokenizer's TokenDecoder without special tokens, shared by a server's requests (its
+        byte table fills once); one of this parser's own otherwise."""
+        # Other special tokens (<|endoftext|>, reserved ones) are not text.
+        decoder = text_decoder or TokenDecoder(tokenizer, skip_special_tokens=True)
+        return cls(
+            HarmonySpecialTokens.from_tokenizer(tokenizer),
+            decoder.decode,
+            tool_call_ids=tool_call_ids,
+            token_bytes=decoder.token_bytes,
+        )
 
     def feed(self, token_ids: Sequence[int], destinations: list[str | None] | None = None) -> HarmonyDelta:
         """Parse newly generated tokens; return the reasoning, content and tool call text they completed.
@@ -331,14 +343,14 @@ class HarmonyParser:
             what = "message without a channel" if channel is None else f"unknown channel {channel!r}"
             self._warn(f"{what} taken as content")
             destination = CONTENT
-        self._body = _Body(destination, IncrementalText(self._decode))
+        self._body = _Body(destination, IncrementalText(self._decode, self._token_bytes))
 
     def _open_tool_call(self, name: str) -> None:
         index = len(self._tool_calls)
         call_id = self._new_tool_call_id()
         self._tool_calls.append(ToolCall(call_id, name, ""))
         self._out.add_tool_call(ToolCallDelta(index, call_id, name, ""))
-        self._body = _Body(TOOL_CALL, IncrementalText(self._decode), tool_index=index)
+        self._body = _Body(TOOL_CALL, IncrementalText(self._decode, self._token_bytes), tool_index=index)
 
     def _abandon_header(self, header: _Header, reason: str) -> None:
         """A header that ends without <|message|>: dropped if it looks like one, else its text is content."""
@@ -365,7 +377,7 @@ class HarmonyParser:
         else:
             channel, token_ids = channel_and_rest
             destination = REASONING if channel == "analysis" else CONTENT
-        body = self._body = _Body(destination, IncrementalText(self._decode), degraded=True)
+        body = self._body = _Body(destination, IncrementalText(self._decode, self._token_bytes), degraded=True)
         for token in token_ids:
             self._emit(body, body.text.add(token))
         return body

@@ -72,10 +72,12 @@ class HarmonyChoiceParser:
     """gpt-oss output -> reasoning_content / content / tool_calls. Stop strings apply to `content` here (the
     engine does not see them: they must not match reasoning), and nothing after a stop is reported."""
 
-    def __init__(self, tokenizer, prefix_ids: list[int], stop: list[str] | None = None, include_stop=False) -> None:
+    def __init__(
+        self, tokenizer, prefix_ids: list[int], stop: list[str] | None = None, include_stop=False, text_decoder=None
+    ) -> None:
         from brisk.harmony import HarmonyParser
 
-        self.parser = HarmonyParser.from_tokenizer(tokenizer)
+        self.parser = HarmonyParser.from_tokenizer(tokenizer, text_decoder=text_decoder)
         self.has_tool_calls = False
         self._stop = StopTrimmer(list(stop or []), include_stop)
         self._finished = False
@@ -187,5 +189,5 @@ def _tool_call_delta(c) -> dict[str, Any]:
 def make_choice_parser(state, prefix_ids: list[int], stop: list[str] | None = None, include_stop: bool = False):
     """The parser of one choice; `stop`: the stop strings a harmony parser applies to `content`."""
     if state.is_harmony:
-        return HarmonyChoiceParser(state.tokenizer, prefix_ids, stop, include_stop)
+        return HarmonyChoiceParser(state.tokenizer, prefix_ids, stop, include_stop, state.harmony_text_decoder)
     return PlainChoiceParser()

@@ -22,6 +22,7 @@ import msgspec
 from fastapi import Request
 
 from brisk.config import EngineConfig, ServerConfig
+from brisk.detokenizer import TokenDecoder
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.engine.messages import EngineInfo
 from brisk.engine.output_processor import CompletionDelta
@@ -61,8 +62,12 @@ class ServerState:
     _grammar_compiler: GrammarCompiler | None = field(init=False, default=None)
     _grammar_compiler_lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     started: float = field(default_factory=time.time)
+    # gpt-oss's message text, decoded for every request by one TokenDecoder (its per-id byte table fills once)
+    harmony_text_decoder: TokenDecoder | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.is_harmony:
+            self.harmony_text_decoder = TokenDecoder(self.tokenizer, skip_special_tokens=True)
         peers = self.peers
         self.metrics = ServerMetrics(
             self.model_name,
