@@ -510,7 +510,9 @@ def test_bodies_decoded_by_bytes_give_the_window_decode(
     assert by_bytes._token_bytes is not None
     decoder = TokenDecoder(tokenizer, skip_special_tokens=True)
     by_window = HarmonyParser(
-        HarmonySpecialTokens.from_tokenizer(tokenizer), decoder.decode, tool_call_ids=make_tool_call_id_factory(seed=0)
+        HarmonySpecialTokens.from_tokenizer(tokenizer),
+        lambda ids: decoder.decode(list(ids)),
+        tool_call_ids=make_tool_call_id_factory(seed=0),
     )
     result, joined = stream(by_bytes, token_ids, cuts)
     expected, expected_joined = stream(by_window, token_ids, cuts)

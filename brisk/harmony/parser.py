@@ -182,9 +182,10 @@ class HarmonyParser:
         byte table fills once); one of this parser's own otherwise."""
         # Other special tokens (<|endoftext|>, reserved ones) are not text.
         decoder = text_decoder or TokenDecoder(tokenizer, skip_special_tokens=True)
+        decode = decoder.decode
         return cls(
             HarmonySpecialTokens.from_tokenizer(tokenizer),
-            decoder.decode,
+            lambda token_ids: decode(list(token_ids)),
             tool_call_ids=tool_call_ids,
             token_bytes=decoder.token_bytes,
         )
