@@ -94,7 +94,9 @@ def _check_report(run: dict, sent: list[tuple[dict, RequestResult]]) -> None:
     assert counters["prefix_cache_hits"] == summary["cached_tokens"]
     assert counters["external_prefix_cache_hits"] == 0  # no host KV tier on this server
     text = format_multi_turn(summary)
-    assert f"{CONVERSATIONS} conversations x {TURNS} turns" in text and f"computed {summary['computed_tokens']:,}" in text
+    assert (
+        f"{CONVERSATIONS} conversations x {TURNS} turns" in text and f"computed {summary['computed_tokens']:,}" in text
+    )
 
 
 def test_completions_turns_resend_the_transcript(server, tmp_path, monkeypatch):
