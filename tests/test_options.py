@@ -502,6 +502,7 @@ def test_log_levels():
 HERE = "tests/test_options.py"
 DROPIN = "tests/test_dropin.py"
 FP8 = "tests/test_kv_fp8_models.py"
+KV_FIELDS = "tests/test_kv_cache_config_fields.py"
 OPTION_TESTS: dict[str, list[str]] = {
     "config": [f"{HERE}::test_flags_and_files_precedence"],
     "extra_llm_api_options": [f"{HERE}::test_flags_and_files_precedence", f"{DROPIN}::test_the_guides_commands"],
@@ -583,6 +584,60 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{HERE}::test_kv_cache_dtype",
         f"{FP8}::test_the_engine_stores_fp8_and_logs_the_capacity",
     ],
+    "kv_cache_config.max_tokens": [f"{KV_FIELDS}::test_max_tokens_and_max_gpu_total_bytes_bound_the_pool"],
+    "kv_cache_config.max_gpu_total_bytes": [f"{KV_FIELDS}::test_max_tokens_and_max_gpu_total_bytes_bound_the_pool"],
+    "kv_cache_config.secondary_offload_min_priority": [
+        f"{KV_FIELDS}::test_secondary_offload_min_priority_decides_what_goes_to_the_host_tier"
+    ],
+    "kv_cache_config.onboard_blocks": [f"{KV_FIELDS}::test_onboard_blocks"],
+    **{
+        f"kv_cache_config.{name}": [f"{KV_FIELDS}::test_refused_fields_say_why"]
+        for name in (
+            "max_attention_window",
+            "cross_kv_cache_fraction",
+            "use_uvm",
+            "event_buffer_max_size",
+            "disk_cache_size",
+            "kv_events_config",
+            "block_reuse_config",
+            "block_reuse_config.policy",
+        )
+    },
+    "kv_cache_config.block_reuse_config.max_num_turns": [f"{KV_FIELDS}::test_no_effect_fields_are_accepted_and_logged"],
+    **{
+        f"kv_cache_config.{name}": [
+            f"{KV_FIELDS}::test_no_effect_fields_are_accepted_and_logged",
+            f"{KV_FIELDS}::test_a_trtllm_kv_cache_config_serves",
+        ]
+        for name in (
+            "enable_partial_reuse",
+            "copy_on_partial_reuse",
+            "sink_token_length",
+            "attention_dp_events_gather_period_ms",
+            "kv_cache_event_hash_algo",
+            "iteration_stats_interval",
+            "disk_cache_path",
+            "disk_prefetch_num_reqs",
+            "use_kv_cache_manager_v2",
+            "max_util_for_resume",
+            "enable_swa_scratch_reuse",
+            "pool_ratio",
+            "avg_seq_len",
+            "enable_kv_pool_rebalance",
+            "kv_pool_rebalance_min_sampled_kv_caches",
+            "kv_pool_rebalance_cooldown_secs",
+            "kv_pool_rebalance_target_ratio_update_interval",
+            "kv_pool_rebalance_ratio_threshold",
+            "kv_pool_rebalance_moving_average_decay",
+            "kv_pool_rebalance_check_interval",
+            "fp8_context_mla_kv_len_cap",
+            "mamba_ssm_cache_dtype",
+            "mamba_ssm_stochastic_rounding",
+            "mamba_ssm_philox_rounds",
+            "mamba_state_cache_interval",
+            "mamba_state_config",
+        )
+    },
     "gpu_memory_utilization": [
         f"{HERE}::test_kv_memory_share_and_fixed_blocks",
         f"{HERE}::test_gpu_memory_utilization_conversion",
