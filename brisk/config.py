@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
 from brisk.kv_cache.config import DEFAULT_RETENTION_PRIORITY, KvCacheConfig
-from brisk.options import Alias, OptionError, OptionModel, OptionTable, option
+from brisk.options import Alias, OptionError, OptionModel, OptionTable, only_values, option
 from brisk.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("brisk.config")
@@ -52,12 +52,12 @@ TRTLLM_ATTENTION_BACKENDS = {
 # Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
 BRISKS_OWN_ONLY = {
     "backend": (
-        "pytorch",
+        ("pytorch",),
         "brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave --backend "
         "out)",
     ),
     "kv_offloading_backend": (
-        "native",
+        ("native",),
         "brisk has no {value} KV offloading; its own host KV tier serves --kv-offloading-size (give "
         "--kv-offloading-backend native, or leave it out)",
     ),
@@ -412,10 +412,7 @@ class EngineConfig(OptionModel):
     @classmethod
     def _brisks_own_only(cls, value: str, info: ValidationInfo) -> str:
         """Peers' implementation choices where brisk has only its own: that one, or a clear refusal."""
-        accepted, refusal = BRISKS_OWN_ONLY[str(info.field_name)]
-        if value != accepted:
-            raise ValueError(refusal.format(value=value))
-        return value
+        return only_values(value, str(info.field_name), BRISKS_OWN_ONLY)
 
     @field_validator("attn_backend", mode="before")
     @classmethod

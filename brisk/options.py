@@ -158,6 +158,15 @@ def option(
     return info
 
 
+def only_values(value: Any, field: str, table: Mapping[str, tuple[tuple[Any, ...], str]]) -> Any:
+    """A field validator's check for a peer's option where brisk has one behaviour: `table[field]` holds the values
+    that mean it, and the reason any other is refused (`{value}` in it: the value given)."""
+    accepted, reason = table[field]
+    if value not in accepted:
+        raise ValueError(reason.format(value=value))
+    return value
+
+
 def spellings_of(info: FieldInfo) -> Spellings | None:
     return next((m for m in info.metadata if isinstance(m, Spellings)), None)
 

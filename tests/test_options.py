@@ -26,6 +26,8 @@ from brisk.config import (
 )
 from brisk.sampling_params import InvalidRequest
 from brisk.server.serve import observability_for, response_store_for
+from tests.test_kv_cache_config_fields import NO_EFFECT as KV_NO_EFFECT
+from tests.test_kv_cache_config_fields import REFUSED as KV_REFUSED
 from tools.options_doc import DOC, with_table
 
 DEMO = str(Path(__file__).resolve().parents[1] / "brisk" / "demo_model")
@@ -590,53 +592,15 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{KV_FIELDS}::test_secondary_offload_min_priority_decides_what_goes_to_the_host_tier"
     ],
     "kv_cache_config.onboard_blocks": [f"{KV_FIELDS}::test_onboard_blocks"],
-    **{
-        f"kv_cache_config.{name}": [f"{KV_FIELDS}::test_refused_fields_say_why"]
-        for name in (
-            "max_attention_window",
-            "cross_kv_cache_fraction",
-            "use_uvm",
-            "event_buffer_max_size",
-            "disk_cache_size",
-            "kv_events_config",
-            "block_reuse_config",
-            "block_reuse_config.policy",
-        )
-    },
+    **{f"kv_cache_config.{name}": [f"{KV_FIELDS}::test_refused_fields_say_why"] for name in KV_REFUSED},
+    "kv_cache_config.block_reuse_config.policy": [f"{KV_FIELDS}::test_refused_fields_say_why"],
     "kv_cache_config.block_reuse_config.max_num_turns": [f"{KV_FIELDS}::test_no_effect_fields_are_accepted_and_logged"],
     **{
         f"kv_cache_config.{name}": [
             f"{KV_FIELDS}::test_no_effect_fields_are_accepted_and_logged",
             f"{KV_FIELDS}::test_a_trtllm_kv_cache_config_serves",
         ]
-        for name in (
-            "enable_partial_reuse",
-            "copy_on_partial_reuse",
-            "sink_token_length",
-            "attention_dp_events_gather_period_ms",
-            "kv_cache_event_hash_algo",
-            "iteration_stats_interval",
-            "disk_cache_path",
-            "disk_prefetch_num_reqs",
-            "use_kv_cache_manager_v2",
-            "max_util_for_resume",
-            "enable_swa_scratch_reuse",
-            "pool_ratio",
-            "avg_seq_len",
-            "enable_kv_pool_rebalance",
-            "kv_pool_rebalance_min_sampled_kv_caches",
-            "kv_pool_rebalance_cooldown_secs",
-            "kv_pool_rebalance_target_ratio_update_interval",
-            "kv_pool_rebalance_ratio_threshold",
-            "kv_pool_rebalance_moving_average_decay",
-            "kv_pool_rebalance_check_interval",
-            "fp8_context_mla_kv_len_cap",
-            "mamba_ssm_cache_dtype",
-            "mamba_ssm_stochastic_rounding",
-            "mamba_ssm_philox_rounds",
-            "mamba_state_cache_interval",
-            "mamba_state_config",
-        )
+        for name in KV_NO_EFFECT
     },
     "gpu_memory_utilization": [
         f"{HERE}::test_kv_memory_share_and_fixed_blocks",

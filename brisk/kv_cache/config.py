@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationInfo, field_validator
 
-from brisk.options import OptionModel, option
+from brisk.options import OptionModel, only_values, option
 
 # trtllm's kv_cache_config keys for what brisk does not have: the values that mean what brisk does, and why any other
 # is refused.
@@ -45,13 +45,6 @@ BLOCK_REUSE_POLICY_REFUSAL = (
 DEFAULT_RETENTION_PRIORITY = 35
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_SKIP_LAYER_TYPES = ("sliding_window",)  # vLLM's --kv-cache-dtype-skip-layers layer types
-
-
-def _refuse_other_values(value: Any, field: str, table: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
-    accepted, reason = table[field]
-    if value not in accepted:
-        raise ValueError(reason)
-    return value
 
 
 class BlockReuseConfig(OptionModel):
@@ -360,7 +353,7 @@ class KvCacheConfig(OptionModel):
     @field_validator(*KV_CACHE_ONLY)
     @classmethod
     def _brisks_kv_cache_only(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_other_values(value, str(info.field_name), KV_CACHE_ONLY)
+        return only_values(value, str(info.field_name), KV_CACHE_ONLY)
 
     @field_validator("kv_events_config")
     @classmethod
