@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from brisk.bench import client
-from brisk.bench.client import TURN_SEPARATOR, RequestResult
+from brisk.bench.client import TURN_SEPARATOR, RequestResult, Target, run_conversations
 from brisk.bench.metrics import kv_cache_counters, multi_turn_summary
 from brisk.bench.report import format_multi_turn
+from brisk.bench.workload import Conversation, RequestSpec
 from brisk.cli import main
 from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_llama_with_tokenizer
@@ -174,3 +175,16 @@ def test_multi_turn_summary_and_counters_from_records():
 def test_bad_multi_turn_arguments(args, message, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_failed_turn_ends_its_conversation(server):
+    target = Target(server.url, "completions", "tiny")
+    ok = RequestSpec("the quick brown fox", 4, 3)
+    refused = RequestSpec("jumps over", 2, 0)  # max_tokens 0: the server answers 400
+    conversations = [Conversation(0, (ok, refused, ok)), Conversation(1, (ok, ok))]
+    results, _ = run_conversations(target, conversations, concurrency=1, request_rate=None)
+    assert [(r.conversation, r.turn) for r in results] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    first, failed, skipped, *other = results
+    assert first.error is None and first.text and failed.error.startswith("HTTP 400")
+    assert skipped.error == "not sent: turn 1 of the conversation failed" and skipped.ttft_s is None
+    assert all(r.error is None for r in other)  # the other conversation is not affected

@@ -100,23 +100,10 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
     itl: list[float] = []
     chunks_with_output = 0
     usage: dict | None = None
-
     text: list[str] = []
 
     def failed(message: str) -> RequestResult:
-        return RequestResult(
-            spec.prompt_tokens,
-            0,
-            None,
-            None,
-            None,
-            [],
-            message[:ERROR_TEXT_LIMIT],
-            None,
-            "",
-            spec.conversation,
-            spec.turn,
-        )
+        return failed_result(spec, message[:ERROR_TEXT_LIMIT])
 
     try:
         async with http.stream("POST", target.url, json=target.payload(spec), headers=target.headers) as response:
@@ -161,11 +148,16 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
         ttft,
         end - start,
         itl,
-        None,
-        cached,
-        "".join(text),
-        spec.conversation,
-        spec.turn,
+        cached_tokens=cached,
+        text="".join(text),
+        conversation=spec.conversation,
+        turn=spec.turn,
+    )
+
+
+def failed_result(spec: RequestSpec, error: str) -> RequestResult:
+    return RequestResult(
+        spec.prompt_tokens, 0, None, None, None, [], error, conversation=spec.conversation, turn=spec.turn
     )
 
 
@@ -222,10 +214,7 @@ def _conversation_job(target: Target, conversation: Conversation, progress: tqdm
         for turn, message in enumerate(conversation.turns):
             spec = replace(message, history=tuple(history), conversation=conversation.index, turn=turn)
             if results and results[-1].error is not None:
-                error = f"not sent: turn {turn - 1} of the conversation failed"
-                result = RequestResult(
-                    spec.prompt_tokens, 0, None, None, None, [], error, None, "", spec.conversation, turn
-                )
+                result = failed_result(spec, f"not sent: turn {turn - 1} of the conversation failed")
             else:
                 async with slots:
                     result = await stream_request(http, target, spec)
