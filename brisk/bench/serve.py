@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="TURNS",
         help="conversations of TURNS turns, each resending the history (--input-len: the first prompt, "
-        "--turn-input-len: each later message, --output-len: every answer)",
+        "--turn-input-len: each later message, --output-len: every answer; --concurrency: requests in flight, "
+        "--request-rate: conversations started a second)",
     )
     w.add_argument("--turn-input-len", type=int, help="multi-turn: tokens of each new user message after the first")
     w.add_argument(
