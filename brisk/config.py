@@ -19,18 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator, model_validator
 
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
-from brisk.options import Alias, OptionError, OptionTable, option
+from brisk.kv_cache.config import DEFAULT_RETENTION_PRIORITY, KvCacheConfig
+from brisk.options import Alias, OptionError, OptionModel, OptionTable, only_values, option
 from brisk.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("brisk.config")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
 
 
 # trtllm's MoE backends (moe_config.backend) and what brisk runs for each: its Triton MXFP4 grouped GEMM where
@@ -55,107 +52,19 @@ TRTLLM_ATTENTION_BACKENDS = {
 # Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
 BRISKS_OWN_ONLY = {
     "backend": (
-        "pytorch",
+        ("pytorch",),
         "brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave --backend "
         "out)",
     ),
     "kv_offloading_backend": (
-        "native",
+        ("native",),
         "brisk has no {value} KV offloading; its own host KV tier serves --kv-offloading-size (give "
         "--kv-offloading-backend native, or leave it out)",
     ),
 }
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-KV_SKIP_LAYER_TYPES = ("sliding_window",)  # vLLM's --kv-cache-dtype-skip-layers layer types
 
 
-class KvCacheConfig(_Strict):
-    """kv_cache_config"""
-
-    enable_block_reuse: bool = option(
-        True,
-        "prefix caching: full KV blocks are kept and shared by requests with the same prefix",
-        vllm="enable_prefix_caching",
-        trtllm="kv_cache_config.enable_block_reuse",
-    )
-    tokens_per_block: int = option(
-        32,
-        "tokens per KV cache block (the unit of paging and prefix caching)",
-        vllm="block_size",
-        aliases="tokens_per_block",
-        ge=1,
-        le=1024,
-        trtllm="kv_cache_config.tokens_per_block",
-    )
-    free_gpu_memory_fraction: float = option(
-        0.9,
-        "the share of GPU memory left after the weights and a profiled step's activations that the KV cache takes "
-        "(on a CPU: that share of the available RAM, at most 2 GiB)",
-        trtllm=("kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction"),
-        gt=0.0,
-        le=1.0,
-    )
-    host_cache_size: int = option(
-        0,
-        "bytes of host memory (each rank) for prefix-cache KV blocks evicted from the device pool; a later request "
-        "with their prefix gets them copied back instead of recomputed (0: none, evicted blocks are dropped)",
-        trtllm="kv_cache_config.host_cache_size",
-        ge=0,
-    )
-    max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
-    dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
-        "auto",
-        "the KV cache's dtype; auto: the model's compute dtype; fp8 / fp8_e4m3: FP8 E4M3 with static per-layer K and "
-        "V scales (the checkpoint's k_scale / v_scale, else 1.0), twice the tokens per GiB; fp8_e5m2 is refused",
-        vllm="kv_cache_dtype",
-        trtllm="kv_cache_config.dtype",
-    )
-    dtype_skip_layers: list[str] = option(
-        default_factory=list,
-        help="layer types whose KV stays in the model's dtype under an FP8 KV cache: sliding_window (brisk's KV "
-        "groups share one block layout, so a model with such layers keeps its whole cache in its dtype)",
-        vllm="kv_cache_dtype_skip_layers",
-        nargs="+",
-        metavar="LAYER_TYPE",
-    )
-
-    @field_validator("host_cache_size", mode="before")
-    @classmethod
-    def _no_host_tier_as_zero(cls, value: Any) -> Any:
-        return 0 if value is None else value  # trtllm's null: no host tier
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _lower_dtype(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
-
-    @field_validator("dtype")
-    @classmethod
-    def _no_e5m2(cls, value: str) -> str:
-        if value == "fp8_e5m2":
-            raise ValueError(
-                "fp8_e5m2 is not supported: brisk stores an FP8 KV cache as E4M3 with static scales (one more "
-                "mantissa bit for the same bytes); use fp8 or fp8_e4m3"
-            )
-        return value
-
-    @field_validator("dtype_skip_layers")
-    @classmethod
-    def _skip_layer_types(cls, value: list[str]) -> list[str]:
-        for item in value:
-            if item not in KV_SKIP_LAYER_TYPES:
-                raise ValueError(
-                    f"{item!r}: brisk keeps whole layer types in the model's dtype ({', '.join(KV_SKIP_LAYER_TYPES)});"
-                    " single layers cannot be skipped, since the layers of a KV group share one pool layout"
-                )
-        return value
-
-    @property
-    def fp8(self) -> bool:
-        return self.dtype in FP8_KV_CACHE_DTYPES
-
-
-class CudaGraphConfig(_Strict):
+class CudaGraphConfig(OptionModel):
     """cuda_graph_config"""
 
     max_batch_size: int = option(
@@ -174,7 +83,7 @@ class CudaGraphConfig(_Strict):
     )
 
 
-class MoeConfig(_Strict):
+class MoeConfig(OptionModel):
     """moe_config"""
 
     backend: Literal["auto", "torch", "triton"] = option(
@@ -193,7 +102,7 @@ class MoeConfig(_Strict):
         return TRTLLM_MOE_BACKENDS.get(value.lower(), value.lower())  # TensorRT-LLM's YAMLs write TRITON
 
 
-class StructuredOutputsConfig(_Strict):
+class StructuredOutputsConfig(OptionModel):
     """structured_outputs_config"""
 
     disable_any_whitespace: bool = option(
@@ -237,7 +146,7 @@ def _parse_token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (e.g. 4096, 32k)") from None
 
 
-class EngineConfig(_Strict):
+class EngineConfig(OptionModel):
     """Engine options (`LLM(...)` and `brisk serve`)"""
 
     model: str
@@ -491,16 +400,19 @@ class EngineConfig(_Strict):
                 "the host KV tier keeps prefix-cache blocks: kv_cache_config.host_cache_size / kv_offloading_size "
                 "need kv_cache_config.enable_block_reuse (vLLM: --enable-prefix-caching)"
             )
+        if (kv.host_cache_size or self.kv_offloading_size) and not kv.onboard_blocks:
+            raise ValueError(
+                "kv_cache_config.onboard_blocks false with a host KV tier: brisk's attention reads only the device "
+                "pool, so a host-tier block is always copied back to serve a hit; give onboard_blocks true, or no "
+                "host tier"
+            )
         return self
 
     @field_validator("backend", "kv_offloading_backend")
     @classmethod
     def _brisks_own_only(cls, value: str, info: ValidationInfo) -> str:
         """Peers' implementation choices where brisk has only its own: that one, or a clear refusal."""
-        accepted, refusal = BRISKS_OWN_ONLY[str(info.field_name)]
-        if value != accepted:
-            raise ValueError(refusal.format(value=value))
-        return value
+        return only_values(value, str(info.field_name), BRISKS_OWN_ONLY)
 
     @field_validator("attn_backend", mode="before")
     @classmethod
@@ -631,6 +543,30 @@ class EngineConfig(_Strict):
             )
             kv_changes["host_cache_size"] = per_rank
             changes["kv_offloading_size"] = None  # converted: the engine process validates the config again
+        kv = self.kv_cache_config
+        priority = kv.secondary_offload_min_priority
+        if priority is not None and kv_changes.get("host_cache_size", kv.host_cache_size):
+            if priority >= DEFAULT_RETENTION_PRIORITY:
+                notes.append(
+                    f"kv_cache_config.secondary_offload_min_priority {priority}: brisk's KV blocks all have "
+                    f"trtllm's default retention priority {DEFAULT_RETENTION_PRIORITY}, so none may go to the host "
+                    "tier: it is off"
+                )
+                kv_changes["host_cache_size"] = 0
+            else:
+                notes.append(
+                    f"kv_cache_config.secondary_offload_min_priority {priority}: every evicted block may go to the "
+                    f"host tier (brisk's blocks all have trtllm's default retention priority "
+                    f"{DEFAULT_RETENTION_PRIORITY})"
+                )
+        if "onboard_blocks" in kv.model_fields_set and not kv.onboard_blocks:
+            notes.append("kv_cache_config.onboard_blocks false: there is no host KV tier, so no block to onboard")
+        if not gpu and kv.max_gpu_total_bytes:
+            notes.append(
+                f"kv_cache_config.max_gpu_total_bytes {kv.max_gpu_total_bytes} on a CPU: the KV cache takes at most "
+                "that many bytes of RAM"
+            )
+        notes += OPTIONS.no_effect_notes(kv, "kv_cache_config.")
         if kv_changes:
             changes["kv_cache_config"] = self.kv_cache_config.model_copy(update=kv_changes)
         if "enable_mixed_sampler" in given:
@@ -650,7 +586,7 @@ def _origins(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-class ServerConfig(_Strict):
+class ServerConfig(OptionModel):
     """Server options (`brisk serve` only)"""
 
     host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)", trtllm="host", vllm="host")
@@ -806,7 +742,7 @@ class ServerConfig(_Strict):
 HARMONY_REASONING_PARSERS = frozenset({"openaigptoss", "gptoss", "openai", "harmony"})
 
 
-class OptionFiles(_Strict):
+class OptionFiles(OptionModel):
     """Option files (`brisk serve`; `LLM(extra_llm_api_options=...)`)"""
 
     config: str | None = option(

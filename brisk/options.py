@@ -1,7 +1,8 @@
 """The option table: every option of `brisk serve`, `LLM(...)` and the YAML files, declared once.
 
 An option is a field of one of the option models in brisk/config.py (`EngineConfig`: the engine, `LLM(...)` and
-`brisk serve`; `ServerConfig`: `brisk serve` only; `OptionFiles`: the YAML files), declared with `option(...)`:
+`brisk serve`; `ServerConfig`: `brisk serve` only; `OptionFiles`: the YAML files; groups of them such as
+brisk/kv_cache/config.py's `KvCacheConfig`), each an `OptionModel`, declared with `option(...)`:
 the field's annotation is its type, and `option` holds its default, range, one line of help, and its other
 spellings (trtllm's and vLLM's flags and YAML keys). A nested model (kv_cache_config) is a group of options with
 dotted paths. Everything else comes from these declarations, through `OptionTable`:
@@ -39,9 +40,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+
+class OptionModel(BaseModel):
+    """The base of the option models: unknown keys are errors, assignments validated."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
 
 
 class OptionError(ValueError):
@@ -94,6 +101,8 @@ class Spellings:
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None  # a flag's text to its value (default: from the type)
     nargs: str | None = None
+    # accepted for a peer's configs, doing nothing in brisk: the help says why, and giving it logs that at start-up
+    no_effect: bool = False
 
 
 def _aliases(items: Spelling | Sequence[Spelling]) -> tuple[Alias, ...]:
@@ -115,14 +124,19 @@ def option(
     parse: Callable[[str], Any] | None = None,
     nargs: str | None = None,
     default_factory: Callable[[], Any] | None = None,
+    no_effect: bool = False,
     **constraints: Any,
 ) -> Any:
     """A config field that is an option: pydantic's Field (default, ge/gt/le/lt...) with its spellings and help.
 
     trtllm / vllm: how TensorRT-LLM and vLLM spell the same option, where that is not its own name (each works as a
-    flag and as a key, and docs/options.md lists them); aliases: brisk's further spellings."""
+    flag and as a key, and docs/options.md lists them); aliases: brisk's further spellings. no_effect: a peer's
+    option that means nothing in brisk, accepted so that the peer's configs load: `help` says why (the docs show
+    it as "no effect: ..."), and a config that gives it logs that line at start-up (`no_effect_notes`)."""
     if not help:
         raise ValueError("an option needs one line of help")
+    if no_effect:
+        help = f"no effect: {help}"
     if default_factory is not None:
         info = FieldInfo(default_factory=default_factory, description=help, **constraints)
     else:
@@ -138,9 +152,19 @@ def option(
             metavar,
             parse,
             nargs,
+            no_effect,
         )
     )
     return info
+
+
+def only_values(value: Any, field: str, table: Mapping[str, tuple[tuple[Any, ...], str]]) -> Any:
+    """A field validator's check for a peer's option where brisk has one behaviour: `table[field]` holds the values
+    that mean it, and the reason any other is refused (`{value}` in it: the value given)."""
+    accepted, reason = table[field]
+    if value not in accepted:
+        raise ValueError(reason.format(value=value))
+    return value
 
 
 def spellings_of(info: FieldInfo) -> Spellings | None:
@@ -343,6 +367,33 @@ class OptionTable:
                 hint = _did_you_mean(str(child_key), names)
                 raise OptionError(f"unknown option '{row.path}.{child_key}' in {source}{hint}")
             self._place(root, child, child_value, source, f"{key}.{child_key}", seen)
+
+    def no_effect_notes(self, config: BaseModel, prefix: str = "") -> list[str]:
+        """One start-up line for each no-effect option `config` (an option model, nested ones walked) was given."""
+        notes = []
+        for name in config.model_fields_set:
+            value = getattr(config, name)
+            row = self.by_path.get(prefix + name)
+            if row is None:
+                continue
+            if row.spellings.no_effect:
+                notes.append(f"{row.path} {_text_of(value)}: {row.help}")
+            elif row.group and isinstance(value, BaseModel):
+                notes += self.no_effect_notes(value, f"{row.path}.")
+        return sorted(notes)
+
+    def no_effect_fields(self, model: type[BaseModel]) -> dict[str, Any]:
+        """pydantic's `exclude` for `model`'s no-effect options (nested groups as nested dicts): what a dump of the
+        configuration in effect leaves out."""
+        exclude: dict[str, Any] = {}
+        for row in self.rows:
+            if row.model is model and row.spellings.no_effect:
+                *parents, last = row.path.split(".")
+                into = exclude
+                for part in parents:
+                    into = into.setdefault(part, {})
+                into[last] = True
+        return exclude
 
     def suggest(self, key: str) -> str:
         return _did_you_mean(key.lstrip("-").replace("-", "_"), list(self._keys))

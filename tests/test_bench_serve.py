@@ -39,6 +39,7 @@ RUN_KEYS = {
 }
 POINT_KEYS = {
     "spec_decode",  # the server's speculation counters over the point (None: it has none)
+    "multi_turn",  # --multi-turn runs only (None otherwise)
     "concurrency",
     "request_rate",
     "num_requests",
@@ -60,7 +61,18 @@ POINT_KEYS = {
     "e2e_ms",
     "requests",
 }
-REQUEST_KEYS = {"prompt_tokens", "output_tokens", "output_tokens_from_usage", "ttft_ms", "e2e_ms", "itl_ms", "error"}
+REQUEST_KEYS = {
+    "prompt_tokens",
+    "output_tokens",
+    "output_tokens_from_usage",
+    "ttft_ms",
+    "e2e_ms",
+    "itl_ms",
+    "error",
+    "cached_tokens",
+    "conversation",
+    "turn",
+}
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 16, 8
 
 

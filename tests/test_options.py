@@ -26,6 +26,8 @@ from brisk.config import (
 )
 from brisk.sampling_params import InvalidRequest
 from brisk.server.serve import observability_for, response_store_for
+from tests.test_kv_cache_config_fields import NO_EFFECT as KV_NO_EFFECT
+from tests.test_kv_cache_config_fields import REFUSED as KV_REFUSED
 from tools.options_doc import DOC, with_table
 
 DEMO = str(Path(__file__).resolve().parents[1] / "brisk" / "demo_model")
@@ -502,6 +504,7 @@ def test_log_levels():
 HERE = "tests/test_options.py"
 DROPIN = "tests/test_dropin.py"
 FP8 = "tests/test_kv_fp8_models.py"
+KV_FIELDS = "tests/test_kv_cache_config_fields.py"
 OPTION_TESTS: dict[str, list[str]] = {
     "config": [f"{HERE}::test_flags_and_files_precedence"],
     "extra_llm_api_options": [f"{HERE}::test_flags_and_files_precedence", f"{DROPIN}::test_the_guides_commands"],
@@ -583,6 +586,22 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{HERE}::test_kv_cache_dtype",
         f"{FP8}::test_the_engine_stores_fp8_and_logs_the_capacity",
     ],
+    "kv_cache_config.max_tokens": [f"{KV_FIELDS}::test_max_tokens_and_max_gpu_total_bytes_bound_the_pool"],
+    "kv_cache_config.max_gpu_total_bytes": [f"{KV_FIELDS}::test_max_tokens_and_max_gpu_total_bytes_bound_the_pool"],
+    "kv_cache_config.secondary_offload_min_priority": [
+        f"{KV_FIELDS}::test_secondary_offload_min_priority_decides_what_goes_to_the_host_tier"
+    ],
+    "kv_cache_config.onboard_blocks": [f"{KV_FIELDS}::test_onboard_blocks"],
+    **{f"kv_cache_config.{name}": [f"{KV_FIELDS}::test_refused_fields_say_why"] for name in KV_REFUSED},
+    "kv_cache_config.block_reuse_config.policy": [f"{KV_FIELDS}::test_refused_fields_say_why"],
+    "kv_cache_config.block_reuse_config.max_num_turns": [f"{KV_FIELDS}::test_no_effect_fields_are_accepted_and_logged"],
+    **{
+        f"kv_cache_config.{name}": [
+            f"{KV_FIELDS}::test_no_effect_fields_are_accepted_and_logged",
+            f"{KV_FIELDS}::test_a_trtllm_kv_cache_config_serves",
+        ]
+        for name in KV_NO_EFFECT
+    },
     "gpu_memory_utilization": [
         f"{HERE}::test_kv_memory_share_and_fixed_blocks",
         f"{HERE}::test_gpu_memory_utilization_conversion",

@@ -1,4 +1,5 @@
-"""Sending the requests: one streamed OpenAI request, timed per chunk, and one benchmark point of many."""
+"""Sending the requests: one streamed OpenAI request, timed per chunk, and one benchmark point of many: single
+requests, or multi-turn conversations that resend their growing history."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from brisk.bench.workload import RequestSpec
+from brisk.bench.workload import Conversation, RequestSpec
 
 ERROR_TEXT_LIMIT = 300  # characters of a server's error body kept per failed request
+TURN_SEPARATOR = "\n"  # completions endpoint, multi-turn: between an answer and the next user message
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,12 @@ class Target:
             "stream_options": {"include_usage": True},
         }
         if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": spec.prompt}]
-        else:
-            body["prompt"] = spec.prompt
+            messages = []
+            for user, answer in spec.history:
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+            body["messages"] = [*messages, {"role": "user", "content": spec.prompt}]
+        else:  # the transcript as one text: each turn's prompt, the model's continuation, the next message
+            body["prompt"] = "".join(user + answer + TURN_SEPARATOR for user, answer in spec.history) + spec.prompt
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.extensions and self.ignore_eos:
@@ -67,6 +73,10 @@ class RequestResult:
     e2e_s: float | None
     itl_s: list[float]  # gaps between chunks that carry output (a chunk may carry several tokens)
     error: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    text: str = ""  # the answer (chat: its content), which a multi-turn conversation resends
+    conversation: int | None = None
+    turn: int | None = None
 
 
 def _carries_output(chunk: dict) -> bool:
@@ -90,9 +100,10 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
     itl: list[float] = []
     chunks_with_output = 0
     usage: dict | None = None
+    text: list[str] = []
 
     def failed(message: str) -> RequestResult:
-        return RequestResult(spec.prompt_tokens, 0, None, None, None, [], message[:ERROR_TEXT_LIMIT])
+        return failed_result(spec, message[:ERROR_TEXT_LIMIT])
 
     try:
         async with http.stream("POST", target.url, json=target.payload(spec), headers=target.headers) as response:
@@ -113,6 +124,7 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
                     return failed(f"in-stream error: {message}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                text.append(_answer_text(chunk))
                 if _carries_output(chunk):
                     if first is None:
                         first = now
@@ -125,42 +137,103 @@ async def stream_request(http: httpx.AsyncClient, target: Target, spec: RequestS
     end = time.perf_counter()
     from_usage = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else None
     prompt_tokens = int(usage["prompt_tokens"]) if usage and "prompt_tokens" in usage else spec.prompt_tokens
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = int(details["cached_tokens"]) if details.get("cached_tokens") is not None else None
     ttft = (first if first is not None else end) - start  # no output at all: the whole request was the wait
     output_tokens = from_usage if from_usage is not None else chunks_with_output
-    return RequestResult(prompt_tokens, output_tokens, from_usage, ttft, end - start, itl)
+    return RequestResult(
+        prompt_tokens,
+        output_tokens,
+        from_usage,
+        ttft,
+        end - start,
+        itl,
+        cached_tokens=cached,
+        text="".join(text),
+        conversation=spec.conversation,
+        turn=spec.turn,
+    )
 
 
-async def _run_point(
-    target: Target,
-    specs: list[RequestSpec],
-    concurrency: int | None,
-    request_rate: float | None,
-    seed: int,
-    progress: tqdm | None,
+def failed_result(spec: RequestSpec, error: str) -> RequestResult:
+    return RequestResult(
+        spec.prompt_tokens, 0, None, None, None, [], error, conversation=spec.conversation, turn=spec.turn
+    )
+
+
+def _answer_text(chunk: dict) -> str:
+    """The answer text a stream chunk adds: completions' text, chat's content (reasoning is not resent)."""
+    out = ""
+    for choice in chunk.get("choices") or []:
+        out += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return out
+
+
+Job = Callable[[httpx.AsyncClient, asyncio.Semaphore], Coroutine[Any, Any, list[RequestResult]]]
+
+
+async def _run_jobs(
+    target: Target, jobs: list[Job], limit: int, request_rate: float | None, seed: int
 ) -> tuple[list[RequestResult], float]:
-    limit = concurrency or len(specs)
+    """Start the jobs (a request, or a conversation of requests one after another) all at once or at
+    `request_rate` a second; at most `limit` requests in flight. Results in job order, and the wall time."""
     slots = asyncio.Semaphore(limit)
     arrivals = random.Random(seed)
     timeout = httpx.Timeout(target.timeout_s, connect=min(target.timeout_s, 30.0))
     # One connection per in-flight request: httpx's default pool of 100 would cap concurrency silently.
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-
-        async def one(spec: RequestSpec) -> RequestResult:
-            async with slots:
-                result = await stream_request(http, target, spec)
-            if progress is not None:
-                progress.update(1)
-            return result
-
         start = time.perf_counter()
         tasks = []
-        for i, spec in enumerate(specs):
-            tasks.append(asyncio.create_task(one(spec)))
-            if request_rate is not None and i + 1 < len(specs):
+        for i, job in enumerate(jobs):
+            tasks.append(asyncio.create_task(job(http, slots)))
+            if request_rate is not None and i + 1 < len(jobs):
                 await asyncio.sleep(arrivals.expovariate(request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+        return [r for job_results in results for r in job_results], time.perf_counter() - start
+
+
+def _request_job(target: Target, spec: RequestSpec, progress: tqdm | None) -> Job:
+    async def job(http: httpx.AsyncClient, slots: asyncio.Semaphore) -> list[RequestResult]:
+        async with slots:
+            result = await stream_request(http, target, spec)
+        if progress is not None:
+            progress.update(1)
+        return [result]
+
+    return job
+
+
+def _conversation_job(target: Target, conversation: Conversation, progress: tqdm | None) -> Job:
+    """Turn after turn: each resends the conversation so far (its earlier messages and the model's answers) and a
+    new message, once the previous answer is complete. A failed turn ends the conversation (the rest: failed)."""
+
+    async def job(http: httpx.AsyncClient, slots: asyncio.Semaphore) -> list[RequestResult]:
+        history: list[tuple[str, str]] = []
+        results: list[RequestResult] = []
+        for turn, message in enumerate(conversation.turns):
+            spec = replace(message, history=tuple(history), conversation=conversation.index, turn=turn)
+            if results and results[-1].error is not None:
+                result = failed_result(spec, f"not sent: turn {turn - 1} of the conversation failed")
+            else:
+                async with slots:
+                    result = await stream_request(http, target, spec)
+                history.append((spec.prompt, result.text))
+            results.append(result)
+            if progress is not None:
+                progress.update(1)
+        return results
+
+    return job
+
+
+def _with_progress(total: int, description: str | None, run: Callable[[tqdm | None], Any]) -> Any:
+    progress = tqdm(total=total, desc=description, unit="req", leave=False) if description else None
+    try:
+        return run(progress)
+    finally:
+        if progress is not None:
+            progress.close()
 
 
 def run_point(
@@ -173,9 +246,29 @@ def run_point(
 ) -> tuple[list[RequestResult], float]:
     """Run `specs` against the target at most `concurrency` at a time (None: no limit), sent all at once or at
     `request_rate` requests/s; returns the results in spec order and the wall time from first send to last end."""
-    progress = tqdm(total=len(specs), desc=description, unit="req", leave=False) if description else None
-    try:
-        return asyncio.run(_run_point(target, specs, concurrency, request_rate, seed, progress))
-    finally:
-        if progress is not None:
-            progress.close()
+
+    def run(progress: tqdm | None) -> tuple[list[RequestResult], float]:
+        jobs = [_request_job(target, spec, progress) for spec in specs]
+        return asyncio.run(_run_jobs(target, jobs, concurrency or len(specs), request_rate, seed))
+
+    return _with_progress(len(specs), description, run)
+
+
+def run_conversations(
+    target: Target,
+    conversations: list[Conversation],
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int = 0,
+    description: str | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Run multi-turn conversations, all of them active at once (or started at `request_rate` conversations/s),
+    each sending its next turn when its previous answer is complete; at most `concurrency` requests in flight
+    (None: one per conversation). Results conversation by conversation, turn by turn, and the wall time."""
+    total = sum(len(c.turns) for c in conversations)
+
+    def run(progress: tqdm | None) -> tuple[list[RequestResult], float]:
+        jobs = [_conversation_job(target, conversation, progress) for conversation in conversations]
+        return asyncio.run(_run_jobs(target, jobs, concurrency or len(conversations), request_rate, seed))
+
+    return _with_progress(total, description, run)

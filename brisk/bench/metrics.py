@@ -51,6 +51,9 @@ def request_record(result: RequestResult) -> dict[str, Any]:
         "e2e_ms": _ms(result.e2e_s),
         "itl_ms": [round(s * 1000.0, 4) for s in result.itl_s],
         "error": result.error,
+        "cached_tokens": result.cached_tokens,
+        "conversation": result.conversation,
+        "turn": result.turn,
     }
 
 
@@ -93,20 +96,90 @@ def summarize_point(
 
 
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+# The server's prompt and KV-cache counters a multi-turn run reads before and after (brisk's and vLLM's names, the
+# `brisk:` / `vllm:` prefix and `_total` suffix dropped): prompt tokens, prefix-cache lookups and hits (tokens),
+# those of the host KV tier (vLLM: external, the offloading connector), the bytes it moved each way, preemptions.
+KV_COUNTERS = (
+    "prompt_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_bytes_to_host",
+    "kv_offload_bytes_to_device",
+    "num_preemptions",
+)
+
+
+def _counters(metrics_text: str, names: tuple[str, ...], strip: str = "") -> dict[str, float]:
+    """Counters of the Prometheus text summed over their labels; a `direction` label is kept in the name."""
+    totals: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        sample, _, value = line.rpartition(" ")
+        name, _, labels = sample.partition("{")
+        base = name.split(":", 1)[-1].removesuffix("_total").removeprefix(strip)
+        direction = next(
+            (p.split("=", 1)[1].strip('"') for p in labels.rstrip("}").split(",") if p.startswith("direction=")), None
+        )
+        if direction:
+            base = f"{base}_{direction}"
+        if base in names:
+            totals[base] = totals.get(base, 0.0) + float(value)
+    return totals
 
 
 def spec_decode_counters(metrics_text: str) -> dict[str, float] | None:
     """The server's speculative-decoding counters from its /metrics text (brisk's or vLLM's names; summed over
     labels), or None when it has none."""
-    totals: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or "spec_decode_num_" not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        base = name.split("{", 1)[0].split(":", 1)[-1].removeprefix("spec_decode_").removesuffix("_total")
-        if base in SPEC_COUNTERS:
-            totals[base] = totals.get(base, 0.0) + float(value)
-    return totals or None
+    return _counters(metrics_text, SPEC_COUNTERS, strip="spec_decode_") or None
+
+
+def kv_cache_counters(metrics_text: str) -> dict[str, float]:
+    """The KV_COUNTERS the server exposes (an empty dict: none)."""
+    return _counters(metrics_text, KV_COUNTERS)
+
+
+def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """after - before of each counter (one not there before had not been touched yet: 0); None: no /metrics."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def multi_turn_summary(results: list[RequestResult], server: dict[str, float] | None) -> dict[str, Any]:
+    """Per turn index: requests, mean prompt / cached tokens, TTFT; over the run: prompt tokens the server computed
+    (prompt - cached, from each request's usage) and served from its prefix cache; `server`: its counters' deltas."""
+    ok = [r for r in results if r.error is None]
+    cached_known = all(r.cached_tokens is not None for r in ok)
+    by_turn = []
+    for turn in sorted({r.turn for r in results if r.turn is not None}):
+        done = [r for r in ok if r.turn == turn]
+        by_turn.append(
+            {
+                "turn": turn,
+                "requests": sum(r.turn == turn for r in results),
+                "completed": len(done),
+                "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in done])) if done else None,
+                "mean_cached_tokens": (
+                    float(np.mean([r.cached_tokens or 0 for r in done])) if done and cached_known else None
+                ),
+                "ttft_ms": distribution_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+            }
+        )
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok) if cached_known else None
+    return {
+        "turns": len(by_turn),
+        "conversations": len({r.conversation for r in results}),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "computed_tokens": None if cached is None else prompt - cached,
+        "mean_ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None])["mean"],
+        "by_turn": by_turn,
+        "server_counters": server,
+    }
 
 
 def spec_decode_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:

@@ -119,7 +119,45 @@ def format_table(points: list[dict[str, Any]]) -> str:
     """Aligned text, one row per point; latencies in ms."""
     rows = [[header for header, _, _ in COLUMNS]]
     rows += [[_fmt(read(p), digits) for _, read, digits in COLUMNS] for p in points]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return _aligned(rows)
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    """Right-aligned columns, the first row a header underlined."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_multi_turn(summary: dict[str, Any]) -> str:
+    """A multi-turn point: the prompt tokens computed vs served from the prefix cache, the server's counters read,
+    then one row per turn index (latencies in ms)."""
+    cached = summary["cached_tokens"]
+    lines = [
+        f"{summary['conversations']} conversations x {summary['turns']} turns; prompt tokens {summary['prompt_tokens']:,}"
+        + (
+            f", computed {summary['computed_tokens']:,}, served from the prefix cache {cached:,}"
+            if cached is not None
+            else " (the server reports no cached tokens)"
+        )
+        + f"; mean TTFT {_fmt(summary['mean_ttft_ms'])} ms"
+    ]
+    counters = summary["server_counters"]
+    if counters:
+        lines.append("server /metrics over the point: " + ", ".join(f"{k} {v:,.0f}" for k, v in counters.items()))
+    rows = [["turn", "requests", "ok", "prompt tok", "cached tok", "ttft mean", "ttft p50", "ttft p99"]]
+    for t in summary["by_turn"]:
+        rows.append(
+            [
+                str(t["turn"] + 1),
+                str(t["requests"]),
+                str(t["completed"]),
+                _fmt(t["mean_prompt_tokens"]),
+                _fmt(t["mean_cached_tokens"]),
+                _fmt(t["ttft_ms"]["mean"]),
+                _fmt(t["ttft_ms"]["p50"]),
+                _fmt(t["ttft_ms"]["p99"]),
+            ]
+        )
+    return "\n".join([*lines, "", _aligned(rows)])

@@ -4,6 +4,12 @@ One run sweeps concurrency levels (and/or Poisson request rates); every point st
 TTFT, TPOT, ITL and end-to-end latency per request, and the run is saved as one JSON file with PNG plots.
 `--compare A.json B.json` overlays saved runs on one Pareto plot.
 
+`--multi-turn N`: conversations of N turns instead of single requests (SGLang's bench_multiturn shape): every
+conversation is active at once, turn k resends turns 1..k-1 (each user message and the model's answer) plus a new
+message, on /v1/chat/completions as messages or on /v1/completions as one growing text. Each point then reports
+TTFT by turn, the prompt tokens the server computed vs served from its prefix cache (each response's
+usage.prompt_tokens_details.cached_tokens), and the deltas of the server's /metrics prompt and KV-cache counters.
+
 This module imports only the standard library at the top: `brisk --help` must work without the `[bench]` extra
 (httpx, matplotlib), so the modules that need those are imported when a benchmark actually runs.
 """
@@ -62,6 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--tokenizer", help="local tokenizer for exact prompt lengths when the server has no /tokenize")
     w.add_argument(
+        "--multi-turn",
+        type=int,
+        metavar="TURNS",
+        help="conversations of TURNS turns, each resending the history (--input-len: the first prompt, "
+        "--turn-input-len: each later message, --output-len: every answer; --concurrency: requests in flight, "
+        "--request-rate: conversations started a second)",
+    )
+    w.add_argument("--turn-input-len", type=int, help="multi-turn: tokens of each new user message after the first")
+    w.add_argument(
+        "--num-conversations", type=int, help="multi-turn: conversations per point (default 2 * concurrency, >= 8)"
+    )
+    w.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -103,6 +121,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace):
     from brisk.bench.workload import Workload
 
+    if args.multi_turn is not None:
+        if args.multi_turn < 1:
+            raise BenchError("--multi-turn must be >= 1")
+        if args.dataset or args.random_input_range or args.random_output_range:
+            raise BenchError("--multi-turn takes fixed lengths: --input-len, --turn-input-len, --output-len")
+        for name in ("input_len", "output_len", "turn_input_len"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
+        input_len = args.input_len or DEFAULT_LEN
+        return Workload(
+            "multi-turn",
+            input_len,
+            args.output_len or DEFAULT_LEN,
+            turns=args.multi_turn,
+            turn_input_len=args.turn_input_len or input_len,
+        )
+    if args.turn_input_len is not None or args.num_conversations is not None:
+        raise BenchError("--turn-input-len and --num-conversations need --multi-turn")
     if args.dataset:
         if args.input_len or args.random_input_range or args.random_output_range:
             raise BenchError("--dataset takes its lengths from the file: drop --input-len and the random ranges")
@@ -183,17 +219,20 @@ def _model_and_server(http, base_url: str, model: str | None) -> tuple[str, dict
     return model, report.server_info(http, base_url, models)
 
 
-def _spec_counters(http, base_url: str) -> dict[str, float] | None:
-    """The server's speculative-decoding counters now (None: it exposes none, or no /metrics)."""
+def _server_metrics(http, base_url: str) -> str | None:
+    """The server's /metrics text now (None: it has no /metrics)."""
     import httpx
-
-    from brisk.bench.metrics import spec_decode_counters
 
     try:
         response = http.get(f"{base_url}/metrics")
     except httpx.HTTPError:
         return None
-    return spec_decode_counters(response.text) if response.status_code == 200 else None
+    return response.text if response.status_code == 200 else None
+
+
+def _parsed(parse, texts: tuple[str | None, ...]) -> list[Any]:
+    """Counters parsed from /metrics texts read before and after a point (None where the server has none)."""
+    return [None if text is None else parse(text) for text in texts]
 
 
 def _output_stem(out_dir: str, label: str) -> str:
@@ -213,8 +252,15 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
     import httpx
 
     from brisk.bench import plots, report
-    from brisk.bench.client import Target, run_point
-    from brisk.bench.metrics import spec_decode_summary, summarize_point
+    from brisk.bench.client import Target, run_conversations, run_point
+    from brisk.bench.metrics import (
+        counter_deltas,
+        kv_cache_counters,
+        multi_turn_summary,
+        spec_decode_counters,
+        spec_decode_summary,
+        summarize_point,
+    )
     from brisk.bench.workload import PREPARE_THREADS, RequestFactory
 
     workload = _workload(args)
@@ -250,17 +296,34 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
         points = []
         for i, (concurrency, rate) in enumerate(_load_points(args)):
             num_prompts = args.num_prompts or max(32, 4 * (concurrency or 32))
+            num_conversations = args.num_conversations or max(8, 2 * (concurrency or 4))
             try:
-                warmup, specs = factory.take(args.warmup), factory.take(num_prompts)
+                warmup = factory.take(args.warmup)
+                if workload.kind == "multi-turn":
+                    conversations = factory.take_conversations(num_conversations)
+                else:
+                    specs = factory.take(num_prompts)
             except httpx.HTTPError as exc:
                 raise BenchError(f"preparing prompts with the server's /tokenize failed: {exc}") from None
             if warmup:
                 run_point(target, warmup, concurrency, None)
             name = f"concurrency {concurrency or 'inf'}" + (f", {rate:g} req/s" if rate else "")
-            spec_before = _spec_counters(http, base_url)
-            results, duration = run_point(target, specs, concurrency, rate, seed=args.seed + i, description=name)
+            metrics_before = _server_metrics(http, base_url)
+            if workload.kind == "multi-turn":
+                results, duration = run_conversations(
+                    target, conversations, concurrency, rate, seed=args.seed + i, description=name
+                )
+            else:
+                results, duration = run_point(target, specs, concurrency, rate, seed=args.seed + i, description=name)
+            metrics_after = _server_metrics(http, base_url)
             point = summarize_point(results, duration, concurrency, rate, args.num_gpus)
-            point["spec_decode"] = spec_decode_summary(spec_before, _spec_counters(http, base_url))
+            texts = (metrics_before, metrics_after)
+            point["spec_decode"] = spec_decode_summary(*_parsed(spec_decode_counters, texts))
+            point["multi_turn"] = (
+                multi_turn_summary(results, counter_deltas(*_parsed(kv_cache_counters, texts)))
+                if workload.kind == "multi-turn"
+                else None
+            )
             points.append(point)
             spec = point["spec_decode"]
             print(
@@ -301,6 +364,7 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
             "temperature": args.temperature,
             "extra_body": extra_body,
             "num_prompts": args.num_prompts,
+            "num_conversations": args.num_conversations,
             "warmup": args.warmup,
             "seed": args.seed,
             "timeout_s": args.timeout,
@@ -315,6 +379,9 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
     plots.plot_cdfs(points, "itl_ms", f"{stem}_itl.png", f"{label}: inter-token latency")
     print(f"\n{label} | {workload.kind} workload | /v1/{args.endpoint} | latencies in ms\n")
     print(report.format_table(points))
+    for point in points:
+        if point.get("multi_turn"):
+            print(f"\nconcurrency {point['concurrency'] or 'inf'}: {report.format_multi_turn(point['multi_turn'])}")
     print(f"\nwrote {stem}.json and {stem}_{{pareto,ttft,itl}}.png")
     return 1 if any(p["failed"] for p in points) else 0
 

@@ -1,4 +1,5 @@
-"""What the benchmark sends: prompts of an exact token length, or a ShareGPT file's conversations.
+"""What the benchmark sends: prompts of an exact token length, a ShareGPT file's conversations, or multi-turn
+conversations (each turn's new user message drawn here; the client resends the growing history).
 
 Prompt lengths are counted the way the target server counts them (chat template and special tokens included),
 by the server's own `/tokenize` where it has one (brisk, vLLM, SGLang), else by a local Hugging Face tokenizer,
@@ -130,19 +131,25 @@ class WordTokenizer:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    prompt: str
-    prompt_tokens: int  # as the prompt tokenizer counts it for the endpoint
+    prompt: str  # the new user message: on a turn after the first, what follows the resent history
+    prompt_tokens: int  # as the prompt tokenizer counts it for the endpoint (a later turn: its message alone)
     max_tokens: int  # the output length asked for (exact with ignore_eos)
+    # the conversation so far, resent before `prompt`: (user message, the model's answer) of each earlier turn
+    history: tuple[tuple[str, str], ...] = ()
+    conversation: int | None = None  # multi-turn: which conversation and which turn (0-based) this request is
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str  # "fixed", "random" or "sharegpt"
-    input_len: int | None = None
-    output_len: int | None = None
+    kind: str  # "fixed", "random", "sharegpt" or "multi-turn"
+    input_len: int | None = None  # multi-turn: the first turn's prompt
+    output_len: int | None = None  # multi-turn: every answer
     input_range: tuple[int, int] | None = None
     output_range: tuple[int, int] | None = None
     dataset: str | None = None
+    turns: int = 1  # multi-turn: turns per conversation
+    turn_input_len: int | None = None  # multi-turn: the new user message of each turn after the first
 
     def describe(self) -> dict:
         return {
@@ -152,7 +159,18 @@ class Workload:
             "random_input_range": list(self.input_range) if self.input_range else None,
             "random_output_range": list(self.output_range) if self.output_range else None,
             "dataset": self.dataset,
+            "turns": self.turns,
+            "turn_input_len": self.turn_input_len,
         }
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One multi-turn conversation's new user messages, turn by turn (turn 0's spec is a whole first prompt; a later
+    one's prompt_tokens counts its message alone). The client adds the history as the answers come back."""
+
+    index: int
+    turns: tuple[RequestSpec, ...]
 
 
 def exact_prompt(tokenizer: PromptTokenizer, rng: random.Random, target: int) -> tuple[str, int]:
@@ -173,6 +191,18 @@ def exact_prompt(tokenizer: PromptTokenizer, rng: random.Random, target: int) ->
         text = tokenizer.decode(tokens[:want])
         count = tokenizer.count(text)
     return text, count
+
+
+def exact_message(tokenizer: PromptTokenizer, rng: random.Random, target: int) -> tuple[str, int]:
+    """Random words cut to `target` tokens of plain text (no chat template around it: a message added to a
+    conversation); returns (text, its token count)."""
+    tokens: list[Any] = []
+    words = target + 16
+    while len(tokens) < target:
+        tokens = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(words)))
+        words *= 2
+    text = tokenizer.decode(tokens[:target])
+    return text, len(tokenizer.encode(text))
 
 
 def load_sharegpt(path: str) -> list[tuple[str, str]]:
@@ -230,6 +260,22 @@ class RequestFactory:
             specs = list(pool.map(build, jobs))
         self.inexact_prompts += sum(spec.prompt_tokens != job[0] for spec, job in zip(specs, jobs))
         return specs
+
+    def take_conversations(self, n: int) -> list[Conversation]:
+        """`n` conversations of workload.turns turns: a first prompt of input_len tokens (as `take` draws one), then
+        turn_input_len tokens of new user message a turn."""
+        w = self.workload
+        firsts = self.take(n)
+        later = w.turns - 1
+        seeds = [self.rng.getrandbits(64) for _ in range(n * later)]
+
+        def build(seed: int) -> RequestSpec:
+            text, count = exact_message(self.tokenizer, random.Random(seed), w.turn_input_len or 1)
+            return RequestSpec(text, count, w.output_len or 1)
+
+        with ThreadPoolExecutor(PREPARE_THREADS) as pool:
+            messages = list(pool.map(build, seeds))
+        return [Conversation(i, (first, *messages[i * later : (i + 1) * later])) for i, first in enumerate(firsts)]
 
     def _take_sharegpt(self, n: int) -> list[RequestSpec]:
         def build(pair: tuple[str, str]) -> RequestSpec:

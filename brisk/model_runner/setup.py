@@ -4,7 +4,8 @@ they may use of it).
 
 KV pool size: `kv_cache_config.max_blocks`, else on a GPU by profiling (memory.py: one real step at
 `max_num_tokens` measured on a temporary cache, the pool gets `kv_cache_free_gpu_memory_fraction` of what is
-left), else `memory_fraction` of the free memory (kv_tensors.py). Ranks agree on the smallest.
+left), else `memory_fraction` of the free memory (kv_tensors.py); at most what `kv_cache_config.max_tokens` and
+`max_gpu_total_bytes` allow. Ranks agree on the smallest.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def load_model_runner(
         num_blocks = num_kv_blocks_by_profiling(runner)
     else:
         num_blocks = num_kv_blocks_in_budget(config, runner.kv_layout, device, max_seq_len)
+    limit = config.kv_cache_config.block_limit(runner.kv_layout.bytes_per_block, len(runner.kv_groups))
+    if limit is not None:  # kv_cache_config.max_tokens / max_gpu_total_bytes
+        num_blocks = min(num_blocks, limit)
     if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
         num_blocks = agree_min(num_blocks, cpu_group)
     startup.mark("kv_sizing")

@@ -19,6 +19,7 @@ import uvicorn
 from transformers import AutoTokenizer
 
 from brisk.config import (
+    OPTIONS,
     ConfigError,
     EngineConfig,
     ModelConfig,
@@ -122,8 +123,10 @@ def plan_serve(
 
 
 def announce_config(config: EngineConfig, server: ServerConfig) -> None:
+    """The configuration in effect, on stdout (or one JSON log line); the options that have no effect in brisk are
+    left out (their start-up notes say so where they were given)."""
     in_effect = {
-        "engine": config.model_dump(mode="json"),
+        "engine": config.model_dump(mode="json", exclude=OPTIONS.no_effect_fields(EngineConfig)),
         "server": server.model_dump(mode="json", exclude={"api_key"}),
     }
     if server.log_format == "json":  # every line of a JSON log is one JSON object
