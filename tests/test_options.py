@@ -312,10 +312,29 @@ def test_kv_cache_dtype():
         EngineConfig.build("m", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ConfigError, match="kv_cache_config.dtype"):
         EngineConfig.build("m", kv_cache_config={"dtype": "int4"})
+    for value, reason in (("nvfp4", "no FP4 KV cache"), ("fp8_inc", "Intel Gaudi"), ("fp8_ds_mla", "no MLA model")):
+        with pytest.raises(ConfigError, match=f"{value} is not supported: .*{reason}"):
+            EngineConfig.build("m", kv_cache_config={"dtype": value})
     skip = EngineConfig.build("m", kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=["sliding_window"])
     assert skip.kv_cache_config.dtype_skip_layers == ["sliding_window"]
     with pytest.raises(ConfigError, match="single layers cannot be skipped"):
         EngineConfig.build("m", kv_cache_dtype_skip_layers=["0"])
+
+
+def test_kv_cache_dtype_named_as_the_model_dtype():
+    """vLLM's --kv-cache-dtype bfloat16: the unquantized cache, which brisk keeps in the model's compute dtype; a
+    name other than that dtype is refused rather than ignored."""
+    import torch
+
+    from brisk.kv_cache.manager import KVGroupSpec
+    from brisk.model_runner.kv_tensors import kv_group_dtypes
+
+    groups = [KVGroupSpec((0,)), KVGroupSpec((1,), sliding_window=128)]
+    kv = EngineConfig.build("m", kv_cache_dtype="bfloat16").kv_cache_config
+    assert not kv.fp8 and kv_group_dtypes(kv, torch.bfloat16, groups) == (torch.bfloat16, torch.bfloat16)
+    kv = EngineConfig.build("m", kv_cache_config={"dtype": "float16"}).kv_cache_config
+    with pytest.raises(ConfigError, match="model's compute dtype .*bfloat16"):
+        kv_group_dtypes(kv, torch.bfloat16, groups)
 
 
 @pytest.mark.parametrize(

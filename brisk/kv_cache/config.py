@@ -45,6 +45,12 @@ BLOCK_REUSE_POLICY_REFUSAL = (
 DEFAULT_RETENTION_PRIORITY = 35
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_SKIP_LAYER_TYPES = ("sliding_window",)  # vLLM's --kv-cache-dtype-skip-layers layer types
+# KV dtypes the peers take that brisk does not store, and why (trtllm's nvfp4, vLLM's fp8_inc and fp8_ds_mla)
+KV_DTYPES_REFUSED = {
+    "nvfp4": "brisk has no FP4 KV cache (Blackwell's NVFP4); fp8 halves the KV's bytes",
+    "fp8_inc": "that is Intel Gaudi's FP8 KV format; use fp8",
+    "fp8_ds_mla": "that is DeepSeek MLA's FP8 KV layout, and brisk serves no MLA model; use fp8",
+}
 
 
 class BlockReuseConfig(OptionModel):
@@ -105,10 +111,11 @@ class KvCacheConfig(OptionModel):
         ge=0,
     )
     max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
-    dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
+    dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto",
-        "the KV cache's dtype; auto: the model's compute dtype; fp8 / fp8_e4m3: FP8 E4M3 with static per-layer K and "
-        "V scales (the checkpoint's k_scale / v_scale, else 1.0), twice the tokens per GiB; fp8_e5m2 is refused",
+        "the KV cache's dtype; auto: the model's compute dtype (bfloat16 / float16: the same, where it is that one); "
+        "fp8 / fp8_e4m3: FP8 E4M3 with static per-layer K and V scales (the checkpoint's k_scale / v_scale, else "
+        "1.0), twice the tokens per GiB; fp8_e5m2, nvfp4, fp8_inc and fp8_ds_mla are refused with the reason",
         vllm="kv_cache_dtype",
         trtllm="kv_cache_config.dtype",
     )
@@ -382,7 +389,11 @@ class KvCacheConfig(OptionModel):
     @field_validator("dtype", mode="before")
     @classmethod
     def _lower_dtype(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
+        value = value.lower() if isinstance(value, str) else value
+        reason = KV_DTYPES_REFUSED.get(value)
+        if reason is not None:
+            raise ValueError(f"{value} is not supported: {reason}")
+        return value
 
     @field_validator("dtype")
     @classmethod

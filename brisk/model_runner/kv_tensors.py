@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from brisk.config import EngineConfig, KvCacheConfig
+from brisk.errors import ConfigError
 from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
@@ -39,6 +40,12 @@ def kv_group_dtypes(
     """Per KV group, the dtype its K and V are stored in: FP8 E4M3 under an FP8 KV cache, else the model's dtype;
     one dtype for all groups (they share the slot tensors)."""
     if not kv_config.fp8:
+        named = getattr(torch, kv_config.dtype, None) if kv_config.dtype != "auto" else None
+        if named is not None and named != model_dtype:
+            raise ConfigError(
+                f"kv_cache_config.dtype {kv_config.dtype}: brisk keeps an unquantized KV cache in the model's compute "
+                f"dtype ({model_dtype}); give auto (or fp8), or set the model's --dtype to {kv_config.dtype}"
+            )
         return (model_dtype,) * len(groups)
     skip_sliding = "sliding_window" in kv_config.dtype_skip_layers
     if skip_sliding and any(g.sliding_window for g in groups):
