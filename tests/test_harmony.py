@@ -481,14 +481,19 @@ GARBAGE = st.lists(
 )
 
 
+def garbage_ids(tokenizer: PreTrainedTokenizerFast, pieces: list[str | int]) -> list[int]:
+    token_ids: list[int] = []
+    for piece in pieces:
+        token_ids.extend([piece] if isinstance(piece, int) else harmony_ids(tokenizer, piece))
+    return token_ids
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pieces=GARBAGE, cuts=st.lists(st.integers(0, 1000), max_size=8))
 def test_garbage_never_raises_and_streams_consistently(
     tokenizer: PreTrainedTokenizerFast, pieces: list[str | int], cuts: list[int]
 ) -> None:
-    token_ids: list[int] = []
-    for piece in pieces:
-        token_ids.extend([piece] if isinstance(piece, int) else harmony_ids(tokenizer, piece))
+    token_ids = garbage_ids(tokenizer, pieces)
     expected = new_parser(tokenizer).parse(token_ids)
     result, joined = stream(new_parser(tokenizer), token_ids, cuts)
     assert joined == as_dict(result) == as_dict(expected)
@@ -503,9 +508,7 @@ def test_bodies_decoded_by_bytes_give_the_window_decode(
 ) -> None:
     # o200k is byte-level: message bodies go through TokenBytes and one UTF-8 decoder; the window algorithm (any
     # other tokenizer's path) must give the same reasoning, content, tool calls and warnings, stream and whole.
-    token_ids: list[int] = []
-    for piece in pieces:
-        token_ids.extend([piece] if isinstance(piece, int) else harmony_ids(tokenizer, piece))
+    token_ids = garbage_ids(tokenizer, pieces)
     by_bytes = new_parser(tokenizer)
     assert by_bytes._token_bytes is not None
     decoder = TokenDecoder(tokenizer, skip_special_tokens=True)
