@@ -85,6 +85,10 @@ class TorchMoEBackend(MoEBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # Kept from step to step: where every layer's prompt experts are dequantized (FusedMoE.dequantize_buffer).
+        self.dequantized: torch.Tensor | None = None
+
     def forward(self, layer, hidden, topk_ids, topk_weights):
         kernels = layer.cpu_kernels
         if (
@@ -130,11 +134,12 @@ class TorchMoEBackend(MoEBackend):
         picked = [e for e in range(layer.num_local_experts) if counts[e + 1]]
         if not picked:  # no tokens, or all of them routed to other ranks' experts
             return torch.zeros_like(hidden)
-        gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e] : bounds[e + 1]]) for e in picked])
+        buffer = self.dequantized = layer.dequantize_buffer(hidden.dtype, self.dequantized)
+        gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e] : bounds[e + 1]], buffer) for e in picked])
         act = layer.activation(gate_up, layer.gate_up_halves)
         act_bounds = [0, *itertools.accumulate(counts[e + 1] for e in picked)]
         ys = [hidden.new_zeros(counts[0], hidden.shape[1])]  # other ranks' experts contribute nothing here
-        ys += [layer.expert_linear(e, "down", act[a:b]) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
+        ys += [layer.expert_linear(e, "down", act[a:b], buffer) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
         y = torch.empty_like(x)
         y[order] = torch.cat(ys).to(y.dtype)  # back to (token, k) order
         return (y.view(t, k, -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
@@ -265,15 +270,34 @@ class FusedMoE(nn.Module):
             return self.down_proj_blocks[expert], self.down_proj_scales[expert]
         return self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert]
 
-    def _dequantized(self, expert: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound, else torch ops."""
+    def _dequantized(
+        self, expert: int, which: str, dtype: torch.dtype, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound (into `buffer` if given),
+        else torch ops."""
         blocks, scales = self._mxfp4(expert, which)
         if self.cpu_kernels is not None and blocks.device.type == "cpu":
-            return self.cpu_kernels.dequantize_mxfp4(blocks, scales, dtype)
+            return self.cpu_kernels.dequantize_mxfp4(blocks, scales, dtype, buffer)
         return dequantize_mxfp4(blocks, scales, dtype)
 
-    def expert_linear(self, expert: int, which: str, x: torch.Tensor) -> torch.Tensor:
-        """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]."""
+    def dequantize_buffer(self, dtype: torch.dtype, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a prompt's MXFP4 experts are dequantized one after the other on a CPU with brisk's kernels:
+        `buffer` if it holds the biggest projection in `dtype`, else a new one (None where experts are not
+        dequantized by the kernels). One buffer for all of them, because the C heap keeps what a step frees
+        (host.py): a new [2I, H] weight per expert, each freed around the small outputs kept beside it, left
+        32 holes of 33 MB a layer in gpt-oss-20b's heap, ~1 GB of resident memory after a 512-token prompt."""
+        if self.quantization != "mxfp4" or self.cpu_kernels is None or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        size = 2 * self.intermediate_size * self.hidden_size
+        if buffer is not None and buffer.dtype == dtype and buffer.numel() >= size:
+            return buffer
+        return torch.empty(size, dtype=dtype, device=self.gate_up_proj_blocks.device)
+
+    def expert_linear(
+        self, expert: int, which: str, x: torch.Tensor, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]; `buffer`: see
+        dequantize_buffer."""
         down = which == "down"
         if down:
             bias = self.down_proj_bias[expert] if self.moe_tp_rank == 0 else None
@@ -291,7 +315,7 @@ class FusedMoE(nn.Module):
                 and kernels.mxfp4_linear_accepts(x, blocks, bias)
             ):
                 return kernels.mxfp4_linear(x, blocks, scales, bias)
-            return F.linear(x, self._dequantized(expert, which, x.dtype), bias)
+            return F.linear(x, self._dequantized(expert, which, x.dtype, buffer), bias)
         return F.linear(x, self.expert_weights(expert, x.dtype)[down], bias)
 
     def activation(self, gate_up: torch.Tensor, halves: bool) -> torch.Tensor:
