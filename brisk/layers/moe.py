@@ -34,6 +34,9 @@ from brisk.kernels.cpu_kernels import MXFP4_DIRECT_MAX_ROWS, CpuKernels
 from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight, set_weight_loader
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
+# Rows of an MXFP4 projection the torch ops dequantize at once into a buffer (FusedMoE._dequantized).
+DEQUANTIZE_ROWS = 256
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss routing: top-k logits, then softmax over those k (in the logits dtype, as HF does)."""
@@ -273,25 +276,33 @@ class FusedMoE(nn.Module):
     def _dequantized(
         self, expert: int, which: str, dtype: torch.dtype, buffer: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound (into `buffer` if given),
-        else torch ops."""
+        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound, else torch ops; into
+        `buffer` (a view of it) if given, the torch ops then DEQUANTIZE_ROWS rows at a time (their fp32 and int64
+        temporaries are ~12x the result's bytes)."""
         blocks, scales = self._mxfp4(expert, which)
         if self.cpu_kernels is not None and blocks.device.type == "cpu":
             return self.cpu_kernels.dequantize_mxfp4(blocks, scales, dtype, buffer)
-        return dequantize_mxfp4(blocks, scales, dtype)
+        if buffer is None:
+            return dequantize_mxfp4(blocks, scales, dtype)
+        out = buffer[: blocks.numel() * 2].view(*scales.shape[:-1], -1)
+        for row in range(0, out.shape[0], DEQUANTIZE_ROWS):
+            rows = slice(row, row + DEQUANTIZE_ROWS)
+            out[rows] = dequantize_mxfp4(blocks[rows], scales[rows], dtype)
+        return out
 
     def dequantize_buffer(self, dtype: torch.dtype, buffer: torch.Tensor | None) -> torch.Tensor | None:
-        """Where a prompt's MXFP4 experts are dequantized one after the other on a CPU with brisk's kernels:
-        `buffer` if it holds the biggest projection in `dtype`, else a new one (None where experts are not
-        dequantized by the kernels). One buffer for all of them, because the C heap keeps what a step frees
-        (host.py): a new [2I, H] weight per expert, each freed around the small outputs kept beside it, left
-        32 holes of 33 MB a layer in gpt-oss-20b's heap, ~1 GB of resident memory after a 512-token prompt."""
-        if self.quantization != "mxfp4" or self.cpu_kernels is None or dtype not in (torch.float32, torch.bfloat16):
+        """Where a prompt's MXFP4 experts are dequantized one after the other on a CPU: `buffer` if it holds the
+        biggest projection in `dtype`, else a new one (None for other experts and devices). One buffer for all of
+        them, because the C heap keeps what a step frees (host.py): a new [2I, H] weight per expert, each freed
+        around the small outputs kept beside it, left a hole of 33 MB per expert and layer in gpt-oss-20b's heap,
+        ~1 GB of resident memory after a 512-token prompt (docs/performance.md)."""
+        blocks = self.gate_up_proj_blocks if self.quantization == "mxfp4" else None
+        if blocks is None or blocks.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return None
         size = 2 * self.intermediate_size * self.hidden_size
         if buffer is not None and buffer.dtype == dtype and buffer.numel() >= size:
             return buffer
-        return torch.empty(size, dtype=dtype, device=self.gate_up_proj_blocks.device)
+        return torch.empty(size, dtype=dtype)
 
     def expert_linear(
         self, expert: int, which: str, x: torch.Tensor, buffer: torch.Tensor | None = None
