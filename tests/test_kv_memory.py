@@ -178,7 +178,10 @@ def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path
     assert seen == [96]  # one forward pass of max_num_tokens tokens
     left = GIB - (100 << 20) - (50 << 20) - (30 << 20)
     expected = int(left * runner.config.memory_fraction) // runner.kv_layout.bytes_per_block
-    most_useful = len(runner.kv_groups) * (256 // 16) * 8 + 1
+    window = next(g.sliding_window for g in runner.kv_groups if g.sliding_window)
+    # the full-attention group: 8 requests of 256 tokens; the sliding one: 8 windows and a step's 96 new tokens
+    most_useful = 1 + (256 // 16) * 8 + -(-(8 * (window - 1) + 96) // 16) + 2 * 8
+    assert len(runner.kv_groups) == 2 and most_useful < 1 + 2 * (256 // 16) * 8
     assert num_blocks == min(expected, most_useful)
     assert all(layer.k_cache.numel() == 0 for layer in runner.attn_layers)  # the temporary cache is gone
 
@@ -224,3 +227,23 @@ def test_cpu_kv_budget_counts_reclaimable_page_cache(monkeypatch):
     monkeypatch.setattr("builtins.open", no_meminfo)
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert abs(available_host_memory() - free) < physical // 10
+
+
+@pytest.mark.parametrize("batch", [1, 4, 64])
+@pytest.mark.parametrize("max_num_tokens", [16, 8192])
+@pytest.mark.parametrize("max_seq_len", [100, 4096])
+def test_most_useful_blocks_holds_a_full_batch_and_counts_sliding_windows_once(batch, max_num_tokens, max_seq_len):
+    from brisk.kv_cache.manager import KVGroupSpec
+    from brisk.model_runner.kv_tensors import KVTensorLayout
+
+    groups = [KVGroupSpec(tuple(range(12))), KVGroupSpec(tuple(range(12)), 128)]  # gpt-oss-20b's
+    layout = KVTensorLayout(groups, 32, 8, 64, torch.bfloat16)
+    useful = layout.most_useful_blocks(max_seq_len, batch, max_num_tokens)
+    full = -(-max_seq_len // 32) * batch
+    sliding = useful - 1 - full
+    # never less than one request of max_seq_len needs (the start-up check), nor than the batch's windows
+    one = blocks_for_one_request([KVGroupLayout("f", 12), KVGroupLayout("s", 12, 128)], 32, max_seq_len, max_num_tokens)
+    assert useful >= one and sliding >= batch * min(-(-max_seq_len // 32), 4)
+    assert sliding <= full + batch
+    if (batch, max_num_tokens, max_seq_len) == (4, 8192, 4096):
+        assert (full, sliding) == (512, 280)  # gpt-oss-20b served at batch 4: 232 blocks (0.18 GB) fewer

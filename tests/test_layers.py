@@ -3,6 +3,9 @@ the MoE reference backend vs HF's experts and vs a per-slot loop, prepacked CPU 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -446,3 +449,76 @@ def test_registry_lists_supported_architectures():
     assert get_model_class("GptOssForCausalLM").__name__ == "GptOssForCausalLM"
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
         get_model_class("MistralForCausalLM")
+
+
+# A prompt through a real-size MXFP4 MoE layer's torch path (32 experts of 2,048, 512 tokens, top 4: ~64 rows an
+# expert, so every expert is dequantized), in a process whose C heap keeps what it frees, as a CPU rank's does
+# (host.py). Prints the growth of its resident memory over the prompt, in [2I, H] bf16 projections.
+PROMPT_RSS_SCRIPT = """
+import sys, torch
+from brisk.host import keep_freed_memory_in_the_heap
+from brisk.kernels.cpu_kernels import load_cpu_kernels
+from brisk.layers.moe import FusedMoE, select_experts
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+keep_freed_memory_in_the_heap()
+torch.set_num_threads(1)
+experts, hidden, tokens = 32, 2048, 512
+moe = FusedMoE(experts, 4, hidden, hidden, quantization="mxfp4")
+g = torch.Generator().manual_seed(0)
+for name, p in moe.named_parameters():
+    if p.dtype == torch.uint8:
+        p.data.random_(118, 122, generator=g) if name.endswith("scales") else p.data.random_(0, 256, generator=g)
+    else:
+        p.data = p.data.bfloat16().normal_(0, 0.02, generator=g)
+moe.cpu_kernels = load_cpu_kernels(sys.argv[1])
+x = torch.randn(tokens, hidden, generator=g).bfloat16()
+ids, weights = select_experts(torch.randn(tokens, experts, generator=g).bfloat16(), 4)
+moe.backend.forward(moe, x[:64], ids[:64], weights[:64])  # the libraries' first-call set-up
+before = rss()
+moe.backend.forward(moe, x, ids, weights)
+print((rss() - before) / (2 * hidden * hidden * 2))
+"""
+
+
+def test_mxfp4_prompt_leaves_no_dequantized_expert_in_the_heap(default_cpu_kernels):
+    # Each expert's dequantized weight was a new tensor, freed around the small outputs kept beside it: the heap
+    # kept one hole per expert (31 projections of growth with the kernels, 19 with torch ops; ~1 GB a prompt at
+    # gpt-oss-20b's size). Dequantized into one buffer the growth is the outputs' (4-7 projections).
+    result = subprocess.run(
+        [sys.executable, "-c", PROMPT_RSS_SCRIPT, default_cpu_kernels], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) < 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantized_into_the_prompt_buffer_is_dequantize_mxfp4(default_cpu_kernels, dtype):
+    # I = 160: 320 gate_up rows, DEQUANTIZE_ROWS and a shorter rest for the torch ops; the down projection in the
+    # same buffer after it. With the kernels: one C pass into the buffer. Both equal dequantize_mxfp4 exactly.
+    from brisk.kernels.cpu_kernels import load_cpu_kernels
+    from brisk.layers.moe import DEQUANTIZE_ROWS
+
+    moe = FusedMoE(3, 2, 64, 160, quantization="mxfp4")
+    gen = torch.Generator().manual_seed(4)
+    for name, param in moe.named_parameters():
+        if param.dtype == torch.uint8:
+            param.data.random_(100, 140, generator=gen) if name.endswith("scales") else param.data.random_(
+                0, 256, generator=gen
+            )
+    moe.cpu_kernels = load_cpu_kernels(default_cpu_kernels)
+    assert 2 * 160 % DEQUANTIZE_ROWS and 2 * 160 > DEQUANTIZE_ROWS
+    buffer = moe.dequantize_buffer(dtype, None)
+    assert buffer is not None and buffer.numel() == 2 * 160 * 64
+    assert moe.dequantize_buffer(dtype, buffer) is buffer  # kept from layer to layer
+    for expert in range(3):
+        for which, blocks, scales in (
+            ("gate_up", moe.gate_up_proj_blocks, moe.gate_up_proj_scales),
+            ("down", moe.down_proj_blocks, moe.down_proj_scales),
+        ):
+            out = moe._dequantized(expert, which, dtype, buffer)
+            assert out.data_ptr() == buffer.data_ptr()
+            assert torch.equal(out, dequantize_mxfp4(blocks[expert], scales[expert], dtype))

@@ -294,3 +294,20 @@ def test_torch_backend_batched_decode_matches_per_sequence(
     per_sequence.max_batched_decode_elements = 0
     assert not batched.isnan().any()
     torch.testing.assert_close(batched, case.run(per_sequence, use_sinks)[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("use_sinks", [False, True])
+@pytest.mark.parametrize("score_elements", [1, 150])
+def test_torch_backend_prompt_chunks_match_one_piece(window: int | None, use_sinks: bool, score_elements: int) -> None:
+    # A prompt's queries in chunks of bounded scores (one query a chunk; a few, with a shorter last chunk) give what
+    # one piece gives: each chunk gathers only the keys its window reaches.
+    case = make_case(TINY, [(9, 30), (7, 7), (1, 9), (23, 41)], window, seed=13)
+    whole = TorchAttentionBackend()
+    whole.prefill_score_elements = 1 << 40
+    chunked = TorchAttentionBackend()
+    chunked.prefill_score_elements = score_elements
+    assert score_elements // (TINY.heads * 41) < 23  # the longest prompt is split
+    expected = case.run(whole, use_sinks)[0]
+    assert not expected.isnan().any()
+    torch.testing.assert_close(case.run(chunked, use_sinks)[0], expected, atol=1e-6, rtol=1e-6)

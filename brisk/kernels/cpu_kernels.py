@@ -496,15 +496,24 @@ class CpuKernels:
             raise ValueError("MXFP4 scales must be a contiguous uint8 tensor")
         return self._matmul(self.mxfp4_linear_fn, x, (blocks.data_ptr(), scales.data_ptr()), blocks.shape[0], bias)
 
-    def dequantize_mxfp4(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize_mxfp4(
+        self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """What layers/mxfp4.py:dequantize_mxfp4 computes (the same values: fp32, or rounded once to bf16), in one
         pass over the blocks: blocks [..., G, 16] and scales [..., G] uint8, contiguous -> [..., G * 32]. Other
-        dtypes: dequantized to fp32, then cast."""
+        dtypes: dequantized to fp32, then cast. `buffer`: a contiguous fp32 / bf16 tensor of `dtype` with room for
+        the result, which is then a view of it (a prompt's experts, one after the other, in one piece of memory)."""
         if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
             raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
         blocks, scales = blocks.contiguous(), scales.contiguous()
         direct = dtype in (torch.float32, torch.bfloat16)
-        out = torch.empty(*scales.shape[:-1], scales.shape[-1] * 32, dtype=dtype if direct else torch.float32)
+        shape = (*scales.shape[:-1], scales.shape[-1] * 32)
+        if buffer is not None:
+            if not direct or buffer.dtype != dtype or not buffer.is_contiguous() or buffer.numel() < blocks.numel() * 2:
+                raise ValueError(f"a {dtype} result does not fit a {buffer.dtype} buffer of {buffer.numel()} values")
+            out = buffer.view(-1)[: blocks.numel() * 2].view(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype if direct else torch.float32)
         groups = scales.shape[-1]
         self.mxfp4_dequantize_fn(
             blocks.data_ptr(),

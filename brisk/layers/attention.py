@@ -180,6 +180,10 @@ class TorchAttentionBackend(AttentionBackend):
     # (~512 KiB): each chunk's gather, copy and two matmuls then run on cache-hot data (measured 2x faster at
     # batch 32 than one pass over the whole batch: docs/performance.md).
     decode_chunk_elements = 1 << 17
+    # A prompt's queries are attended in chunks whose fp32 scores (heads x queries x context) hold at most this many
+    # elements: the temporaries of a 4,096-token gpt-oss-20b prompt were 4.3 GB a copy in one piece, and the C heap
+    # keeps what a step frees (host.py), so a prompt's peak stayed in the process's RSS.
+    prefill_score_elements = 1 << 22
 
     def prepare(self, meta: AttentionMetadata) -> Any:
         # Decode chunks per (KV group, window), filled by the first layer of each kind that runs the step.
@@ -258,53 +262,75 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.bmm(probs.reshape(b * kvh, group, padded), v_ctx)
         return out.view(b, layer.num_heads, d).to(q.dtype)
 
-    @staticmethod
     def _per_sequence(
-        layer, q, meta, sinks, out: torch.Tensor | None = None, multi_token_only: bool = False, max_query_len: int = 1
+        self,
+        layer,
+        q,
+        meta,
+        sinks,
+        out: torch.Tensor | None = None,
+        multi_token_only: bool = False,
+        max_query_len: int = 1,
     ) -> torch.Tensor:
-        """Each sequence on its own (into `out` if given); `multi_token_only` leaves the rows of sequences with at
-        most `max_query_len` new tokens alone (another kernel computes them)."""
-        block_table = meta.block_tables[layer.kv_group]
-        bs = meta.block_size
-        kvh, d = layer.num_kv_heads, layer.head_dim
-        group = layer.num_heads // kvh
-        window = layer.sliding_window
+        """Each sequence on its own (into `out` if given), its queries in chunks whose fp32 scores stay under
+        `prefill_score_elements`; `multi_token_only` leaves the rows of sequences with at most `max_query_len` new
+        tokens alone (another kernel computes them)."""
         out = torch.empty_like(q) if out is None else out
         for i, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             n_q = end - start
             if n_q == 0 or (multi_token_only and n_q <= max_query_len):
                 continue
-            first_q_pos = seq_len - n_q
-            # Keys older than the window are never read (their blocks may already be released).
-            first_k = 0 if window is None else max(0, first_q_pos - window + 1)
-            first_block = first_k // bs
-            n_blocks = (seq_len + bs - 1) // bs
-            blocks = block_table[i, first_block:n_blocks].long()
-            k_ctx, v_ctx = (
-                dequantize_kv(
-                    as_bytes(cache)
-                    .index_select(0, blocks)
-                    .view(cache.dtype)
-                    .reshape(-1, kvh, d)[: seq_len - first_block * bs],
-                    kv_scale,
-                )
-                for cache, kv_scale in ((layer.k_cache, layer.k_scale), (layer.v_cache, layer.v_scale))
-            )
-            k_pos = torch.arange(first_block * bs, seq_len, device=q.device)
-            q_pos = torch.arange(first_q_pos, seq_len, device=q.device)
-            qi = q[start:end].float().view(n_q, kvh, group, d)
-            scores = torch.einsum("qhgd,khd->hgqk", qi, k_ctx) * layer.scale
-            allowed = k_pos[None, :] <= q_pos[:, None]
-            if window is not None:
-                allowed &= k_pos[None, :] > q_pos[:, None] - window
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            if sinks is not None:
-                sink = sinks.float().view(kvh, group, 1, 1).expand(kvh, group, n_q, 1)
-                scores = torch.cat([scores, sink], dim=-1)
-            probs = torch.softmax(scores, dim=-1)
-            if sinks is not None:
-                probs = probs[..., :-1]
-            o = torch.einsum("hgqk,khd->qhgd", probs, v_ctx)
-            out[start:end] = o.reshape(n_q, layer.num_heads, d).to(out.dtype)
+            rows = max(1, self.prefill_score_elements // (layer.num_heads * seq_len))
+            for chunk_start in range(start, end, rows):
+                chunk_end = min(end, chunk_start + rows)
+                chunk_len = seq_len - (end - chunk_end)  # the context the chunk's last query sees
+                out[chunk_start:chunk_end] = self._attend_queries(
+                    layer,
+                    q[chunk_start:chunk_end],
+                    meta.block_tables[layer.kv_group][i],
+                    chunk_len,
+                    meta.block_size,
+                    sinks,
+                ).to(out.dtype)
         return out
+
+    @staticmethod
+    def _attend_queries(layer, q, block_table, seq_len: int, bs: int, sinks) -> torch.Tensor:
+        """Consecutive queries q [n_q, heads, d] of one sequence, the last at position seq_len - 1, over its cached
+        keys (causal, the layer's window) -> [n_q, heads, d] fp32."""
+        kvh, d = layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kvh
+        window = layer.sliding_window
+        n_q = q.shape[0]
+        first_q_pos = seq_len - n_q
+        # Keys older than the window are never read (their blocks may already be released).
+        first_k = 0 if window is None else max(0, first_q_pos - window + 1)
+        first_block = first_k // bs
+        n_blocks = (seq_len + bs - 1) // bs
+        blocks = block_table[first_block:n_blocks].long()
+        k_ctx, v_ctx = (
+            dequantize_kv(
+                as_bytes(cache)
+                .index_select(0, blocks)
+                .view(cache.dtype)
+                .reshape(-1, kvh, d)[: seq_len - first_block * bs],
+                kv_scale,
+            )
+            for cache, kv_scale in ((layer.k_cache, layer.k_scale), (layer.v_cache, layer.v_scale))
+        )
+        k_pos = torch.arange(first_block * bs, seq_len, device=q.device)
+        q_pos = torch.arange(first_q_pos, seq_len, device=q.device)
+        qi = q.float().view(n_q, kvh, group, d)
+        scores = torch.einsum("qhgd,khd->hgqk", qi, k_ctx) * layer.scale
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(kvh, group, 1, 1).expand(kvh, group, n_q, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        return torch.einsum("hgqk,khd->qhgd", probs, v_ctx).reshape(n_q, layer.num_heads, d)

@@ -34,6 +34,9 @@ from brisk.kernels.cpu_kernels import MXFP4_DIRECT_MAX_ROWS, CpuKernels
 from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight, set_weight_loader
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
+# Rows of an MXFP4 projection the torch ops dequantize at once into a buffer (FusedMoE._dequantized).
+DEQUANTIZE_ROWS = 256
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss routing: top-k logits, then softmax over those k (in the logits dtype, as HF does)."""
@@ -85,6 +88,10 @@ class TorchMoEBackend(MoEBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # Kept from step to step: where every layer's prompt experts are dequantized (FusedMoE.dequantize_buffer).
+        self.dequantized: torch.Tensor | None = None
+
     def forward(self, layer, hidden, topk_ids, topk_weights):
         kernels = layer.cpu_kernels
         if (
@@ -130,11 +137,12 @@ class TorchMoEBackend(MoEBackend):
         picked = [e for e in range(layer.num_local_experts) if counts[e + 1]]
         if not picked:  # no tokens, or all of them routed to other ranks' experts
             return torch.zeros_like(hidden)
-        gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e] : bounds[e + 1]]) for e in picked])
+        buffer = self.dequantized = layer.dequantize_buffer(hidden.dtype, self.dequantized)
+        gate_up = torch.cat([layer.expert_linear(e, "gate_up", x[bounds[e] : bounds[e + 1]], buffer) for e in picked])
         act = layer.activation(gate_up, layer.gate_up_halves)
         act_bounds = [0, *itertools.accumulate(counts[e + 1] for e in picked)]
         ys = [hidden.new_zeros(counts[0], hidden.shape[1])]  # other ranks' experts contribute nothing here
-        ys += [layer.expert_linear(e, "down", act[a:b]) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
+        ys += [layer.expert_linear(e, "down", act[a:b], buffer) for e, a, b in zip(picked, act_bounds, act_bounds[1:])]
         y = torch.empty_like(x)
         y[order] = torch.cat(ys).to(y.dtype)  # back to (token, k) order
         return (y.view(t, k, -1) * topk_weights[..., None].to(y.dtype)).sum(dim=1)
@@ -265,15 +273,42 @@ class FusedMoE(nn.Module):
             return self.down_proj_blocks[expert], self.down_proj_scales[expert]
         return self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert]
 
-    def _dequantized(self, expert: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound, else torch ops."""
+    def _dequantized(
+        self, expert: int, which: str, dtype: torch.dtype, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One MXFP4 projection in `dtype`: one C pass where brisk's CPU kernels are bound, else torch ops; into
+        `buffer` (a view of it) if given, the torch ops then DEQUANTIZE_ROWS rows at a time (their fp32 and int64
+        temporaries are ~12x the result's bytes)."""
         blocks, scales = self._mxfp4(expert, which)
         if self.cpu_kernels is not None and blocks.device.type == "cpu":
-            return self.cpu_kernels.dequantize_mxfp4(blocks, scales, dtype)
-        return dequantize_mxfp4(blocks, scales, dtype)
+            return self.cpu_kernels.dequantize_mxfp4(blocks, scales, dtype, buffer)
+        if buffer is None:
+            return dequantize_mxfp4(blocks, scales, dtype)
+        out = buffer[: blocks.numel() * 2].view(*scales.shape[:-1], -1)
+        for row in range(0, out.shape[0], DEQUANTIZE_ROWS):
+            rows = slice(row, row + DEQUANTIZE_ROWS)
+            out[rows] = dequantize_mxfp4(blocks[rows], scales[rows], dtype)
+        return out
 
-    def expert_linear(self, expert: int, which: str, x: torch.Tensor) -> torch.Tensor:
-        """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]."""
+    def dequantize_buffer(self, dtype: torch.dtype, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a prompt's MXFP4 experts are dequantized one after the other on a CPU: `buffer` if it holds the
+        biggest projection in `dtype`, else a new one (None for other experts and devices). One buffer for all of
+        them, because the C heap keeps what a step frees (host.py): a new [2I, H] weight per expert, each freed
+        around the small outputs kept beside it, left a hole of 33 MB per expert and layer in gpt-oss-20b's heap,
+        ~1 GB of resident memory after a 512-token prompt (docs/performance.md)."""
+        blocks = self.gate_up_proj_blocks if self.quantization == "mxfp4" else None
+        if blocks is None or blocks.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        size = 2 * self.intermediate_size * self.hidden_size
+        if buffer is not None and buffer.dtype == dtype and buffer.numel() >= size:
+            return buffer
+        return torch.empty(size, dtype=dtype)
+
+    def expert_linear(
+        self, expert: int, which: str, x: torch.Tensor, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One expert's gate_up (with bias) or down projection (bias on moe_tp_rank 0) of x [n, in]; `buffer`: see
+        dequantize_buffer."""
         down = which == "down"
         if down:
             bias = self.down_proj_bias[expert] if self.moe_tp_rank == 0 else None
@@ -291,7 +326,7 @@ class FusedMoE(nn.Module):
                 and kernels.mxfp4_linear_accepts(x, blocks, bias)
             ):
                 return kernels.mxfp4_linear(x, blocks, scales, bias)
-            return F.linear(x, self._dequantized(expert, which, x.dtype), bias)
+            return F.linear(x, self._dequantized(expert, which, x.dtype, buffer), bias)
         return F.linear(x, self.expert_weights(expert, x.dtype)[down], bias)
 
     def activation(self, gate_up: torch.Tensor, halves: bool) -> torch.Tensor:

@@ -104,9 +104,22 @@ class KVTensorLayout:
             f"stored as {dtypes}; {per_gib:,} tokens per GiB ({ratio:.2f}x the model dtype's)"
         )
 
-    def most_useful_blocks(self, max_seq_len: int, max_batch_size: int) -> int:
-        """More blocks than a full batch of max-length requests could ever hold is wasted memory."""
-        return len(self.groups) * cdiv(max_seq_len, self.block_size) * max_batch_size + 1
+    def most_useful_blocks(self, max_seq_len: int, max_batch_size: int, max_num_tokens: int) -> int:
+        """More blocks than a full batch of max-length requests could ever hold is wasted memory. A full-attention
+        group holds every token; a sliding group only its window behind each request (the KV manager releases the
+        rest after each step) plus the step's new tokens, at most max_num_tokens over the batch: per request at
+        most cdiv(window - 1 + new, block_size) + 1 blocks. gpt-oss-20b at batch 4, 4,096 tokens: 280 blocks for
+        its sliding half instead of 512 (0.18 GB)."""
+        bs, batch = self.block_size, max_batch_size
+        per_request = cdiv(max_seq_len, bs)
+        blocks = 1  # the null block
+        for group in self.groups:
+            window = group.sliding_window
+            if window is None:
+                blocks += per_request * batch
+            else:
+                blocks += min((per_request + 1) * batch, cdiv(batch * (window - 1) + max_num_tokens, bs) + 2 * batch)
+        return blocks
 
 
 def num_kv_blocks_in_budget(
@@ -121,7 +134,7 @@ def num_kv_blocks_in_budget(
         budget = free * config.memory_fraction
     else:
         budget = min(available_host_memory() * config.memory_fraction, CPU_KV_CACHE_CAP_BYTES)
-    useful = layout.most_useful_blocks(max_seq_len, config.max_batch_size)
+    useful = layout.most_useful_blocks(max_seq_len, config.max_batch_size, config.max_num_tokens)
     return max(2, min(int(budget // layout.bytes_per_block), useful))
 
 

@@ -144,4 +144,5 @@ def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
         max_num_tokens=config.max_num_tokens,
     )
     log_plan(plan)
-    return min(plan.num_blocks, runner.kv_layout.most_useful_blocks(runner.max_seq_len, config.max_batch_size))
+    useful = runner.kv_layout.most_useful_blocks(runner.max_seq_len, config.max_batch_size, config.max_num_tokens)
+    return min(plan.num_blocks, useful)
