@@ -81,6 +81,25 @@ class TokenBytes:
         return token.encode()
 
 
+class BytesToText:
+    """The text of a byte-level tokenizer's tokens as they come: each id's bytes (TokenBytes) through one incremental
+    UTF-8 decoder, which holds an incomplete character back until its last byte arrives. Shared by the
+    detokenizer and the harmony parser's message bodies."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        token_bytes = self._token_bytes
+        data = token_bytes(token_ids[0]) if len(token_ids) == 1 else b"".join(map(token_bytes, token_ids))
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        """The bytes still held, as U+FFFD; the decoder starts afresh."""
+        return self._utf8.decode(b"", final=True)
+
+
 class TokenDecoder:
     """`ids -> text` of one tokenizer with one skip_special_tokens setting, shared by the detokenizers of a front
     end. Single tokens' texts are cached: past its first step a request's decoding window is its last emitted
@@ -133,9 +152,9 @@ class IncrementalDetokenizer:
         # A byte-level tokenizer's tokens are decoded by their bytes (see the module's docstring), unless the prompt
         # ends inside a character: then the window keeps that character's first bytes with the output's.
         token_bytes = self.decoder.token_bytes
-        self._by_bytes: tuple[TokenBytes, codecs.IncrementalDecoder] | None = None
+        self._by_bytes: BytesToText | None = None
         if token_bytes is not None and not self._prefix_text.endswith(REPLACEMENT_CHAR):
-            self._by_bytes = (token_bytes, codecs.getincrementaldecoder("utf-8")("replace"))
+            self._by_bytes = BytesToText(token_bytes)
 
         self.output_token_ids: list[int] = []
         # The text so far is "".join(_emitted) + _unsent: what was returned as deltas, and what was decoded but
@@ -157,7 +176,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return DetokenizerUpdate("")
         if self._by_bytes is not None:
-            return self._update_by_bytes(*self._by_bytes, new_token_ids)
+            return self._update_by_bytes(self._by_bytes, new_token_ids)
         for token_id in new_token_ids:
             self.output_token_ids.append(token_id)
             self._token_ids.append(token_id)
@@ -165,22 +184,16 @@ class IncrementalDetokenizer:
                 return DetokenizerUpdate(self._take_delta(hold_back=0), self.stop_reason)
         return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
 
-    def _update_by_bytes(
-        self, token_bytes: TokenBytes, utf8: codecs.IncrementalDecoder, new_token_ids: Sequence[int]
-    ) -> DetokenizerUpdate:
-        decode = utf8.decode
+    def _update_by_bytes(self, by_bytes: BytesToText, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         if not self._stops:  # nothing to search or hold back: the new bytes' text is the delta (the common case)
             self.output_token_ids += new_token_ids
-            data = (
-                token_bytes(new_token_ids[0]) if len(new_token_ids) == 1 else b"".join(map(token_bytes, new_token_ids))
-            )
-            text = decode(data)
+            text = by_bytes.add(new_token_ids)
             if text:
                 self._emitted.append(text)
             return DetokenizerUpdate(text)
         for token_id in new_token_ids:
             self.output_token_ids.append(token_id)
-            text = decode(token_bytes(token_id))
+            text = by_bytes.add((token_id,))
             if text and self._add_text(text):
                 return DetokenizerUpdate(self._take_delta(hold_back=0), self.stop_reason)
         return DetokenizerUpdate(self._take_delta(hold_back=self._possible_stop_start_len()))
@@ -190,7 +203,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         if self._by_bytes is not None:
-            self._add_text(self._by_bytes[1].decode(b"", final=True))
+            self._add_text(self._by_bytes.flush())
         else:
             window_text = self.decoder.decode(self._token_ids)
             self._add_text(window_text[len(self._prefix_text) :])

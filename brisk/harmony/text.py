@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Callable, Sequence
+
+from brisk.detokenizer import BytesToText
 
 # What byte-level decoders put in place of an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
@@ -24,9 +25,7 @@ class IncrementalText:
         self, decode: Callable[[Sequence[int]], str], token_bytes: Callable[[int], bytes] | None = None
     ) -> None:
         self._decode = decode
-        self._by_bytes: tuple[Callable[[int], bytes], codecs.IncrementalDecoder] | None = None
-        if token_bytes is not None:
-            self._by_bytes = (token_bytes, codecs.getincrementaldecoder("utf-8")("replace"))
+        self._by_bytes = BytesToText(token_bytes) if token_bytes is not None else None
         # The decoding window: _ids[:_read_offset] (whose text, _prefix_text, is out already) and the ids after.
         self._ids: list[int] = []
         self._read_offset = 0
@@ -35,8 +34,7 @@ class IncrementalText:
     def add(self, token_id: int) -> str:
         """Append a token; return the text it completed ("" while a character is incomplete)."""
         if self._by_bytes is not None:
-            token_bytes, utf8 = self._by_bytes
-            return utf8.decode(token_bytes(token_id))
+            return self._by_bytes.add((token_id,))
         self._ids.append(token_id)
         window_text = self._decode(self._ids)
         if len(window_text) <= len(self._prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
@@ -51,7 +49,7 @@ class IncrementalText:
     def flush(self) -> str:
         """The text still held back (incomplete characters as U+FFFD); the sequence is finished."""
         if self._by_bytes is not None:
-            return self._by_bytes[1].decode(b"", final=True)
+            return self._by_bytes.flush()
         new_text = self._decode(self._ids)[len(self._prefix_text) :]
         self._ids, self._read_offset, self._prefix_text = [], 0, ""
         return new_text
