@@ -299,7 +299,8 @@ class ServerMetrics:
             ["method", "path", "status"],
             registry=r,
         )
-        self._last_totals: dict[str, int] = {}  # the engine's running totals as last seen, by counter
+        # the engine's running totals as last seen, by counter child (the key of _children)
+        self._last_totals: dict[tuple[int, tuple[str, ...]], int] = {}
         # Called with each finished request's timing (traces, the JSON request log).
         self.request_listeners: list[Callable[[RequestTiming], None]] = []
         # (id(metric), further labels) -> its child labelled with this model's name and those
@@ -361,27 +362,28 @@ class ServerMetrics:
             self._labelled(self.kv_usage_by_rank, str(rank)).set(usage)
         self._labelled(self.host_usage).set(stats.host_usage)
         # The engine reports running totals; the counters advance by what is new since the last message.
-        for key, total, counter, label in (
-            ("queries", stats.prefix_queries, self.prefix_queries, None),
-            ("hits", stats.prefix_hits, self.prefix_hits, None),
-            ("preemptions", stats.num_preemptions, self.preemptions, None),
-            ("drafts", stats.spec_num_drafts, self.spec_drafts, None),
-            ("draft_tokens", stats.spec_num_draft_tokens, self.spec_draft_tokens, None),
-            ("accepted", stats.spec_num_accepted_tokens, self.spec_accepted_tokens, None),
-            ("host_queries", stats.host_queries, self.host_queries, None),
-            ("host_hits", stats.host_hits, self.host_hits, None),
-            ("host_bytes_to_host", stats.host_bytes_to_host, self.host_bytes, "to_host"),
-            ("host_bytes_to_device", stats.host_bytes_to_device, self.host_bytes, "to_device"),
+        for total, counter, labels in (
+            (stats.prefix_queries, self.prefix_queries, ()),
+            (stats.prefix_hits, self.prefix_hits, ()),
+            (stats.num_preemptions, self.preemptions, ()),
+            (stats.spec_num_drafts, self.spec_drafts, ()),
+            (stats.spec_num_draft_tokens, self.spec_draft_tokens, ()),
+            (stats.spec_num_accepted_tokens, self.spec_accepted_tokens, ()),
+            (stats.host_queries, self.host_queries, ()),
+            (stats.host_hits, self.host_hits, ()),
+            (stats.host_bytes_to_host, self.host_bytes, ("to_host",)),
+            (stats.host_bytes_to_device, self.host_bytes, ("to_device",)),
         ):
-            self._advance(key, total, counter, label)
+            self._advance(total, counter, *labels)
         for pos, total in enumerate(stats.spec_accepted_per_pos):
-            self._advance(f"accepted_pos_{pos}", total, self.spec_accepted_per_pos, str(pos))
+            self._advance(total, self.spec_accepted_per_pos, str(pos))
 
-    def _advance(self, key: str, total: int, counter: Any, label: str | None) -> None:
+    def _advance(self, total: int, counter: Any, *labels: str) -> None:
+        """Advance the counter's child to the engine's running `total` (never back)."""
+        key = (id(counter), labels)
         last = self._last_totals.get(key, 0)
         if total > last:
-            child = self._labelled(counter) if label is None else self._labelled(counter, label)
-            child.inc(total - last)
+            self._labelled(counter, *labels).inc(total - last)
             self._last_totals[key] = total
 
     def observe_client(self, num_in_flight: int, num_coalesced_deltas: int) -> None:
