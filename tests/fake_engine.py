@@ -143,9 +143,9 @@ class FakeEngine:
         return result
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        for t in self.sched.update_from_output(out, result):
-            if t.finished:
-                self.finished.append(t.request)
+        for request, _, finished, _ in self.sched.update_from_output(out, result):
+            if finished:
+                self.finished.append(request)
         self.kv.check_invariants()
 
     def step(self) -> SchedulerOutput:

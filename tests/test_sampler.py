@@ -357,18 +357,32 @@ def test_overflowing_logit_biases_still_give_tokens_of_the_vocabulary() -> None:
     assert 0 <= out.token_ids[1] < 20
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (5, 4096), (3, 201088), (4, 100)], ids=str)
-def test_blocked_argmax_is_torch_argmax(shape):
-    """The CPU argmax by blocks picks the first maximum, as torch.argmax does: ties, -inf rows, NaN, any width."""
+@pytest.mark.parametrize("shape", [(1, 64), (5, 4096), (3, 201088), (4, 100), (70, 37), (9, 7)], ids=str)
+def test_greedy_argmax_is_torch_max(shape, sampler_kind):
+    """The CPU argmax (the C kernel of each build; torch's by blocks) gives torch.max's pair: the first maximum
+    (ties), NaN the max (its first one), +inf and -inf as numbers, -0.0 equal to 0.0, any width: vector tails, rows
+    shorter than a vector, enough rows for the kernel's threads."""
     from brisk.model_runner.sampler import row_max_and_argmax
 
     g = torch.Generator().manual_seed(0)
-    logits = torch.randint(0, 5, shape, generator=g).float()  # many ties
-    if shape[0] > 2:
+    logits = torch.randint(-2, 3, shape, generator=g).float()  # many ties
+    last = shape[1] - 1
+    if shape[0] > 3:
         logits[1] = float("-inf")
         logits[2, shape[1] // 2] = float("nan")
-    values, ids = row_max_and_argmax(logits)
-    assert torch.equal(ids, logits.argmax(dim=-1))
-    expected = logits.amax(dim=-1)
-    assert torch.equal(values.isnan(), expected.isnan())
-    assert torch.equal(values[~expected.isnan()], expected[~expected.isnan()])
+        logits[2, last] = float("nan")
+        logits[3, last] = float("inf")  # in the tail of a width that is not a multiple of the vector
+    if shape[0] > 5:
+        logits[4] = -0.0
+        logits[4, last] = 0.0
+        logits[5, :] = float("-inf")
+        logits[5, last] = -1e30
+    for strided in (False, True):  # a row stride wider than the row (a view of a wider buffer)
+        x = torch.cat([logits, torch.zeros(shape[0], 3)], dim=1)[:, : shape[1]] if strided else logits
+        values, ids = row_max_and_argmax(x, SAMPLER.cpu_kernels)
+        expected_values, expected_ids = logits.max(dim=-1)
+        assert torch.equal(ids, expected_ids)
+        assert torch.equal(values.isnan(), expected_values.isnan())
+        finite = ~expected_values.isnan()
+        assert torch.equal(values[finite], expected_values[finite])
+        assert torch.equal(values[finite].signbit(), expected_values[finite].signbit())

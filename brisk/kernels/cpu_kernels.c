@@ -20,6 +20,7 @@
  * brisk_moe_experts: gpt-oss's experts for a decode step's tokens in one call (sort by expert, matmuls, activation,
  * weighted sum).
  * brisk_sample_rows: one random token per row of logits by inverse transform (one uniform draw per row).
+ * brisk_row_max_argmax: each row's max and the index of its first max (greedy decoding), as torch.max(dim=-1).
  * brisk_apply_token_bitmask: structured outputs' mask, -inf where a row's grammar bitmask forbids the token.
  * brisk_vector_bits: 512 or 256, the build's instruction set (cpu_kernels.py checks it is the one asked for).
  *
@@ -982,5 +983,68 @@ void brisk_sample_rows(const float *logits, int64_t stride, int B, int V, const 
         /* No weighted token in the chunk (the target beyond its rounded sum, at its edge): the most likely token. */
         out[r] = token >= 0 ? token : argmax;
         free(chunk_sums);
+    }
+}
+
+/* Greedy decoding's pick, the same (value, index) as torch.max(dim=-1): the first NaN where a row has one, else
+ * the row's max (+inf and -inf compare as numbers) and its first index. torch's argmax walks the row element by
+ * element (~4.5 ns each on one core); here one vector pass takes the max and checks for NaN, in integer lanes
+ * because -ffast-math may fold float NaN tests, and a second pass over the row, still in cache, finds the first
+ * element equal to it: the pair costs about one read of the logits. */
+static inline int is_nan_bits(float x) { return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static int64_t row_argmax(const float *x, int V) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf_bits = _mm256_set1_epi32(0x7F800000);
+    const __m256 minus_inf = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFF800000u));
+    __m256 m0 = minus_inf, m1 = minus_inf, m2 = minus_inf, m3 = minus_inf;
+    __m256i nan = _mm256_setzero_si256();
+#define MAX_AND_NAN(m, at)                                                                                         \
+    {                                                                                                              \
+        const __m256 v = _mm256_loadu_ps(x + (at));                                                                \
+        m = _mm256_max_ps(m, v);                                                                                   \
+        nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), inf_bits)); \
+    }
+    int i = 0;
+    for (; i + 32 <= V; i += 32) {
+        MAX_AND_NAN(m0, i) MAX_AND_NAN(m1, i + 8) MAX_AND_NAN(m2, i + 16) MAX_AND_NAN(m3, i + 24)
+    }
+    for (; i + 8 <= V; i += 8) MAX_AND_NAN(m0, i)
+#undef MAX_AND_NAN
+    float max = hmax256(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    int has_nan = !_mm256_testz_si256(nan, nan);
+    for (; i < V; i++) {
+        has_nan |= is_nan_bits(x[i]);
+        if (x[i] > max) max = x[i];
+    }
+    if (has_nan) {
+        for (int j = 0; j < V; j++)
+            if (is_nan_bits(x[j])) return j;
+    }
+    const __m256 target = _mm256_set1_ps(max);
+    int j = 0;
+    for (; j + 8 <= V; j += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+        if (hits) return j + __builtin_ctz((unsigned)hits);
+    }
+    for (; j < V; j++)
+        if (x[j] == max) break;
+    return j;
+}
+
+void brisk_row_max_argmax(const float *logits, int64_t stride, int B, int V, float *max_out, int64_t *index_out,
+                          int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && B >= 64)
+    for (int r = 0; r < B; r++) {
+        const float *x = logits + (int64_t)r * stride;
+        const int64_t j = index_out[r] = row_argmax(x, V);
+        /* Copied as bytes: -ffast-math may give an equal float (0.0 for -0.0), the row's own bits are the answer. */
+        memcpy(max_out + r, x + j, sizeof(float));
     }
 }

@@ -1,6 +1,6 @@
 """Build and bind brisk's CPU kernels (cpu_kernels.c): paged decode attention, RMSNorm, gpt-oss's and Llama's MLP
 activations, gpt-oss's experts (unquantized or MXFP4), decode-sized matmuls (bf16 / fp32 / MXFP4 weights), MXFP4
-dequantization, random sampling.
+dequantization, random sampling, the greedy argmax.
 
 The source is compiled for one instruction set (`ISA_FLAGS`: "avx512", or "avx2" = AVX2 + FMA) with the system C
 compiler (`cc`, or $CC) into the user's cache (~/.cache/brisk/kernels, $XDG_CACHE_HOME respected), once per
@@ -83,6 +83,7 @@ LINEAR_MAX_ROWS = 64
 MXFP4_DIRECT_MAX_ROWS = 32
 LINEAR_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
 SAMPLE_ARGTYPES = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _i32]
+ROW_MAX_ARGMAX_ARGTYPES = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _i32]
 MOE_ARGTYPES = [
     _ptr,
     _i64,
@@ -162,6 +163,7 @@ class CpuKernels:
     mxfp4_linear_fn: Callable[..., None]
     mxfp4_dequantize_fn: Callable[..., None]
     moe_mxfp4_fn: Callable[..., None]
+    row_max_argmax_fn: Callable[..., None]
     # The 256 FP8 E4M3 codes as fp32, decoded by torch: the attention kernel reads an FP8 KV cache through it.
     fp8_table: torch.Tensor = field(default_factory=fp8_e4m3_table)
 
@@ -551,6 +553,23 @@ class CpuKernels:
         )
         return out
 
+    def row_max_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max [B] fp32, index of the first max [B] int64) of each row of logits [B, V], V > 0 (see
+        `sample_accepts`): torch.max(dim=-1)'s pair, a NaN counting as the max."""
+        num_rows, width = logits.shape
+        values = torch.empty(num_rows, dtype=torch.float32)
+        indices = torch.empty(num_rows, dtype=torch.int64)
+        self.row_max_argmax_fn(
+            logits.data_ptr(),
+            logits.stride(0),
+            num_rows,
+            width,
+            values.data_ptr(),
+            indices.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return values, indices
+
 
 def load_cpu_kernels(choice: str = "auto", extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
     """The kernels for the config field `cpu_kernels` (auto, avx512, avx2 or torch), or None where the PyTorch ops
@@ -596,6 +615,7 @@ def _bind(isa: str, path: Path) -> CpuKernels | None:
         ("brisk_mxfp4_linear", MXFP4_LINEAR_ARGTYPES),
         ("brisk_mxfp4_dequantize", MXFP4_DEQUANTIZE_ARGTYPES),
         ("brisk_moe_experts_mxfp4", MOE_MXFP4_ARGTYPES),
+        ("brisk_row_max_argmax", ROW_MAX_ARGMAX_ARGTYPES),
     ):
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None

@@ -181,7 +181,9 @@ class ModelRunner:
             if mine_rows or self.drafter.needs_every_step:  # it records the tokens (history too) and rolls back
                 drafts = self.drafter.record_and_propose(step, hidden, sched.sampled_req_ids, mine_rows)
         extras = self._extras_of_every_rank(scheds, RankExtras(logprobs, drafts, mine_prompt_logprobs))
-        result = StepResult(scheds, packed, self.k, p.dp_rank, extras, self.states, host)
+        result = StepResult(
+            scheds, packed, self.k, p.dp_rank, extras, self.states, host, self.batch.num_needs_history > 0
+        )
         self._previous = result
         return result
 

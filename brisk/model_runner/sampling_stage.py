@@ -90,7 +90,7 @@ class SamplingStage:
     def _sample(self, logits: torch.Tensor, step: StepBatch, batch: InputBatch) -> Picked:
         sampling = self._sampling_batch(step, batch, logits.shape[-1])
         if sampling.plain_greedy:  # one pass over the logits finds both
-            row_max, token_ids = row_max_and_argmax(logits)
+            row_max, token_ids = row_max_and_argmax(logits, self.sampler.cpu_kernels)
             raw_logprobs, bad = None, ~torch.isfinite(row_max)
         else:
             bad = ~torch.isfinite(logits.amax(dim=-1))

@@ -87,8 +87,10 @@ class StepResult:
         extras: list[RankExtras] | None,
         states: dict[str, RequestState],
         host: list[list[int]] | None = None,
+        any_needs_history: bool = True,
     ) -> None:
-        """host: the packed rows already on the host (speculation: the drafter recorded them, history too)."""
+        """host: the packed rows already on the host (speculation: the drafter recorded them, history too).
+        any_needs_history: False when no request of the batch samples with its history (nothing to record)."""
         self._scheds = scheds
         self._packed = packed
         self._k = max_draft_len
@@ -96,7 +98,7 @@ class StepResult:
         self._extras = extras  # per DP rank, on rank 0 (None elsewhere)
         self._states = states
         self._host = host
-        self._history_recorded = host is not None
+        self._history_recorded = host is not None or not any_needs_history
         self._outputs: list[ModelRunnerOutput] | None = None
 
     def to_host(self) -> list[list[int]]:

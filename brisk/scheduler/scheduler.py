@@ -25,7 +25,6 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from brisk.kv_cache.manager import KVCacheManager, PrefixHit
 from brisk.scheduler.output import (
@@ -41,13 +40,10 @@ from brisk.scheduler.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-class TokenOutput(NamedTuple):
-    """What one step produced for one request (the engine adds logprobs from `row` of the runner output)."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-    row: int = -1
+# What one step produced for one request: (request, new token ids, finished, row of the runner output whose logprobs
+# are its, -1 for none). A plain tuple, not a NamedTuple: built for every running request every step, and a
+# NamedTuple's constructor costs ~0.2 us more (0.13 ms of a 640-request step).
+TokenOutput = tuple[Request, list[int], bool, int]
 
 
 @dataclass(frozen=True)
@@ -357,7 +353,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[TokenOutput]:
         """Take a step's sampled tokens: append each to its request, check stops, index newly full blocks."""
-        results = []
+        results: list[TokenOutput] = []
         requests = self.requests
         kv = self.kv
         if kv.enable_prefix_caching:
@@ -403,17 +399,17 @@ class Scheduler:
                 self._finish(req, FinishReason.STOP)
             elif drafts_out is not None:
                 req.spec_token_ids = drafts_out[row]
-            results.append(TokenOutput(req, tokens, done, row))
+            results.append((req, tokens, done, row))
         for rid in sched.prefill_done_req_ids:
             req = requests.get(rid)
             if req is not None:
                 self._finish(req, FinishReason.LENGTH)
-                results.append(TokenOutput(req, [], True))
+                results.append((req, [], True, -1))
         for rid in output.failed_req_ids:
             req = requests.get(rid)
             if req is not None:
                 # Its token is dropped and its (suspect) KV blocks are not cached.
                 req.num_placeholders -= 1
                 self._finish(req, FinishReason.ERROR)
-                results.append(TokenOutput(req, [], True))
+                results.append((req, [], True, -1))
         return results
