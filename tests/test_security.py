@@ -383,3 +383,45 @@ def test_requests_are_refused_from_the_moment_sigterm_arrives():
     r = http.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert http.get("/health").status_code == 503
+
+
+def test_a_draining_server_reads_the_request_body_before_its_503_and_close():
+    # The 503 carries `connection: close`; a socket closed with request bytes still unread is reset by the kernel,
+    # which drops the answer not yet sent: the client saw a broken connection (httpx.ReadError) instead of the 503.
+    state = fake_state()
+    state.draining = True
+    app = build_app(state)
+    events: list[str] = []
+    body = [b'{"prompt": ', b'"x"}']
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"15")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def receive():
+        if body:
+            chunk = body.pop(0)
+            events.append("body")
+            return {"type": "http.request", "body": chunk, "more_body": bool(body)}
+        events.append("waited past the body")
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message):
+        events.append(message["type"])
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert events == ["body", "body", "http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 503 and (b"connection", b"close") in sent[0]["headers"]

@@ -67,6 +67,13 @@ class GuardMiddleware:
         state, path = self.state, scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if state.draining and path not in UNAUTHENTICATED_PATHS:
+            # The body is read first (up to the size limit): a socket closed with request bytes still unread is
+            # reset by the kernel, which drops the 503 not yet sent with it, and the client sees a broken
+            # connection instead of the answer.
+            try:
+                await _read_body(receive, state.max_request_body_size)
+            except RequestBodyTooLarge:
+                pass
             await _respond(send, 503, "The server is shutting down.", "shutting_down", {"connection": "close"})
             return
         if (
