@@ -2,7 +2,8 @@
 
     python benchmarks/bench_host_tier.py [--model PATH] [--conversations 16] [--turns 8] [--first-len 256]
                                          [--user-len 64] [--output-len 32] [--max-batch-size 4]
-                                         [--pool-fraction 0.25] [--host-cache-mib 256] [--out bench_results/host_tier.json]
+                                         [--pool-fraction 0.25] [--host-cache-mib 256] [--load-format auto|dummy]
+                                         [--out bench_results/host_tier.json]
 
 Conversations resend their growing history every turn (the previous prompt, the model's answer, a new user
 message: token ids, greedy, fixed answer length), all conversations of a turn submitted at once. The device KV pool
@@ -84,13 +85,14 @@ def main() -> None:
     parser.add_argument("--pool-fraction", type=float, default=0.25)
     parser.add_argument("--host-cache-mib", type=float, default=256)
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights of the model's config")
     parser.add_argument("--out", default="bench_results/host_tier.json")
     args = parser.parse_args()
 
     final_len = args.first_len + args.turns * (args.user_len + args.output_len)
     # Blocks of the last turn's history; a sliding-window group holds only its window, so this overcounts a little
     # (full-attention blocks per conversation, twice for a model with two groups, is the bound used).
-    probe = LLM(args.model, max_seq_len=final_len + 8, kv_cache_config={"max_blocks": 8})
+    probe = LLM(args.model, max_seq_len=final_len + 8, kv_cache_config={"max_blocks": 8}, load_format=args.load_format)
     groups = len(probe.engine.kv.groups)
     vocab = probe.engine.model_config.vocab_size
     probe.shutdown()
@@ -99,6 +101,7 @@ def main() -> None:
     pool = max(int(history_blocks * args.pool_fraction), per_conversation * args.max_batch_size + 1)
     common = dict(
         max_seq_len=final_len + 8,
+        load_format=args.load_format,
         max_batch_size=args.max_batch_size,
         kv_cache_config={"max_blocks": pool, "tokens_per_block": args.block_size},
     )

@@ -3,12 +3,16 @@
     python benchmarks/gpu_suite.py --out DIR                 # on a GPU: the quick plan, at most 8 minutes on one H100
     python benchmarks/gpu_suite.py --out DIR --quick --smoke # the quick plan on a CPU at toy sizes, under 2 minutes
     python benchmarks/gpu_suite.py --out DIR --steps e2e,served_120b      # some of the quick plan's steps
+    python benchmarks/gpu_suite.py --out DIR --steps env,kv_fp8           # bf16 vs FP8 KV on dummy 120b (7 min)
+    python benchmarks/gpu_suite.py --out DIR --steps host_tier            # the host KV tier on dummy 20b
     python benchmarks/gpu_suite.py --out DIR --phases a,b,c,d,e          # the long phases, about 25 minutes
     python benchmarks/gpu_suite.py --out DIR --smoke         # the long phases on a CPU, toy sizes, under 3 minutes
 
 The quick plan (benchmarks/suite_quick.py; the default where nvidia-smi is found and no phases are named): env,
 kernels, e2e, speed_120b, served_120b, then speed_20b with whatever the 8-minute window has left. Its budgets are
-printed up front. --work DIR keeps models, logs and raw results out of --out, which then holds report.md,
+printed up front. Two steps run only when named (a window's second command): `kv_fp8` (dummy gpt-oss-120b with bf16
+KV, then FP8 KV, decode at 16 x 8k context and the largest throughput point each pool holds, side by side) and
+`host_tier` (benchmarks/bench_host_tier.py on dummy gpt-oss-20b, without and with the host KV tier). --work DIR keeps models, logs and raw results out of --out, which then holds report.md,
 report.json and logs.tar.gz only (benchmarks/gpu_window.sh does so for a lent GPU's $OUT).
 
 Long phases (each a subprocess with its own time budget, as every quick step is: one that overruns is stopped,
@@ -151,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for report.json and report.md (and logs.tar.gz with --work)")
     p.add_argument("--work", help="folder for models, logs and raw results (default: --out)")
     p.add_argument("--quick", action="store_true", help="the quick plan (the default where a GPU is found)")
-    p.add_argument("--steps", help=f"a subset of the quick plan: {','.join(suite_quick.STEP_NAMES)}")
+    p.add_argument(
+        "--steps",
+        help=f"steps of the quick plan ({','.join(suite_quick.PLAN_STEP_NAMES)}) or run by name only "
+        f"({','.join(n for n in suite_quick.STEP_NAMES if n not in suite_quick.PLAN_STEP_NAMES)})",
+    )
     p.add_argument("--phases", help="comma-separated subset of the long phases a-e (f, the report, always runs)")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the pipeline, measures nothing")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every time budget (and the window)")
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if quick and args.phases:
         p.error("--phases names long phases; the quick plan's are --steps")
     if quick:
-        names = [x.strip() for x in (args.steps or ",".join(suite_quick.STEP_NAMES)).split(",") if x.strip()]
+        names = [x.strip() for x in (args.steps or ",".join(suite_quick.PLAN_STEP_NAMES)).split(",") if x.strip()]
         choices = suite_quick.STEP_NAMES
     else:
         names = [x.strip() for x in (args.phases or "a,b,c,d,e").split(",") if x.strip() and x.strip() != "f"]

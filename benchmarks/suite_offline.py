@@ -15,8 +15,11 @@ Triton kernels were compiled (or loaded from Triton's disk cache) in how long, i
 
 Latency, batch B: B random prompts of --input-len tokens, each generating --output-len tokens (greedy, EOS
 ignored); the same with one output token times the prefill. tokens/s/user = (output_len - 1) / (total - prefill).
+Long context (--long-context L): one decode row at --long-batch sequences of L-token prompts, where reading the KV
+is a large part of a step (FP8 KV against bf16: the kv_fp8 step of the quick plan runs both).
 Throughput: the largest batch the KV pool holds at --throughput-len in and out (a request's peak: all its tokens
 in full-attention layers, the window plus its prompt in sliding ones), all at once; output tokens / time.
+--kv-cache-dtype (auto, fp8, ...: brisk's option) picks the KV storage; the meta records what it stored.
 Roofline: the bytes one decode step must read at batch B (`step_bytes`: the dense weights, the experts the batch
 touches in MXFP4, the LM head, the KV of every sequence) over the measured copy bandwidth (phase a) gives the
 fastest possible step; the fraction is that over the measured step.
@@ -33,11 +36,12 @@ import time
 from typing import Any
 
 MXFP4_BYTES_PER_WEIGHT = 4.25 / 8  # 4-bit values plus one 8-bit scale per 32
-KV_BYTES = 2  # bf16 cache
+KV_BYTES = 2  # bf16 cache; FP8 KV: 1
 
 
-def step_bytes(config: dict[str, Any], batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step of `batch` sequences, each `context` tokens long, must read from GPU memory."""
+def step_bytes(config: dict[str, Any], batch: int, context: int, kv_bytes: float = KV_BYTES) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences, each `context` tokens long, must read from GPU memory, with
+    `kv_bytes` bytes a KV element."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     experts, k, inter = config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]
@@ -50,7 +54,7 @@ def step_bytes(config: dict[str, Any], batch: int, context: int) -> dict[str, fl
     expert_weights = 3 * inter * h  # gate_up (2I x H) and down (H x I)
     per_expert = expert_weights * (MXFP4_BYTES_PER_WEIGHT if mxfp4 else 2) + 2 * (2 * inter + h)
     touched = experts * (1 - (1 - k / experts) ** batch)  # expected distinct experts per layer, uniform routing
-    kv_per_token_layer = 2 * kv_heads * hd * KV_BYTES
+    kv_per_token_layer = 2 * kv_heads * hd * kv_bytes
     types = config.get("layer_types") or ["full_attention"] * layers
     kv = sum(batch * (context if t == "full_attention" else min(context, window or context)) for t in types)
     parts = {
@@ -166,15 +170,29 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
         args.out, model=args.model, engine="brisk", device=_device_name(torch), bandwidth_gbps=args.bandwidth_gbps
     )
     options: dict[str, Any] = dict(
-        load_format="dummy", max_batch_size=args.max_batch, kv_cache_config={"enable_block_reuse": False}
+        load_format="dummy",
+        max_batch_size=args.max_batch,
+        kv_cache_config={"enable_block_reuse": False},
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.max_num_tokens:
         options["max_num_tokens"] = args.max_num_tokens
+    if args.kv_cache_bytes:
+        options["kv_cache_config"]["max_gpu_total_bytes"] = args.kv_cache_bytes
     if args.graph_sizes and cuda:  # on a CPU an explicit graph config would run padded buffers, not graphs
         options["cuda_graph_config"] = {"batch_sizes": args.graph_sizes}
     load_s, llm = timed(lambda: LLM(model_dir, **options))
     runner = llm.engine.executor.runner
-    res.data["meta"].update(load_s=load_s, num_kv_blocks=runner.num_blocks, block_size=runner.block_size)
+    kv_dtype = runner.kv_layout.kv_dtypes[0]  # one storage dtype for every group (kv_tensors.py)
+    kv_bytes = kv_dtype.itemsize
+    res.data["meta"].update(
+        load_s=load_s,
+        num_kv_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_stored_as=str(kv_dtype).removeprefix("torch."),
+        kv_tokens=runner.num_blocks * runner.block_size,
+    )
     for row in startup_rows(imports_s, load_s, runner, compiles, cuda):
         res.add("startup", row)
     rng = random.Random(0)
@@ -190,34 +208,43 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     generate(random_prompts(2, 16, vocab, rng), 4)  # warm-up: kernel compilation, allocator
     # What the throughput point and the profile need of the step's time: the latency rows stop before it.
     reserve = 0.45 * args.time_budget if args.time_budget else 0.0
-    for batch in args.batches:
-        if left() < reserve:
-            res.note(f"latency at batch {batch} not run: the step's time was kept for the throughput point")
-            continue
+
+    def latency_row(batch: int, input_len: int, output_len: int) -> dict[str, Any]:
         generate(random_prompts(batch, 16, vocab, rng), 2)  # this batch size's first launches
-        prefill_s, _ = timed(lambda b=batch: generate(random_prompts(b, args.input_len, vocab, rng), 1))
-        total_s, outs = timed(lambda b=batch: generate(random_prompts(b, args.input_len, vocab, rng), args.output_len))
+        prefill_s, _ = timed(lambda: generate(random_prompts(batch, input_len, vocab, rng), 1))
+        total_s, outs = timed(lambda: generate(random_prompts(batch, input_len, vocab, rng), output_len))
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         decode_s = total_s - prefill_s
         if decode_s < 0.25 * total_s:  # noise on a busy or tiny run swamped the difference: the whole run bounds it
             decode_s = total_s
-        per_user = (args.output_len - 1) / decode_s
-        bytes_ = step_bytes(config, batch, args.input_len + args.output_len // 2)["total"]
+        per_user = (output_len - 1) / decode_s
+        bytes_ = step_bytes(config, batch, input_len + output_len // 2, kv_bytes)["total"]
         row = dict(
             batch=batch,
-            input_len=args.input_len,
-            output_len=args.output_len,
+            input_len=input_len,
+            output_len=output_len,
             total_s=total_s,
             prefill_s=prefill_s,
             tok_s_user=per_user,
             output_tok_s=produced / total_s,
             step_gb=bytes_ / 1e9,
         )
-        _flag_short_outputs(row, produced, batch * args.output_len)
+        _flag_short_outputs(row, produced, batch * output_len)
         if args.bandwidth_gbps:
             roofline = args.bandwidth_gbps * 1e9 / bytes_
             row.update(roofline_tok_s_user=roofline, roofline_fraction=per_user / roofline)
-        res.add("latency", row)
+        return row
+
+    for batch in args.batches:
+        if left() < reserve:
+            res.note(f"latency at batch {batch} not run: the step's time was kept for the throughput point")
+            continue
+        res.add("latency", latency_row(batch, args.input_len, args.output_len))
+    if args.long_context:
+        if left() < reserve:
+            res.note("the long-context row not run: the step's time was kept for the throughput point")
+        else:
+            res.add("long_context", latency_row(args.long_batch, args.long_context, args.output_len))
 
     groups = [
         KVGroupLayout("sliding" if g.sliding_window else "full", len(g.layer_ids), g.sliding_window)
@@ -229,8 +256,9 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     batch = max(1, min(args.max_batch, (runner.num_blocks - 1) // need))
     limited_by = "kv blocks" if batch < args.max_batch else "max_batch"
     after = min(15.0, 0.1 * args.time_budget) if args.time_budget else 0.0  # the profile, the results, the exit
+    measured = res.data["rows"].get("latency", []) + res.data["rows"].get("long_context", [])
     batch, output_len, cut = fit_throughput_point(
-        config, res.data["rows"].get("latency", []), batch, args.throughput_len, left() - after
+        config, measured, batch, args.throughput_len, left() - after, kv_bytes
     )
     if cut:
         res.note(cut)
@@ -240,7 +268,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     row.update(output_tok_s_gpu=produced / total_s, limited_by=limited_by if not cut else "the step's time")
     _flag_short_outputs(row, produced, batch * output_len)
     if args.bandwidth_gbps:
-        bytes_ = step_bytes(config, batch, args.throughput_len + output_len // 2)["total"]
+        bytes_ = step_bytes(config, batch, args.throughput_len + output_len // 2, kv_bytes)["total"]
         roofline = args.bandwidth_gbps * 1e9 / bytes_ * batch  # decode steps only: prefill is not counted
         row.update(step_gb=bytes_ / 1e9, roofline_tok_s=roofline, roofline_fraction=row["output_tok_s_gpu"] / roofline)
     res.add("throughput", row)
@@ -256,7 +284,12 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
 
 
 def fit_throughput_point(
-    config: dict[str, Any], latency: list[dict[str, Any]], batch: int, length: int, seconds: float
+    config: dict[str, Any],
+    latency: list[dict[str, Any]],
+    batch: int,
+    length: int,
+    seconds: float,
+    kv_bytes: float = KV_BYTES,
 ) -> tuple[int, int, str]:
     """(sequences, output tokens, note) of a throughput point of `batch` x `length` in / `length` out that fits in
     `seconds`, estimated from the latency rows: prefill at their best tokens/s, decode steps at the largest batch's
@@ -268,10 +301,10 @@ def fit_throughput_point(
     prefill_rate = max(r["batch"] * r["input_len"] / r["prefill_s"] for r in rows)  # tokens/s
     last = max(rows, key=lambda r: r["batch"])
     step_s = (last["total_s"] - last["prefill_s"]) / max(1, last["output_len"] - 1)
-    last_bytes = step_bytes(config, last["batch"], last["input_len"])["total"]
+    last_bytes = step_bytes(config, last["batch"], last["input_len"], kv_bytes)["total"]
 
     def estimate(b: int, out: int) -> float:
-        step = step_s * step_bytes(config, b, length + out // 2)["total"] / last_bytes
+        step = step_s * step_bytes(config, b, length + out // 2, kv_bytes)["total"] / last_bytes
         return b * length / prefill_rate + out * step
 
     wanted = estimate(batch, length)
@@ -402,7 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=_ints, default=[1, 4, 8, 16])
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--long-context", type=int, default=0, help="prompt tokens of the long-context row (0: none)")
+    p.add_argument("--long-batch", type=int, default=16, help="sequences of the long-context row")
     p.add_argument("--throughput-len", type=int, default=1024, help="tokens in and out of the throughput run")
+    p.add_argument("--kv-cache-dtype", default="auto", help="brisk's kv_cache_dtype (auto: the model's)")
+    p.add_argument(
+        "--kv-cache-bytes", type=int, help="the KV pool's bytes (kv_cache_config.max_gpu_total_bytes; RAM on a CPU)"
+    )
     p.add_argument("--max-batch", type=int, default=512, help="max_batch_size of the engine")
     p.add_argument("--max-num-tokens", type=int, help="engine max_num_tokens (default: brisk's)")
     p.add_argument("--bandwidth-gbps", type=float, help="measured copy bandwidth (phase a) for the roofline")

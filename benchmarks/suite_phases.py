@@ -436,6 +436,7 @@ def phase_d(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 OFFLINE_TABLES = {  # suite_offline.py's tables, as the report titles them
     "startup": "cold start (seconds per stage)",
     "latency": "latency",
+    "long_context": "decode at long context",
     "throughput": "throughput (largest batch that fits)",
     "profile": "per-kernel share of decode steps at batch 1 (torch profiler)",
 }

@@ -12,6 +12,14 @@ and then the headline figures, in one command of at most 8 minutes on one H100.
     served_120b  100 s  `brisk serve` dummy 120b with examples/low_latency.yaml, `brisk bench serve` at 1 and 16
     speed_20b   the rest  dummy gpt-oss-20b as speed_120b, only where the window has time left (60 s at least)
 
+By name only (`--steps kv_fp8`, e.g. a window's second command after `env`, whose bandwidth gives the roofline):
+    kv_fp8       420 s  dummy gpt-oss-120b with bf16 KV, then with FP8 KV (a process each, half the time each):
+                        decode at 16 x 8,192 tokens of context, the largest throughput point each pool holds
+                        (~1k in / 1k out), and the two side by side (pool tokens, tok/s, ratios)
+    host_tier    150 s  benchmarks/bench_host_tier.py on dummy gpt-oss-20b: 16 conversations x 4 turns resending
+                        their history (2k tokens first) over a device pool of ~25% of it, without and with the host
+                        KV tier (copies on a CUDA stream): prompt tokens recomputed, TTFT, bytes moved
+
 Each step is a process of its own under a hard timeout (gpu_suite.py); inside it, the speed steps fit their sizes
 to their time (batches skipped, the throughput point cut, each with a note) rather than running into the timeout.
 A step that fails or times out is recorded and the plan goes on; no step starts past the window.
@@ -19,18 +27,21 @@ A step that fails or times out is recorded and the plan goes on; no step starts 
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from suite_models import TINY_NAME, write_model_dir
 from suite_phases import (
     NO_GPU,
     PhaseRecord,
     _offline_sections,
+    _rounded,
     ceilings,
     has_cuda,
     phase_a,
@@ -76,6 +87,23 @@ SMOKE_SPEED = dict(batches="1,4", input_len=32, output_len=16, throughput_len=32
 # Captured decode batch sizes: the latency batches exactly, and a throughput batch (set by the KV pool) padded by
 # at most a quarter; fewer graphs than brisk's default ladder of 8s (start-up time is part of the window).
 GRAPH_SIZES = "1,2,4,8,16,32,48,64,96,128,160,192,256,320,384,448,512"
+# The kv_fp8 step (by name only: `--steps kv_fp8`, a window's second command): no short-context latency rows; one
+# decode row at long context, and a throughput point that FP8 KV may make twice as large as bf16 (graphs up to it).
+KV_DTYPES = ("auto", "fp8")
+KV_FP8_SPEED = dict(batches="", output_len=64, long_context=8192, long_batch=16, throughput_len=1024, max_batch=1024)
+# On a CPU the pool would be as large as the batch could use in either dtype: the same bytes for both show the gain.
+KV_FP8_SMOKE = dict(
+    batches="", output_len=8, long_context=64, long_batch=4, throughput_len=32, max_batch=64, kv_cache_bytes=2**22
+)
+KV_FP8_GRAPH_SIZES = "1,16,64,128,256,384,512,640,768,1024"
+# The host_tier step (by name only): benchmarks/bench_host_tier.py, multi-turn conversations over a device pool that
+# holds a quarter of their history, without and with the host tier (its copies on a CUDA stream on a GPU).
+HOST_TIER_GPU = dict(
+    conversations=16, turns=4, first_len=2048, user_len=256, output_len=32, max_batch_size=4, host_cache_mib=4096
+)
+HOST_TIER_SMOKE = dict(
+    conversations=4, turns=3, first_len=64, user_len=16, output_len=4, max_batch_size=2, host_cache_mib=16
+)
 SERVED_PRESET = "low_latency"
 GPU_LOADS = [
     ["--concurrency", "1", "--num-prompts", "4", "--input-len", "1024", "--output-len", "128"],
@@ -96,6 +124,7 @@ class Step:
     smoke_s: float  # the same in --smoke on a CPU
     min_s: tuple[float, float]  # (GPU, --smoke): with less time than this left in the window the step is not started
     body: Callable[[PhaseRecord, bool, float], int]
+    in_plan: bool = True  # False: run only when named (--steps)
 
     def budget(self, smoke: bool) -> float:
         return self.smoke_s if smoke else self.gpu_s
@@ -124,16 +153,25 @@ def step_speed_20b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> int:
     """benchmarks/suite_offline.py on one dummy model in one process (one load for every figure), its own time
     limit a little inside the step's hard timeout."""
-    work = rec.path.parent
     gpu = _on_gpu(rec, smoke, model)
     name = model if gpu else TINY_NAME
     sizes = GPU_SPEED if gpu else SMOKE_SPEED
-    path = work / f"{rec.path.stem.removeprefix('phase_')}.json"
+    path = rec.path.parent / f"{rec.path.stem.removeprefix('phase_')}.json"
+    options = ["--graph-sizes", GRAPH_SIZES, "--profile", "short" if gpu else "always"]
+    return rec.finish(run_offline(rec, name, name, path, sizes, options, budget))
+
+
+def run_offline(
+    rec: PhaseRecord, model: str, label: str, path: Path, sizes: dict, options: list[str], budget: float
+) -> str:
+    """One suite_offline.py run within `budget` seconds, its tables added to the step's record under `label`;
+    the status ("ok" or why not)."""
+    work = rec.path.parent
     path.unlink(missing_ok=True)
-    command = [sys.executable, "benchmarks/suite_offline.py", "brisk", "--model", name, "--out", str(path)]
+    command = [sys.executable, "benchmarks/suite_offline.py", "brisk", "--model", model, "--out", str(path)]
     command += ["--models-dir", str(work / "models"), "--time-budget", f"{max(5.0, budget - SPEED_MARGIN_S):.0f}"]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
-    command += ["--graph-sizes", GRAPH_SIZES, "--profile", "short" if gpu else "always"]
+    command += options
     bandwidth = ceilings(work).get("copy_gbps")
     if bandwidth:
         command += ["--bandwidth-gbps", f"{bandwidth:.1f}"]
@@ -145,9 +183,107 @@ def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> i
     except subprocess.TimeoutExpired:
         status = "timeout: stopped at the step's budget (the rows it finished are below)"
     shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
-    if _offline_sections(rec, path, "brisk", name, shown):
+    if _offline_sections(rec, path, "brisk", label, shown):
         status = "failed: requests ended early (missing_tokens): the rates are not valid"
-    return rec.finish(status)
+    return status
+
+
+def step_kv_fp8(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    """Dummy gpt-oss-120b with the model's KV (bf16) and with FP8 KV, one process each at the same shapes and half
+    the budget each: decode at long context (KV reads a large part of each step) and the throughput point (the
+    largest batch the pool holds), then the two side by side."""
+    gpu = _on_gpu(rec, smoke, "gpt-oss-120b")
+    name = "gpt-oss-120b" if gpu else TINY_NAME
+    sizes = KV_FP8_SPEED if gpu else KV_FP8_SMOKE
+    options = ["--graph-sizes", KV_FP8_GRAPH_SIZES, "--profile", "never"]
+    started = time.monotonic()
+    results, statuses = {}, []
+    for i, dtype in enumerate(KV_DTYPES):
+        share = (budget - (time.monotonic() - started)) / (len(KV_DTYPES) - i)
+        path = rec.path.parent / f"kv_fp8_{dtype}.json"
+        status = run_offline(
+            rec, name, f"{name}, KV {dtype}", path, sizes, [*options, "--kv-cache-dtype", dtype], share
+        )
+        statuses.append(f"KV {dtype}: {status}")
+        try:
+            results[dtype] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            results[dtype] = {}
+    rec.section(f"KV dtype side by side, {name}", "the two runs above", [_rounded(r) for r in kv_dtype_rows(results)])
+    failed = [s for s in statuses if not s.endswith(": ok")]
+    return rec.finish("ok" if not failed else "failed: " + "; ".join(failed))
+
+
+def step_host_tier(rec: PhaseRecord, smoke: bool, budget: float) -> int:
+    """benchmarks/bench_host_tier.py on dummy gpt-oss-20b (the toy on a CPU): two engines in one process, the same
+    multi-turn workload interleaved turn by turn, one without and one with the host KV tier."""
+    gpu = _on_gpu(rec, smoke, "gpt-oss-20b")
+    name = "gpt-oss-20b" if gpu else TINY_NAME
+    work = rec.path.parent
+    model_dir = write_model_dir(name, work / "models")
+    path = work / "host_tier.json"
+    path.unlink(missing_ok=True)
+    sizes = HOST_TIER_GPU if gpu else HOST_TIER_SMOKE
+    command = [sys.executable, "benchmarks/bench_host_tier.py", "--model", model_dir, "--load-format", "dummy"]
+    command += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()] + ["--out", str(path)]
+    shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
+    try:
+        done = run_logged(command, budget - 3)
+    except subprocess.TimeoutExpired:
+        rec.section(f"Host KV tier, {name}", shown, [], "stopped at the step's budget")
+        return rec.finish("timeout: stopped at the step's budget")
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        rec.section(f"Host KV tier, {name}", shown, [], "no results (see the log)")
+        return rec.finish(f"failed: exit code {done.returncode}")
+    note = (
+        f"device pool {report['device_pool_blocks']} blocks ({report['device_pool_blocks'] / report['history_blocks']:.0%}"
+        f" of the last turn's history); outputs identical: {report['outputs_identical']}"
+    )
+    rec.section(f"Host KV tier, {name}", shown, [_rounded(r) for r in report["rows"]], note)
+    if not report["outputs_identical"]:
+        return rec.finish("failed: the host tier changed the outputs")
+    return rec.finish("ok" if done.returncode == 0 else f"failed: exit code {done.returncode}")
+
+
+def kv_dtype_rows(results: dict[str, dict]) -> list[dict]:
+    """One row per KV dtype (what it stored, the pool's tokens, decode at long context, the throughput point) and
+    the FP8 / model-dtype ratios where both ran."""
+    rows = []
+    for dtype, data in results.items():
+        meta, tables = data.get("meta", {}), data.get("rows", {})
+        long = (tables.get("long_context") or [{}])[0]
+        point = (tables.get("throughput") or [{}])[0]
+        rows.append(
+            dict(
+                kv_cache_dtype=dtype,
+                stored_as=meta.get("kv_stored_as"),
+                kv_tokens=meta.get("kv_tokens"),
+                long_context=long.get("input_len"),
+                long_tok_s_user=long.get("tok_s_user"),
+                throughput_batch=point.get("batch"),
+                throughput_tok_s=point.get("output_tok_s_gpu"),
+            )
+        )
+    if len(rows) == 2:
+        base, fp8 = rows
+
+        def ratio(key: str) -> float | None:
+            return fp8[key] / base[key] if fp8.get(key) and base.get(key) else None
+
+        rows.append(
+            dict(
+                kv_cache_dtype="ratio",
+                stored_as=f"{fp8['stored_as']} / {base['stored_as']}",
+                kv_tokens=ratio("kv_tokens"),
+                long_context=None,
+                long_tok_s_user=ratio("long_tok_s_user"),
+                throughput_batch=ratio("throughput_batch"),
+                throughput_tok_s=ratio("throughput_tok_s"),
+            )
+        )
+    return rows
 
 
 def _on_gpu(rec: PhaseRecord, smoke: bool, model: str) -> bool:
@@ -173,8 +309,14 @@ STEPS = (
     Step("speed_120b", "speed: dummy gpt-oss-120b offline", 200, 25, (60, 15), step_speed_120b),
     Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 100, 32, (45, 15), step_served),
     Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (60, 8), step_speed_20b),
+    Step("kv_fp8", "KV dtype: dummy gpt-oss-120b, bf16 vs FP8 KV (by name)", 420, 50, (120, 20), step_kv_fp8, False),
+    Step(
+        "host_tier", "host KV tier: dummy gpt-oss-20b, multi-turn (by name)", 150, 40, (60, 15), step_host_tier, False
+    ),
 )
-STEP_NAMES = tuple(step.name for step in STEPS)
+STEP_NAMES = tuple(step.name for step in STEPS)  # what --steps may name
+PLAN_STEPS = tuple(step for step in STEPS if step.in_plan)  # the quick plan when no step is named
+PLAN_STEP_NAMES = tuple(step.name for step in PLAN_STEPS)
 
 
 def plan(names: list[str], smoke: bool, scale: float) -> list[tuple[Step, float]]:

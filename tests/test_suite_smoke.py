@@ -112,6 +112,8 @@ def test_step_bytes_match_anchors():
     assert parts["attention"] == pytest.approx(1.91e9, rel=0.02)
     assert parts["lm_head"] == pytest.approx(1.16e9, rel=0.01)
     assert parts["total"] - parts["kv"] == pytest.approx(5.0e9, rel=0.02)
+    fp8 = step_bytes(model_config("gpt-oss-120b"), batch=1, context=1024, kv_bytes=1)  # FP8 KV: half the KV bytes
+    assert fp8["kv"] == parts["kv"] / 2 and fp8["total"] - fp8["kv"] == parts["total"] - parts["kv"]
     # KV: 18 full layers read 1024 tokens, 18 sliding layers 128, 2 KiB per token per layer
     assert parts["kv"] == (18 * 1024 + 18 * 128) * 2048
     # experts touched per layer at batch 8 and 64 (ANCHORS: ~29 and ~111 of 128)
@@ -187,10 +189,15 @@ def test_quick_plan_fits_the_gpu_window_and_the_cpu_rehearsal_fits_two_minutes()
     tool's 10-minute command with room for the install."""
     quick = _suite_module("suite_quick")
     assert quick.WINDOW_S <= 480 and quick.SMOKE_WINDOW_S < 120
-    assert sum(step.gpu_s for step in quick.STEPS) <= quick.WINDOW_S
-    assert sum(step.smoke_s for step in quick.STEPS) <= quick.SMOKE_WINDOW_S
-    assert [step.name for step in quick.STEPS][:5] == ["env", "kernels", "e2e", "speed_120b", "served_120b"]
-    assert [step.name for step in quick.STEPS if not step.gpu_s] == ["speed_20b"]
+    assert sum(step.gpu_s for step in quick.PLAN_STEPS) <= quick.WINDOW_S
+    assert sum(step.smoke_s for step in quick.PLAN_STEPS) <= quick.SMOKE_WINDOW_S
+    assert [step.name for step in quick.PLAN_STEPS][:5] == ["env", "kernels", "e2e", "speed_120b", "served_120b"]
+    assert [step.name for step in quick.PLAN_STEPS if not step.gpu_s] == ["speed_20b"]
+    # the steps run by name only fit a window of their own, after env (whose bandwidth their rooflines use)
+    by_name = {step.name: step for step in quick.STEPS}
+    for step in quick.STEPS:
+        if not step.in_plan:
+            assert by_name["env"].gpu_s + step.gpu_s <= quick.WINDOW_S, step.name
     script = open(os.path.join(REPO, "benchmarks", "gpu_window.sh")).read()
     limit = int(re.search(r"^limit=(\d+)", script, re.M).group(1))
     assert quick.WINDOW_S + 30 <= limit <= 600 - 45  # the suite's window and cleanup; the install and nvidia-smi
@@ -214,9 +221,9 @@ def quick_smoke(tmp_path_factory):
 def test_quick_smoke_runs_every_step_and_each_writes_its_rows(quick_smoke):
     out, work, done, report = quick_smoke
     quick = _suite_module("suite_quick")
-    names = [step.name for step in quick.STEPS]
+    names = [step.name for step in quick.PLAN_STEPS]
     assert report["suite"]["plan"] == "quick" and report["suite"]["order"] == names
-    for step in quick.STEPS:  # the budgets, printed before the first step runs
+    for step in quick.PLAN_STEPS:  # the budgets, printed before the first step runs
         assert re.search(rf"^\s+{step.name}\s+(\d+ s|the rest of the window)\s", done.stdout, re.M), step.name
     assert done.stdout.index("speed_20b ") < done.stdout.index("env: budget")
     phases = report["phases"]
@@ -261,6 +268,45 @@ def test_quick_smoke_runs_every_step_and_each_writes_its_rows(quick_smoke):
     assert {f"phase_{name}.log" for name in names} <= archived and not any("models" in n for n in archived)
     md = (out / "report.md").read_text()
     assert [md.index(f"\n## {name}. ") for name in names] == sorted(md.index(f"\n## {name}. ") for name in names)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU run's toy sizes")
+def test_kv_fp8_step_runs_both_kv_dtypes_and_sets_them_side_by_side(tmp_path):
+    """`--steps kv_fp8` (by name only): the toy gpt-oss with its model-dtype KV and with FP8 KV, each with its
+    long-context row and throughput point, then the side-by-side table: FP8 stored as float8_e4m3fn, the pool's
+    tokens in the same bytes grown by the dtypes' size ratio (the toy is fp32 on a CPU: 4x; bf16 on a GPU: 2x)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    done, report = run_suite("--smoke", "--steps", "kv_fp8", "--out", str(out), "--work", str(work))
+    assert done.returncode == 0, done.stdout + done.stderr + (out / "report.md").read_text()
+    phase = report["phases"]["kv_fp8"]
+    assert phase["status"] == "ok", phase.get("log_tail")
+    by_title = sections(phase)
+    for dtype in ("auto", "fp8"):
+        long = by_title[f"brisk, {TINY}, KV {dtype}: decode at long context"]["rows"]
+        assert long[0]["tok_s_user"] > 0 and long[0]["input_len"] == 64
+        assert by_title[f"brisk, {TINY}, KV {dtype}: throughput (largest batch that fits)"]["rows"][0]["batch"] > 0
+    auto, fp8, ratio = by_title[f"KV dtype side by side, {TINY}"]["rows"]
+    assert auto["stored_as"] in ("float32", "bfloat16") and fp8["stored_as"] == "float8_e4m3fn"
+    size_ratio = {"float32": 4.0, "bfloat16": 2.0}[auto["stored_as"]]
+    assert ratio["kv_cache_dtype"] == "ratio" and ratio["kv_tokens"] == pytest.approx(size_ratio, rel=0.02)
+    assert ratio["throughput_tok_s"] > 0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU run's toy sizes")
+def test_host_tier_step_compares_the_tier_with_the_device_pool_alone(tmp_path):
+    """`--steps host_tier` (by name only): bench_host_tier.py's two engines on the toy gpt-oss, the same outputs,
+    fewer prompt tokens recomputed with the tier, the tier's hits and copies counted."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    done, report = run_suite("--smoke", "--steps", "host_tier", "--out", str(out), "--work", str(work))
+    assert done.returncode == 0, done.stdout + done.stderr + (out / "report.md").read_text()
+    phase = report["phases"]["host_tier"]
+    assert phase["status"] == "ok", phase.get("log_tail")
+    section = sections(phase)[f"Host KV tier, {TINY}"]
+    assert "outputs identical: True" in section["note"]
+    alone, tier = section["rows"]
+    assert alone["host_hit_tokens"] == 0 and tier["host_hit_tokens"] > 0
+    assert tier["recomputed_tokens"] < alone["recomputed_tokens"]
+    assert tier["bytes_to_host"] > 0 and tier["bytes_to_device"] > 0
 
 
 def test_quick_steps_past_the_window_are_marked_not_run_and_the_plan_goes_on(tmp_path):
