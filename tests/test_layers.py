@@ -29,7 +29,7 @@ from brisk.layers.rotary import RotaryEmbedding
 from brisk.model_runner.binding import Kernels, bind
 from brisk.model_runner.loader import load_model
 from brisk.models.registry import get_model_class
-from tests.tiny_models import make_tiny_model, quantize_mxfp4
+from tests.tiny_models import make_tiny_model, quantize_mxfp4, with_config_swiglu_clamps
 
 
 def ranks(tp_size: int) -> list[ParallelConfig]:
@@ -234,7 +234,7 @@ def test_torch_moe_backend_matches_hf_experts():
     )
     cfg._experts_implementation = "eager"
     torch.manual_seed(0)
-    hf = GptOssMLP(cfg)
+    hf = with_config_swiglu_clamps(GptOssMLP(cfg), cfg)
     for param in hf.parameters():
         torch.nn.init.normal_(param, std=0.3)
     moe = FusedMoE(4, 2, 32, 16, swiglu_limit=1.0)

@@ -138,7 +138,19 @@ def hf_reference(path: str | os.PathLike):
     kwargs: dict[str, Any] = dict(dtype=torch.float32, attn_implementation="eager")
     if AutoConfig.from_pretrained(source).model_type == "gpt_oss":
         kwargs["experts_implementation"] = "eager"  # HF's plain per-expert loop
-    return AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
+    return with_config_swiglu_clamps(model, model.config)
+
+
+def with_config_swiglu_clamps(module: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """`module` with gpt-oss's expert activation clamps taken from `config`, as brisk takes them: transformers
+    before 5.2x hard-coded alpha 1.702 and limit 7.0 (the released checkpoints' values) whatever the config said,
+    and the tiny gpt-oss sets a low limit so that the clamps bite."""
+    for experts in module.modules():
+        if type(experts).__name__ == "GptOssExperts":
+            experts.alpha = getattr(config, "swiglu_alpha", experts.alpha)
+            experts.limit = getattr(config, "swiglu_limit", experts.limit)
+    return module
 
 
 @torch.no_grad()
