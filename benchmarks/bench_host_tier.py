@@ -11,8 +11,9 @@ message: token ids, greedy, fixed answer length), all conversations of a turn su
 needs), so by the time a conversation comes back its prefix has been evicted. Two engines run the same workload in
 one process, the turns interleaved (A's turn t, then B's): without the host tier (evicted prefixes are recomputed)
 and with `kv_cache_config.host_cache_size` (they are copied back). TTFT is arrival to first token, queueing
-included (the batch holds --max-batch-size requests). Prints a table and writes it as JSON; the outputs of the two
-engines must be identical.
+included (the batch holds --max-batch-size requests). Prints a table and writes it as JSON, with the share of
+requests whose outputs the two engines agree on: all of them on a CPU in fp32; on a GPU in bf16 a copied-back block
+and a recomputed one can differ in their last bits (other batch shapes), so a near-tie may go the other way.
 """
 
 from __future__ import annotations
@@ -147,7 +148,13 @@ def main() -> None:
             }
         )
         llm.shutdown()
-    identical = [r["outputs"] for r in results["device pool only"]] == [r["outputs"] for r in results["with host tier"]]
+    pairs = [
+        (a, b)
+        for turn_a, turn_b in zip(results["device pool only"], results["with host tier"])
+        for a, b in zip(turn_a["outputs"], turn_b["outputs"])
+    ]
+    agreeing = sum(a == b for a, b in pairs) / len(pairs)
+    identical = agreeing == 1.0
     base, tier = rows
     print(
         f"{args.conversations} conversations x {args.turns} turns, last turn {final_len} tokens each; device pool "
@@ -175,6 +182,7 @@ def main() -> None:
         "device_pool_blocks": pool,
         "history_blocks": history_blocks,
         "outputs_identical": identical,
+        "outputs_agreeing": agreeing,
         "rows": rows,
     }
     out.write_text(json.dumps(report, indent=2))

@@ -302,7 +302,7 @@ def test_host_tier_step_compares_the_tier_with_the_device_pool_alone(tmp_path):
     phase = report["phases"]["host_tier"]
     assert phase["status"] == "ok", phase.get("log_tail")
     section = sections(phase)[f"Host KV tier, {TINY}"]
-    assert "outputs identical: True" in section["note"]
+    assert "requests whose outputs agree: 100%" in section["note"]
     alone, tier = section["rows"]
     assert alone["host_hit_tokens"] == 0 and tier["host_hit_tokens"] > 0
     assert tier["recomputed_tokens"] < alone["recomputed_tokens"]
