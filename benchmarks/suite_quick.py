@@ -161,6 +161,11 @@ def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> i
     return rec.finish(run_offline(rec, name, name, path, sizes, options, budget))
 
 
+def flags(options: dict) -> list[str]:
+    """A benchmark's command-line flags from a dict of its options (max_batch=64 -> --max-batch=64)."""
+    return [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
+
+
 def run_offline(
     rec: PhaseRecord, model: str, label: str, path: Path, sizes: dict, options: list[str], budget: float
 ) -> str:
@@ -170,8 +175,7 @@ def run_offline(
     path.unlink(missing_ok=True)
     command = [sys.executable, "benchmarks/suite_offline.py", "brisk", "--model", model, "--out", str(path)]
     command += ["--models-dir", str(work / "models"), "--time-budget", f"{max(5.0, budget - SPEED_MARGIN_S):.0f}"]
-    command += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
-    command += options
+    command += flags(sizes) + options
     bandwidth = ceilings(work).get("copy_gbps")
     if bandwidth:
         command += ["--bandwidth-gbps", f"{bandwidth:.1f}"]
@@ -225,23 +229,24 @@ def step_host_tier(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     path.unlink(missing_ok=True)
     sizes = HOST_TIER_GPU if gpu else HOST_TIER_SMOKE
     command = [sys.executable, "benchmarks/bench_host_tier.py", "--model", model_dir, "--load-format", "dummy"]
-    command += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()] + ["--out", str(path)]
+    command += flags(sizes) + ["--out", str(path)]
     shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
+    title = f"Host KV tier, {name}"
     try:
         done = run_logged(command, budget - 3)
     except subprocess.TimeoutExpired:
-        rec.section(f"Host KV tier, {name}", shown, [], "stopped at the step's budget")
+        rec.section(title, shown, [], "stopped at the step's budget")
         return rec.finish("timeout: stopped at the step's budget")
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        rec.section(f"Host KV tier, {name}", shown, [], "no results (see the log)")
+        rec.section(title, shown, [], "no results (see the log)")
         return rec.finish(f"failed: exit code {done.returncode}")
     note = (
         f"device pool {report['device_pool_blocks']} blocks ({report['device_pool_blocks'] / report['history_blocks']:.0%}"
         f" of the last turn's history); requests whose outputs agree: {report['outputs_agreeing']:.0%}"
     )
-    rec.section(f"Host KV tier, {name}", shown, [_rounded(r) for r in report["rows"]], note)
+    rec.section(title, shown, [_rounded(r) for r in report["rows"]], note)
     # fp32 on a CPU: copied-back KV is the recomputed KV, bit for bit. bf16 on a GPU: near-ties may go either way.
     if not gpu and not report["outputs_identical"]:
         return rec.finish("failed: the host tier changed the outputs")

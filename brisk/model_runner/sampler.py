@@ -256,9 +256,8 @@ class Sampler:
             token_ids = greedy_argmax(logits, self.cpu_kernels)
         else:
             greedy_rows = batch.greedy_rows
-            greedy_token_ids = (
-                greedy_argmax(logits, self.cpu_kernels) if greedy_rows is not None else None
-            )  # before _sample overwrites
+            # before _sample overwrites the logits
+            greedy_token_ids = greedy_argmax(logits, self.cpu_kernels) if greedy_rows is not None else None
             token_ids = _sample(logits, batch, self.cpu_kernels)
             if greedy_rows is not None and greedy_token_ids is not None:
                 token_ids = torch.where(greedy_rows, greedy_token_ids, token_ids)
