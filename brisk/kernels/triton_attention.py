@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from brisk.kernels import interpreting
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 
 LOG2E = 1.4426950408889634
@@ -51,7 +52,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _use_f32_dot(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 or x.device.type != "cuda"
+    return x.dtype == torch.float32 or interpreting()
 
 
 def _needs_64bit_offsets(cache: torch.Tensor) -> bool:

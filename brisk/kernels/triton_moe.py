@@ -26,20 +26,16 @@ picks BLOCK_M = 16 for small batches).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from brisk.kernels import interpreting
+
 MXFP4_GROUP = 32  # values sharing one E8M0 scale; also the K granularity of the MXFP4 kernels
 _GROUP: tl.constexpr = tl.constexpr(MXFP4_GROUP)  # the same, readable from inside @triton.jit code
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---------------------------------------------------------------- routing

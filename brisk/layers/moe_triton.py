@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from brisk.kernels.triton_moe import fused_experts, interpreting
+from brisk.kernels import interpreting
+from brisk.kernels.triton_moe import fused_experts
 from brisk.layers.moe import FusedMoE, MoEBackend, TorchMoEBackend
 
 

@@ -1,0 +1,62 @@
+"""brisk's Triton kernels compile for Hopper (sm_90) at gpt-oss's shapes, through the real backend compiler.
+
+Everywhere else the CPU tests run the kernels in Triton's interpreter, which never compiles them: a kernel that
+passes there may still fail to compile for the GPU, need more shared memory than an H100 gives a block, or fall
+back from tensor cores to FMA dots. tools/compile_kernels.py compiles every launch of the real wrappers for
+sm_90 without a GPU (Triton's own compiler and ptxas, from its wheel) and reads the resources from the cubins.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from brisk.kernels import triton_attention, triton_moe
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launched_kernels() -> set[str]:
+    """Every kernel the two modules launch (by convention, the @triton.jit functions named *_kernel)."""
+    return {name for mod in (triton_attention, triton_moe) for name in dir(mod) if name.endswith("_kernel")}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend to compile with")
+    out = tmp_path_factory.mktemp("compile") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(out.parent / "cache")  # compile for real, not from an earlier run's cache
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "compile_kernels.py"), "--quick", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_every_kernel_compiles_for_sm90_within_its_limits(report) -> None:
+    assert report["arch"] == 90 and report["failures"] == [] and report["case_errors"] == {}
+    compiled = {v["kernel"] for v in report["variants"]}
+    assert _launched_kernels() <= compiled, f"kernels with no compile case: {_launched_kernels() - compiled}"
+
+
+def test_half_precision_dots_run_on_tensor_cores(report) -> None:
+    # bf16 / FP8-KV attention and the MoE GEMMs on Hopper's MMA units (an FMA fallback would be many times slower);
+    # the prefill's 128-row tiles on its warpgroup MMA.
+    dotted = [v for v in report["variants"] if v["kernel"] in ("_prefill_kernel", "_decode_kernel", "_moe_gemm_kernel")]
+    half = [v for v in dotted if not any("float32" in case for case in v["cases"])]
+    assert half and all(v["mma"] in ("mma", "wgmma") for v in half), [(v["kernel"], v["cases"][0]) for v in half]
+    assert all(v["mma"] == "wgmma" for v in half if v["kernel"] == "_prefill_kernel")
+
+
+def test_no_kernel_spills_more_than_a_few_registers(report) -> None:
+    # A few spilled registers vary with the Triton release; kilobytes a thread (fp32 attention on the half-precision
+    # tiles spilled 14 KB before FP32_TILES) make a kernel many times slower.
+    heavy = [(v["kernel"], v["cases"][0], v["local_bytes"]) for v in report["variants"] if v["local_bytes"] > 256]
+    assert heavy == []
