@@ -9,6 +9,7 @@ poisons the output and fails the comparison.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -26,7 +27,7 @@ from brisk.kernels.triton_attention import (  # noqa: E402
     store_kv_cache,
 )
 from brisk.layers.attention import Attention, TorchAttentionBackend, store_kv  # noqa: E402
-from brisk.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from brisk.layers.attention_triton import FP32_TILES, HALF_TILES, TritonAttentionBackend  # noqa: E402
 from tests import paged_cases  # noqa: E402
 from tests.paged_cases import REAL, TINY, Case, Shape, assert_close  # noqa: E402
 
@@ -311,3 +312,11 @@ def test_torch_backend_prompt_chunks_match_one_piece(window: int | None, use_sin
     expected = case.run(whole, use_sinks)[0]
     assert not expected.isnan().any()
     torch.testing.assert_close(case.run(chunked, use_sinks)[0], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_tiles_follow_the_query_dtype_unless_given() -> None:
+    backend = TritonAttentionBackend()
+    assert backend.tiles_for(torch.bfloat16) == backend.tiles_for(torch.float16) == HALF_TILES
+    assert backend.tiles_for(torch.float32) == FP32_TILES != HALF_TILES
+    overridden = TritonAttentionBackend(prefill_block_n=16).tiles_for(torch.float32)
+    assert overridden == replace(FP32_TILES, prefill_block_n=16)

@@ -10,7 +10,7 @@ contexts over many programs, which matters most when decodes dominate the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +22,24 @@ from brisk.kernels.triton_attention import (
     store_kv_cache,
 )
 from brisk.layers.attention import Attention, AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shapes of the attention kernels for one query dtype."""
+
+    prefill_block_m: int  # tile rows (tokens x padded GQA group)
+    prefill_block_n: int  # keys per tile
+    prefill_warps: int
+    decode_block_n: int
+    decode_warps: int
+
+
+# bf16 / fp16: tensor-core dots (the prefill's 128-row tiles on Hopper's warpgroup MMA), no spills on sm_90.
+HALF_TILES = Tiles(prefill_block_m=128, prefill_block_n=64, prefill_warps=8, decode_block_n=64, decode_warps=4)
+# fp32 multiplies in IEEE fp32 on the FMA units, every operand in registers: with the half-precision tiles the
+# kernels spill up to 14 KB a thread on sm_90 (tools/compile_kernels.py); these fit at head_dim 64 and 128.
+FP32_TILES = Tiles(prefill_block_m=32, prefill_block_n=16, prefill_warps=8, decode_block_n=32, decode_warps=8)
 
 
 @dataclass(frozen=True)
@@ -74,15 +92,19 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(
         self,
-        prefill_block_m: int = 128,  # prefill tile rows (tokens x padded GQA group)
-        prefill_block_n: int = 64,
-        decode_block_n: int = 64,
+        prefill_block_m: int | None = None,  # prefill tile rows (tokens x padded GQA group); None: the dtype's tiles
+        prefill_block_n: int | None = None,
+        decode_block_n: int | None = None,
         decode_partition_size: int | None = None,  # None: sized to fill the GPU
     ) -> None:
-        self.prefill_block_m = prefill_block_m
-        self.prefill_block_n = prefill_block_n
-        self.decode_block_n = decode_block_n
+        given = dict(prefill_block_m=prefill_block_m, prefill_block_n=prefill_block_n, decode_block_n=decode_block_n)
+        self.tile_overrides = {name: size for name, size in given.items() if size is not None}
         self.decode_partition_size = decode_partition_size
+
+    def tiles_for(self, dtype: torch.dtype) -> Tiles:
+        """The launch shapes for queries of this dtype: the constructor's sizes where given, else the dtype's."""
+        base = FP32_TILES if dtype == torch.float32 else HALF_TILES
+        return replace(base, **self.tile_overrides)
 
     @classmethod
     def supports(cls, device: torch.device, cpu_kernels) -> bool:
@@ -110,7 +132,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         g = layer.kv_group
         store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g], layer.k_scale, layer.v_scale)
-        block_q = default_prefill_block_q(layer.num_heads, layer.num_kv_heads, self.prefill_block_m)
+        tiles = self.tiles_for(q.dtype)
+        block_q = default_prefill_block_q(layer.num_heads, layer.num_kv_heads, tiles.prefill_block_m)
         plan = self._step_plan(meta, block_q, q.device)
         block_table = meta.block_tables[g]
         out = torch.empty_like(q)
@@ -125,8 +148,9 @@ class TritonAttentionBackend(AttentionBackend):
                 seq_ids=plan.decode_seqs,
                 cu_seqlens_q=plan.cu_seqlens_q,
                 max_seq_len=plan.max_decode_len,
-                block_n=self.decode_block_n,
+                block_n=tiles.decode_block_n,
                 partition_size=self.decode_partition_size,
+                num_warps=tiles.decode_warps,
                 sliding_window=layer.sliding_window,
                 sinks=sinks,
                 out=out,
@@ -145,7 +169,8 @@ class TritonAttentionBackend(AttentionBackend):
                 tile_seqs=plan.tile_seqs,
                 tile_starts=plan.tile_starts,
                 block_q=block_q,
-                block_n=self.prefill_block_n,
+                block_n=tiles.prefill_block_n,
+                num_warps=tiles.prefill_warps,
                 sliding_window=layer.sliding_window,
                 sinks=sinks,
                 out=out,
