@@ -25,6 +25,7 @@ from brisk.layers.kv_fp8 import (
     FP8_KV_DTYPE,
     dequantize_kv,
     fp8_e4m3_table,
+    fp8_kv_unsupported,
     kv_scale_target,
     quantize_kv,
 )
@@ -174,3 +175,28 @@ def test_checkpoint_scale_names():
     assert kv_scale_target("model.layers.1.self_attn.kv_scale") == (1, "kv_scale")  # deprecated: both
     assert kv_scale_target("model.layers.1.self_attn.k_proj.weight_scale") is None
     assert kv_scale_target("model.layers.1.mlp.experts.gate_up_proj_scales") is None
+
+
+def test_fp8_kv_on_a_gpu_before_sm89_is_refused_at_start_up_with_the_way_out(monkeypatch):
+    # Triton has no E4M3 conversions before sm_89: on an A100 the kernels would fail to compile at the first step
+    # (tools/compile_kernels.py --arch 80), so the engine refuses at start-up and names what runs instead.
+    from brisk.config import EngineConfig
+    from brisk.errors import ConfigError
+    from brisk.kv_cache.manager import KVGroupSpec
+    from brisk.model_runner.kv_tensors import kv_group_dtypes
+
+    assert "8.0" in fp8_kv_unsupported("triton", (8, 0)) and "kv_cache_dtype auto" in fp8_kv_unsupported(
+        "triton", (8, 6)
+    )
+    assert fp8_kv_unsupported("triton", (8, 9)) is fp8_kv_unsupported("triton", (9, 0)) is None
+    assert fp8_kv_unsupported("torch", (8, 0)) is fp8_kv_unsupported("triton", None) is None
+
+    kv = EngineConfig.build("m", kv_cache_dtype="fp8").kv_cache_config
+    groups = [KVGroupSpec((0,)), KVGroupSpec((1,), sliding_window=128)]
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match="compute capability 8.9 or later"):
+        kv_group_dtypes(kv, torch.bfloat16, groups, "triton", gpu)
+    assert kv_group_dtypes(kv, torch.bfloat16, groups, "torch", gpu) == (FP8_KV_DTYPE,) * 2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert kv_group_dtypes(kv, torch.bfloat16, groups, "triton", gpu) == (FP8_KV_DTYPE,) * 2
