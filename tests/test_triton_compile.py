@@ -44,6 +44,7 @@ def test_every_kernel_compiles_for_sm90_within_its_limits(report) -> None:
     assert report["arch"] == 90 and report["failures"] == [] and report["case_errors"] == {}
     compiled = {v["kernel"] for v in report["variants"]}
     assert _launched_kernels() <= compiled, f"kernels with no compile case: {_launched_kernels() - compiled}"
+    assert "apply_token_bitmask_inplace_kernel" in compiled  # xgrammar's, for structured outputs on CUDA logits
 
 
 def test_half_precision_dots_run_on_tensor_cores(report) -> None:

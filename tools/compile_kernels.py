@@ -4,10 +4,10 @@ The CPU tests run the kernels in Triton's interpreter, which executes their Pyth
 compiler. A kernel can pass every interpreter test and still, on the GPU, fail to compile (a layout or dtype
 the backend rejects), fail to launch (more shared memory than the device gives a block) or run slowly
 (registers spilled to local memory). GPU time is short, so this finds those here: it calls the real wrappers of
-`brisk.kernels.triton_attention` and `brisk.kernels.triton_moe` at the shapes a GPU run launches (gpt-oss-20b
-and -120b at TP 1-8, bf16 and FP8 KV, fp32 as the GPU tests use it, Llama/Qwen3-like heads, decode to prefill
-batch sizes), with every launch turned into a compile for the target, and reads each variant's registers and
-local memory from its cubin (Triton's own `cuobjdump`).
+`brisk.kernels.triton_attention` and `brisk.kernels.triton_moe`, and xgrammar's mask kernel (structured outputs
+on CUDA logits), at the shapes a GPU run launches (gpt-oss-20b and -120b at TP 1-8, bf16 and FP8 KV, fp32 as the
+GPU tests use it, Llama/Qwen3-like heads, decode to prefill batch sizes), with every launch turned into a compile
+for the target, and reads each variant's registers and local memory from its cubin (Triton's own `cuobjdump`).
 
     python tools/compile_kernels.py [--arch 90] [--json out.json] [--only SUBSTRING]
 
@@ -254,6 +254,29 @@ def _moe_case(tm, ex: Experts, mxfp4: bool, tokens: int):
     return run
 
 
+def _mask_cases() -> list[tuple[str, Callable[[], None]]]:
+    """Structured outputs' mask on CUDA logits: xgrammar's Triton kernel, which brisk's apply_token_bitmask reaches
+    through xgrammar on a GPU; launched as xgrammar launches it, with an H100's 132 SMs."""
+    try:
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_kernel
+    except ImportError:
+        return []
+    vocab = 201_088  # o200k_harmony
+
+    def case(dtype: torch.dtype) -> Callable[[], None]:
+        def run() -> None:
+            logits = torch.empty((64, vocab), dtype=dtype)
+            bitmask = torch.empty((64, -(-vocab // 32)), dtype=torch.int32)
+            rows = torch.arange(8, dtype=torch.int32)
+            apply_token_bitmask_inplace_kernel[(132,)](
+                logits, bitmask, rows, 8, vocab, logits.stride(0), bitmask.stride(0), NUM_SMS=132, BLOCK_SIZE=4096
+            )
+
+        return run
+
+    return [(f"mask xgrammar {str(dtype)[6:]} logits", case(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+
+
 # ------------------------------------------------------------------------------------------ compiling
 
 
@@ -303,7 +326,7 @@ def compile_all(arch: int = 90, full: bool = True, only: str = "") -> Report:
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.run = compile_only  # type: ignore[method-assign]
     try:
-        for label, case in _attention_cases(full, arch) + _moe_cases(full):
+        for label, case in _attention_cases(full, arch) + _moe_cases(full) + _mask_cases():
             if only and only not in label:
                 continue
             current[0] = label
