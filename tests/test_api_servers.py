@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ import zmq
 import brisk
 from brisk.engine.messages import EngineCoreOutput, EngineInfo, EngineOutputs, SchedulerStats
 from brisk.engine.process import OutputRouter
+from brisk.server.api_servers import Supervisor
 from brisk.server.errors import APIError
 from brisk.server.peers import Peers
 from brisk.server.state import ServerState
@@ -301,6 +303,41 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+class _EndsBetweenLooks:
+    """An API-server process that ends between the supervisor's first and second look at its exit code."""
+
+    def __init__(self) -> None:
+        read, write = os.pipe()
+        os.close(write)  # an ended process's sentinel: readable (end of file)
+        self.sentinel, self.pid, self.looks = read, None, 0
+
+    @property
+    def exitcode(self) -> int | None:
+        self.looks += 1
+        return None if self.looks == 1 else 0
+
+
+class _RunningEngine:
+    def __init__(self) -> None:
+        self.sentinel, self._write_end = os.pipe()  # never readable while this object lives
+        self.exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_the_supervisor_sees_a_process_that_ends_between_two_looks():
+    """The race behind a drained server that never exited: an API-server process ending between the supervisor's
+    check that one still runs and its list of what to wait on was in neither, so it waited on the engine alone."""
+    supervisor = Supervisor(_RunningEngine(), shutdown_timeout=2.0)  # type: ignore[arg-type]
+    supervisor.children = [_EndsBetweenLooks()]  # type: ignore[list-item]
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.supervise()), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert result == [0]
 
 
 def test_sigterm_drains_every_api_server(tmp_path):

@@ -177,11 +177,16 @@ class Supervisor:
     def supervise(self) -> int:
         """Wait until every API-server process has exited; 0 when all ended well (a drain), else 1."""
         engine_died_at: float | None = None
-        while any(c.exitcode is None for c in self.children):
+        while True:
+            # One look at each exit code: a child that ended between two looks would be neither waited for nor
+            # seen as ended, leaving only the engine's sentinel to wait on, for ever.
+            running = [c for c in self.children if c.exitcode is None]
+            if not running:
+                break
             timeout = None
             if engine_died_at is not None:
                 timeout = max(0.0, engine_died_at + ENGINE_DEATH_GRACE_S - time.monotonic())
-            watched = [c.sentinel for c in self.children if c.exitcode is None]
+            watched = [c.sentinel for c in running]
             if engine_died_at is None:
                 watched.append(self.engine.sentinel)
             if not wait(watched, timeout) and engine_died_at is not None:
