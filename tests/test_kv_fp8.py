@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from brisk.kernels.cpu_kernels import load_cpu_kernels
-from brisk.kernels.triton_attention import store_kv_cache
+from brisk.kernels.triton_attention import _e4m3_decode, _e4m3_encode, _round_to_e4m3, store_kv_cache
 from brisk.layers.attention import TorchAttentionBackend, store_kv
 from brisk.layers.attention_cpu import CpuAttentionBackend
 from brisk.layers.attention_triton import TritonAttentionBackend
@@ -25,7 +27,6 @@ from brisk.layers.kv_fp8 import (
     FP8_KV_DTYPE,
     dequantize_kv,
     fp8_e4m3_table,
-    fp8_kv_unsupported,
     kv_scale_target,
     quantize_kv,
 )
@@ -35,7 +36,8 @@ from tests.paged_cases import TINY, Case
 
 K_SCALE = torch.tensor([0.5, 2.0])  # per KV head (TINY has two): scales that are not 1 in both directions
 V_SCALE = torch.tensor([1.5, 0.25])
-PATHS = ["torch", "cpu-avx512", "cpu-avx2", "triton"]
+# triton-codes: the Triton kernels on an FP8 cache read and written as E4M3 codes in uint8 (GPUs before sm_89)
+PATHS = ["torch", "cpu-avx512", "cpu-avx2", "triton", "triton-codes"]
 # (new tokens, context after the step) per sequence: decodes, a prefill, chunks on a cached prefix, a short query
 SPECS = [(1, 9), (5, 13), (1, 20), (3, 3), (7, 30), (2, 17)]
 
@@ -73,16 +75,48 @@ def test_store_kernels_write_the_same_codes():
     layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = caches[0], caches[1], K_SCALE, V_SCALE
     store_kv(layer, k, v, slots)
     store_kv_cache(k, v, caches[2], caches[3], slots, K_SCALE, V_SCALE)
-    for ours, triton_ in ((caches[0], caches[2]), (caches[1], caches[3])):
+    codes = [torch.zeros(20, 4, 2, 16, dtype=FP8_KV_DTYPE) for _ in range(2)]
+    store_kv_cache(k, v, codes[0], codes[1], slots, K_SCALE, V_SCALE, fp8_codes=True)
+    for ours, triton_, as_codes in ((caches[0], caches[2], codes[0]), (caches[1], caches[3], codes[1])):
         assert torch.equal(ours.float(), triton_.float())
+        assert torch.equal(as_codes.view(torch.uint8), triton_.view(torch.uint8))
     assert torch.equal(caches[0].view(-1, 2, 16)[slots].float(), quantize_kv(k, K_SCALE).float())
+
+
+@triton.jit
+def _codes_round_trip_kernel(x_ptr, codes_ptr, decoded_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(codes_ptr + i, _e4m3_encode(_round_to_e4m3(tl.load(x_ptr + i))))
+    tl.store(decoded_ptr + i, _e4m3_decode(tl.load(codes_ptr + i)))
+
+
+def test_e4m3_codes_by_integer_ops_are_torchs_for_every_value():
+    """The conversions the Triton kernels use where the GPU has no E4M3 type: every finite code decodes to torch's
+    value and encodes back to itself, and any fp32 encodes to the code torch's saturating cast gives. Except -0: the
+    store's rounding makes it +0, on the native path too (the same value to the attention)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(FP8_KV_DTYPE).float()
+    finite = ~values.isnan()  # 0x7F and 0xFF: E4M3's NaNs, never stored
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([values[finite], torch.randn(4096 - 254, generator=g) * torch.logspace(-4, 3, 4096 - 254)])
+    x[-5:] = torch.tensor([1e6, -1e6, 448.5, 2.0**-10, -(2.0**-12)])  # saturation, below the smallest subnormal
+    out_codes = torch.empty(4096, dtype=torch.uint8)
+    decoded = torch.empty(4096)
+    _codes_round_trip_kernel[(1,)](x, out_codes, decoded, N=4096)
+    expected = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+    zero = expected.float() == 0
+    assert torch.equal(out_codes[~zero], expected.view(torch.uint8)[~zero]) and (out_codes[zero] == 0).all()
+    assert torch.equal(out_codes[:254][~zero[:254]], codes[finite][~zero[:254]])  # every nonzero code to itself
+    assert torch.equal(decoded, expected.float())
+    assert zero.sum() >= 3 and (~zero).sum() > 3000  # both kinds well represented
 
 
 def _backend(path: str, request) -> object:
     if path == "torch":
         return TorchAttentionBackend()
-    if path == "triton":
-        return TritonAttentionBackend(prefill_block_n=TINY.block_n, decode_block_n=TINY.block_n)
+    if path in ("triton", "triton-codes"):
+        codes = path == "triton-codes"
+        return TritonAttentionBackend(prefill_block_n=TINY.block_n, decode_block_n=TINY.block_n, fp8_codes=codes)
     isa = path.removeprefix("cpu-")
     skip_unless_isa_under_test(request.config, isa)
     kernels = load_cpu_kernels(isa)
@@ -126,6 +160,20 @@ def test_every_attention_path_reads_fp8_as_the_dequantized_reference(request, pa
         assert (case.reference(use_sinks) - out).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_triton_kernels_compute_the_same_from_codes_as_from_e4m3(request, window):
+    """GPUs before sm_89 read the same cache bytes as codes: prefill, decode and split-K give the very same output."""
+    case = paged_cases.make_case(TINY, SPECS, window=window, seed=5)
+    native, codes = (_backend(path, request) for path in ("triton", "triton-codes"))
+    assert torch.equal(run_fp8(case, native, True), run_fp8(case, codes, True))
+    split = [
+        TritonAttentionBackend(decode_block_n=TINY.block_n, decode_partition_size=TINY.block_n, fp8_codes=codes)
+        for codes in (False, True)
+    ]
+    decodes = paged_cases.make_case(TINY, [(1, n) for n in (5, 40, 70)], window=window, seed=6)
+    assert torch.equal(run_fp8(decodes, split[0], True), run_fp8(decodes, split[1], True))
+
+
 def needle_step(context: int, needle_pos: int, seed: int = 0) -> tuple[Case, torch.Tensor]:
     """One decode at the end of a long context whose key at `needle_pos` matches the query (a planted fact the
     attention must find among `context` distractors); returns the case and the needle's value."""
@@ -155,7 +203,7 @@ def test_a_needle_early_in_a_long_context_is_recalled_through_fp8(request, path)
     (cosine > 0.98, as with fp32 KV) and within 6% (norm of the difference) of the fp32-KV output: the output is
     the needle's value, whose E4M3 rounding (at most 2^-4 of each element, about 3.6% RMS) it inherits."""
     backend = _backend(path, request)
-    context = 1000 if path == "triton" else 2000
+    context = 1000 if path.startswith("triton") else 2000
     case, needle = needle_step(context, needle_pos=3)
     group = TINY.heads // TINY.kv_heads
     expected = needle.repeat_interleave(group, dim=0)  # [H, D]
@@ -175,28 +223,3 @@ def test_checkpoint_scale_names():
     assert kv_scale_target("model.layers.1.self_attn.kv_scale") == (1, "kv_scale")  # deprecated: both
     assert kv_scale_target("model.layers.1.self_attn.k_proj.weight_scale") is None
     assert kv_scale_target("model.layers.1.mlp.experts.gate_up_proj_scales") is None
-
-
-def test_fp8_kv_on_a_gpu_before_sm89_is_refused_at_start_up_with_the_way_out(monkeypatch):
-    # Triton has no E4M3 conversions before sm_89: on an A100 the kernels would fail to compile at the first step
-    # (tools/compile_kernels.py --arch 80), so the engine refuses at start-up and names what runs instead.
-    from brisk.config import EngineConfig
-    from brisk.errors import ConfigError
-    from brisk.kv_cache.manager import KVGroupSpec
-    from brisk.model_runner.kv_tensors import kv_group_dtypes
-
-    assert "8.0" in fp8_kv_unsupported("triton", (8, 0)) and "kv_cache_dtype auto" in fp8_kv_unsupported(
-        "triton", (8, 6)
-    )
-    assert fp8_kv_unsupported("triton", (8, 9)) is fp8_kv_unsupported("triton", (9, 0)) is None
-    assert fp8_kv_unsupported("torch", (8, 0)) is fp8_kv_unsupported("triton", None) is None
-
-    kv = EngineConfig.build("m", kv_cache_dtype="fp8").kv_cache_config
-    groups = [KVGroupSpec((0,)), KVGroupSpec((1,), sliding_window=128)]
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ConfigError, match="compute capability 8.9 or later"):
-        kv_group_dtypes(kv, torch.bfloat16, groups, "triton", gpu)
-    assert kv_group_dtypes(kv, torch.bfloat16, groups, "torch", gpu) == (FP8_KV_DTYPE,) * 2
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert kv_group_dtypes(kv, torch.bfloat16, groups, "triton", gpu) == (FP8_KV_DTYPE,) * 2

@@ -331,11 +331,10 @@ def test_kv_cache_dtype_named_as_the_model_dtype():
 
     groups = [KVGroupSpec((0,)), KVGroupSpec((1,), sliding_window=128)]
     kv = EngineConfig.build("m", kv_cache_dtype="bfloat16").kv_cache_config
-    cpu = torch.device("cpu")
-    assert not kv.fp8 and kv_group_dtypes(kv, torch.bfloat16, groups, "torch", cpu) == (torch.bfloat16,) * 2
+    assert not kv.fp8 and kv_group_dtypes(kv, torch.bfloat16, groups) == (torch.bfloat16, torch.bfloat16)
     kv = EngineConfig.build("m", kv_cache_config={"dtype": "float16"}).kv_cache_config
     with pytest.raises(ConfigError, match="model's compute dtype .*bfloat16"):
-        kv_group_dtypes(kv, torch.bfloat16, groups, "torch", cpu)
+        kv_group_dtypes(kv, torch.bfloat16, groups)
 
 
 @pytest.mark.parametrize(

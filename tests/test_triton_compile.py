@@ -23,14 +23,13 @@ def _launched_kernels() -> set[str]:
     return {name for mod in (triton_attention, triton_moe) for name in dir(mod) if name.endswith("_kernel")}
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def compile_report(out, *args: str) -> dict:
+    """tools/compile_kernels.py's JSON report for `args`, compiled for real (a fresh Triton cache)."""
     pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend to compile with")
-    out = tmp_path_factory.mktemp("compile") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(out.parent / "cache")  # compile for real, not from an earlier run's cache
+    env["TRITON_CACHE_DIR"] = str(out.parent / "cache")  # not from an earlier run's cache
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "compile_kernels.py"), "--quick", "--json", str(out)],
+        [sys.executable, os.path.join(REPO, "tools", "compile_kernels.py"), *args, "--json", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -38,6 +37,11 @@ def report(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return compile_report(tmp_path_factory.mktemp("compile") / "report.json", "--quick")
 
 
 def test_every_kernel_compiles_for_sm90_within_its_limits(report) -> None:
@@ -61,3 +65,10 @@ def test_no_kernel_spills_more_than_a_few_registers(report) -> None:
     # tiles spilled 14 KB before FP32_TILES) make a kernel many times slower.
     heavy = [(v["kernel"], v["cases"][0], v["local_bytes"]) for v in report["variants"] if v["local_bytes"] > 256]
     assert heavy == []
+
+
+def test_fp8_kv_compiles_for_an_a100_as_codes(tmp_path) -> None:
+    # sm_80 has no E4M3 type in Triton: the FP8 cache goes to the kernels as uint8 codes (fp8_as_codes).
+    report = compile_report(tmp_path / "sm80.json", "--quick", "--arch", "80", "--only", "float8_e4m3fn")
+    assert report["failures"] == [] and report["case_errors"] == {}
+    assert {v["kernel"] for v in report["variants"]} >= {"_store_kv_kernel", "_decode_kernel", "_prefill_kernel"}

@@ -134,25 +134,25 @@ DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn
 
 def _attention_cases(full: bool, arch: int) -> list[tuple[str, Callable[[], None]]]:
     from brisk.kernels import triton_attention as ta
-    from brisk.layers.kv_fp8 import FP8_KV_DTYPE, TRITON_FP8_MIN_CAPABILITY
 
-    # Before sm_89 brisk refuses an FP8 KV cache at start-up (layers/kv_fp8.py): Triton has no E4M3 there.
-    fp8_runs = arch >= 10 * TRITON_FP8_MIN_CAPABILITY[0] + TRITON_FP8_MIN_CAPABILITY[1]
-    dtypes = [(q, kv) for q, kv in DTYPES if fp8_runs or kv != FP8_KV_DTYPE]
+    # Before sm_89 Triton has no E4M3 type: an FP8 cache goes to the kernels as its codes (fp8_as_codes).
+    fp8_codes = (arch // 10, arch % 10) < ta.TRITON_FP8_MIN_CAPABILITY
     cases: list[tuple[str, Callable[[], None]]] = []
     for hd in HEADS if full else HEADS[:1]:
-        for q_dtype, kv_dtype in dtypes:
+        for q_dtype, kv_dtype in DTYPES:
             for page in (32, 16) if full else (32,):
                 for window in {None, hd.window}:
                     label = f"attn {hd.name} {str(q_dtype)[6:]} kv={str(kv_dtype)[6:]} page={page} window={window}"
-                    cases.append((label, _attention_case(ta, hd, q_dtype, kv_dtype, page, window)))
+                    cases.append((label, _attention_case(ta, hd, q_dtype, kv_dtype, page, window, fp8_codes)))
     # Pools of 2^31 elements and more take 64-bit cache offsets (a big H200 pool at TP1).
-    big_pool = _attention_case(ta, HEADS[0], torch.bfloat16, torch.bfloat16, 32, None, 2**31)
+    big_pool = _attention_case(ta, HEADS[0], torch.bfloat16, torch.bfloat16, 32, None, False, 2**31)
     cases.append(("attn gpt-oss tp1 bfloat16 pool>=2^31", big_pool))
     return cases
 
 
-def _attention_case(ta, hd: Heads, q_dtype, kv_dtype, page: int, window: int | None, pool_elems: int = 0):
+def _attention_case(
+    ta, hd: Heads, q_dtype, kv_dtype, page: int, window: int | None, fp8_codes: bool, pool_elems: int = 0
+):
     from brisk.layers.attention_triton import TritonAttentionBackend
 
     tiles = TritonAttentionBackend().tiles_for(q_dtype)  # what the backend launches for this dtype
@@ -171,11 +171,11 @@ def _attention_case(ta, hd: Heads, q_dtype, kv_dtype, page: int, window: int | N
             table = torch.zeros((b, -(-ctx // page)), dtype=torch.int32)
             lens = torch.full((b,), ctx, dtype=torch.int32)
             kv = q[:, : hd.kv_heads]
-            ta.store_kv_cache(kv, kv, k_cache, v_cache, torch.zeros(b, dtype=torch.int64), k_scale, v_scale)
+            ta.store_kv_cache(kv, kv, k_cache, v_cache, torch.zeros(b, dtype=torch.int64), k_scale, v_scale, fp8_codes)
             ta.paged_decode_attention(
                 q, k_cache, v_cache, table, lens, 0.125, sliding_window=window, sinks=sinks, max_seq_len=ctx,
                 block_n=tiles.decode_block_n, partition_size=partition, num_warps=tiles.decode_warps,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, fp8_codes=fp8_codes,
             )  # fmt: skip
         # Prefill: two 1k prompts after 1k of cached context each.
         q = torch.empty((2048, hd.heads, hd.head_dim), dtype=q_dtype)
@@ -186,6 +186,7 @@ def _attention_case(ta, hd: Heads, q_dtype, kv_dtype, page: int, window: int | N
             q, k_cache, v_cache, table, cu, lens, 0.125, sliding_window=window, sinks=sinks,
             block_q=ta.default_prefill_block_q(hd.heads, hd.kv_heads, tiles.prefill_block_m),
             block_n=tiles.prefill_block_n, num_warps=tiles.prefill_warps, k_scale=k_scale, v_scale=v_scale,
+            fp8_codes=fp8_codes,
         )  # fmt: skip
 
     return run

@@ -23,7 +23,9 @@ Shared design:
 * FP8 KV cache (E4M3, static scales per KV head, layers/kv_fp8.py): the store kernel writes
   clamp(x / scale) in E4M3 (round to nearest even); the attention kernels convert the tiles to the
   query's dtype in registers (exact: E4M3 is a subset of bf16) and fold the K scale into the score
-  scale and the V scale into the output, so accumulation stays fp32 and nothing else changes.
+  scale and the V scale into the output, so accumulation stays fp32 and nothing else changes. Before sm_89
+  (A100) Triton has no E4M3 type: the kernels then take the cache's bytes as uint8 codes (FP8_CODES) and
+  convert with integer ops, bit for bit the same values.
 * fp32 inputs multiply in IEEE fp32 (tf32 would miss the tests' tolerance); bf16/fp16 use tensor cores
   with fp32 accumulation. On the CPU interpreter every dot runs in fp32 because the interpreter's
   bf16 `tl.dot` is wrong (triton 3.9); operands are still rounded to the input dtype first.
@@ -41,6 +43,7 @@ from brisk.kernels import interpreting
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 
 LOG2E = 1.4426950408889634
+TRITON_FP8_MIN_CAPABILITY = (8, 9)  # Triton's E4M3 type (fp8e4nv) exists from sm_89 (Ada, Hopper, Blackwell) on
 
 
 def _next_pow2(n: int) -> int:
@@ -57,6 +60,20 @@ def _use_f32_dot(x: torch.Tensor) -> bool:
 
 def _needs_64bit_offsets(cache: torch.Tensor) -> bool:
     return cache.numel() >= 2**31
+
+
+def fp8_as_codes(cache: torch.Tensor, forced: bool | None = None) -> bool:
+    """Whether an FP8 cache goes to the kernels as its E4M3 codes in uint8 (see _e4m3_decode): on a GPU before sm_89,
+    where Triton has no E4M3 type, or where `forced` says so (the tests, the CPU interpreter)."""
+    if cache.dtype != FP8_KV_DTYPE:
+        return False
+    if forced is not None:
+        return forced
+    return cache.is_cuda and torch.cuda.get_device_capability(cache.device) < TRITON_FP8_MIN_CAPABILITY
+
+
+def _as_stored(cache: torch.Tensor, codes: bool) -> torch.Tensor:
+    return cache.view(torch.uint8) if codes else cache
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,6 +100,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     KVH_P: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_CODES: tl.constexpr,
 ):
     # One program per token: its K and V rows for all KV heads.
     t = tl.program_id(0)
@@ -100,6 +118,9 @@ def _store_kv_kernel(
         v_scale = tl.load(v_scale_ptr + h, mask=mask, other=1.0)
         k = _round_to_e4m3(k.to(tl.float32) / k_scale)
         v = _round_to_e4m3(v.to(tl.float32) / v_scale)
+        if FP8_CODES:
+            k = _e4m3_encode(k)
+            v = _e4m3_encode(v)
     tl.store(
         k_cache_ptr + slot * stride_kc_slot + h * stride_kc_head + d, k.to(k_cache_ptr.dtype.element_ty), mask=mask
     )
@@ -120,6 +141,31 @@ def _round_to_e4m3(x):
     return (x + magic) - magic
 
 
+# Before sm_89 Triton has no E4M3 type (fp8e4nv): an FP8 cache is then read and written as its E4M3 codes in uint8
+# (FP8_CODES), converted by integer ops in registers. Same bytes in memory, so nothing else changes.
+@triton.jit
+def _e4m3_encode(r):
+    """The E4M3 code (uint8) of r, an fp32 value already on E4M3's grid (_round_to_e4m3), -0 kept."""
+    bits = r.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    exponent = (bits >> 23) & 0xFF  # fp32's biased exponent; E4M3's normals are 2^-6 (121) up
+    normal = ((exponent - 120) << 3) | ((bits >> 20) & 0x7)
+    subnormal = (tl.abs(r) * 512.0).to(tl.int32)  # k * 2^-9, k in 0..7
+    return (sign | tl.where(exponent >= 121, normal, subnormal)).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """fp32 of E4M3 codes (uint8); the cache holds no NaN code (stores saturate at +-448)."""
+    c = code.to(tl.int32)
+    exponent = (c >> 3) & 0xF
+    mantissa = c & 0x7
+    normal = (((c & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
+    subnormal = tl.where((c & 0x80) != 0, -subnormal, subnormal)
+    return tl.where(exponent == 0, subnormal, normal)
+
+
 def store_kv_cache(
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
@@ -128,6 +174,7 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
     k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 cache's static scales
     v_scale: torch.Tensor | None = None,
+    fp8_codes: bool | None = None,  # an FP8 cache as E4M3 codes (None: where the GPU has no E4M3 type)
 ) -> None:
     t, kvh, d = k.shape
     if t == 0:
@@ -136,11 +183,12 @@ def store_kv_cache(
     _check_cache(v_cache, kvh, d)
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
     assert slot_mapping.shape[0] == t
+    codes = fp8_as_codes(k_cache, fp8_codes)
     _store_kv_kernel[(t,)](
         k,
         v,
-        k_cache,
-        v_cache,
+        _as_stored(k_cache, codes),
+        _as_stored(v_cache, codes),
         slot_mapping,
         *_scale_args(k_cache, k_scale, v_scale, slot_mapping),
         k.stride(0),
@@ -155,6 +203,7 @@ def store_kv_cache(
         HEAD_DIM=d,
         KVH_P=_next_pow2(kvh),
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        FP8_CODES=codes,
     )
 
 
@@ -221,6 +270,7 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr,
     F32_DOT: tl.constexpr,
     OFFS_64: tl.constexpr,
+    FP8_CODES: tl.constexpr,
 ):
     """Fold the keys [start, start + BLOCK_N) into the online softmax state.
 
@@ -243,6 +293,8 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + offs, mask=in_range[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + offs)
+    if FP8_CODES:
+        k = _e4m3_decode(k)
     k = k.to(q.dtype)
 
     s = _dot(q, tl.trans(k), F32_DOT) * scale_log2  # [M, N] logits in base 2
@@ -263,6 +315,8 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + offs, mask=in_range[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + offs)
+    if FP8_CODES:
+        v = _e4m3_decode(v)
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
     return acc, m_new, l_i
@@ -319,6 +373,7 @@ def _prefill_kernel(
     F32_DOT: tl.constexpr,
     OFFS_64: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_CODES: tl.constexpr,
 ):
     # Program = (query tile, KV head). A tile is BLOCK_Q consecutive new tokens of one sequence; the
     # host lists the tiles (heaviest first), so no program is launched just to exit.
@@ -393,6 +448,7 @@ def _prefill_kernel(
             HAS_WINDOW,
             F32_DOT,
             OFFS_64,
+            FP8_CODES,
         )
     for start in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -420,6 +476,7 @@ def _prefill_kernel(
             HAS_WINDOW,
             F32_DOT,
             OFFS_64,
+            FP8_CODES,
         )
     for start in range(full_hi, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -447,6 +504,7 @@ def _prefill_kernel(
             HAS_WINDOW,
             F32_DOT,
             OFFS_64,
+            FP8_CODES,
         )
 
     # Padding rows may have l == 0; they are not stored, the guard only keeps them NaN-free.
@@ -508,6 +566,7 @@ def paged_prefill_attention(
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 cache's static scales
     v_scale: torch.Tensor | None = None,
+    fp8_codes: bool | None = None,  # an FP8 cache as E4M3 codes (None: where the GPU has no E4M3 type)
 ) -> torch.Tensor:
     """Causal attention of every listed tile's new tokens over the paged context. Rows of `out`
     belonging to sequences without tiles are left untouched."""
@@ -531,10 +590,11 @@ def paged_prefill_attention(
     group_p = _next_pow2(group)
     assert block_q * group_p >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16"
     window = sliding_window if sliding_window is not None else 0
+    codes = fp8_as_codes(k_cache, fp8_codes)
     _prefill_kernel[(num_tiles, kvh)](
         q,
-        k_cache,
-        v_cache,
+        _as_stored(k_cache, codes),
+        _as_stored(v_cache, codes),
         out,
         sinks if sinks is not None else q,
         block_table,
@@ -565,6 +625,7 @@ def paged_prefill_attention(
         F32_DOT=_use_f32_dot(q),
         OFFS_64=_needs_64bit_offsets(k_cache),
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        FP8_CODES=codes,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -624,6 +685,7 @@ def _decode_kernel(
     F32_DOT: tl.constexpr,
     OFFS_64: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_CODES: tl.constexpr,
 ):
     # Program = (decode sequence, KV head, partition). Rows are the GROUP query heads of the KV head.
     i = tl.program_id(0)
@@ -686,6 +748,7 @@ def _decode_kernel(
             HAS_WINDOW,
             F32_DOT,
             OFFS_64,
+            FP8_CODES,
         )
 
     if KV_FP8:
@@ -797,6 +860,7 @@ def paged_decode_attention(
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 cache's static scales
     v_scale: torch.Tensor | None = None,
+    fp8_codes: bool | None = None,  # an FP8 cache as E4M3 codes (None: where the GPU has no E4M3 type)
 ) -> torch.Tensor:
     """Attention for sequences with exactly one new token (the last position of their context)."""
     t, h, d = q.shape
@@ -830,10 +894,11 @@ def paged_decode_attention(
     part_l = torch.empty((n, h, max_parts), dtype=f32, device=q.device) if split else out
     part_acc = torch.empty((n, h, max_parts, d), dtype=f32, device=q.device) if split else out
     sinks_arg = sinks if sinks is not None else q
+    codes = fp8_as_codes(k_cache, fp8_codes)
     _decode_kernel[(n, kvh, max_parts)](
         q,
-        k_cache,
-        v_cache,
+        _as_stored(k_cache, codes),
+        _as_stored(v_cache, codes),
         out,
         sinks_arg,
         part_m,
@@ -868,6 +933,7 @@ def paged_decode_attention(
         F32_DOT=_use_f32_dot(q),
         OFFS_64=_needs_64bit_offsets(k_cache),
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        FP8_CODES=codes,
         num_warps=num_warps,
         num_stages=num_stages,
     )

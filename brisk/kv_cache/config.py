@@ -115,8 +115,7 @@ class KvCacheConfig(OptionModel):
         "auto",
         "the KV cache's dtype; auto: the model's compute dtype (bfloat16 / float16: the same, where it is that one); "
         "fp8 / fp8_e4m3: FP8 E4M3 with static per-layer K and V scales (the checkpoint's k_scale / v_scale, else "
-        "1.0), twice the tokens per GiB (on a GPU: compute capability 8.9+ for the Triton kernels); fp8_e5m2, nvfp4, "
-        "fp8_inc and fp8_ds_mla are refused with the reason",
+        "1.0), twice the tokens per GiB; fp8_e5m2, nvfp4, fp8_inc and fp8_ds_mla are refused with the reason",
         vllm="kv_cache_dtype",
         trtllm="kv_cache_config.dtype",
     )

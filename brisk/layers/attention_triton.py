@@ -16,12 +16,14 @@ import torch
 
 from brisk.kernels.triton_attention import (
     default_prefill_block_q,
+    fp8_as_codes,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_tiles,
     store_kv_cache,
 )
 from brisk.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,12 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_block_n: int | None = None,
         decode_block_n: int | None = None,
         decode_partition_size: int | None = None,  # None: sized to fill the GPU
+        fp8_codes: bool | None = None,  # an FP8 cache as E4M3 codes in uint8; None: where the GPU has no E4M3 type
     ) -> None:
         given = dict(prefill_block_m=prefill_block_m, prefill_block_n=prefill_block_n, decode_block_n=decode_block_n)
         self.tile_overrides = {name: size for name, size in given.items() if size is not None}
         self.decode_partition_size = decode_partition_size
+        self.fp8_codes = fp8_codes  # resolved at the first FP8 cache (one backend serves one device)
 
     def tiles_for(self, dtype: torch.dtype) -> Tiles:
         """The launch shapes for queries of this dtype: the constructor's sizes where given, else the dtype's."""
@@ -132,7 +136,12 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None,  # [H]
     ) -> torch.Tensor:
         g = layer.kv_group
-        store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g], layer.k_scale, layer.v_scale)
+        if self.fp8_codes is None and layer.k_cache.dtype == FP8_KV_DTYPE:
+            self.fp8_codes = fp8_as_codes(layer.k_cache)
+        codes = self.fp8_codes
+        store_kv_cache(
+            k, v, layer.k_cache, layer.v_cache, meta.slot_mappings[g], layer.k_scale, layer.v_scale, fp8_codes=codes
+        )
         tiles = self.tiles_for(q.dtype)
         block_q = default_prefill_block_q(layer.num_heads, layer.num_kv_heads, tiles.prefill_block_m)
         plan = self._step_plan(meta, block_q, q.device)
@@ -157,6 +166,7 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out,
                 k_scale=layer.k_scale,
                 v_scale=layer.v_scale,
+                fp8_codes=codes,
             )
         if plan.tile_seqs.numel():
             paged_prefill_attention(
@@ -177,5 +187,6 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out,
                 k_scale=layer.k_scale,
                 v_scale=layer.v_scale,
+                fp8_codes=codes,
             )
         return out

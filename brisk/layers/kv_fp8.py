@@ -7,7 +7,8 @@ precision is the same at any magnitude down to 2^-6). Static scales keep a block
 be copied (prefix caching, a host tier) as raw bytes with no per-block metadata.
 
 Every attention path reads through these: the torch reference (layers/attention.py), the C decode kernel (scales
-folded into the score scale and the output) and the Triton kernels (the same, in registers).
+folded into the score scale and the output) and the Triton kernels (the same, in registers; on GPUs before sm_89,
+where Triton has no E4M3 type, from the cache's bytes as codes converted by integer ops).
 """
 
 from __future__ import annotations
@@ -19,24 +20,9 @@ import torch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
-# Triton converts to and from E4M3 ("fp8e4nv") from sm_89 on (Ada, Hopper, Blackwell): for an A100 its attention
-# kernels do not compile (tools/compile_kernels.py --arch 80).
-TRITON_FP8_MIN_CAPABILITY = (8, 9)
 # vLLM / ModelOpt / compressed-tensors checkpoints: model.layers.N.self_attn{.k_proj|.attn|}.{k,v}_scale, and the
 # deprecated .kv_scale (one scale for both).
 _KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:[a-z_]+\.)?(k_scale|v_scale|kv_scale)$")
-
-
-def fp8_kv_unsupported(attention_backend: str, capability: tuple[int, int] | None) -> str | None:
-    """Why an FP8 KV cache cannot run with this attention backend on a GPU of this compute capability (None on a
-    CPU), or None when it can."""
-    if attention_backend != "triton" or capability is None or capability >= TRITON_FP8_MIN_CAPABILITY:
-        return None
-    return (
-        f"an FP8 (E4M3) KV cache with the Triton attention kernels needs a GPU of compute capability 8.9 or later "
-        f"(Ada, Hopper, Blackwell); this one is {capability[0]}.{capability[1]}: use kv_cache_dtype auto, or "
-        f"attention_backend torch (slower)"
-    )
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

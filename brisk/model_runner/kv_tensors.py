@@ -25,7 +25,7 @@ from brisk.config import EngineConfig, KvCacheConfig
 from brisk.errors import ConfigError
 from brisk.kv_cache.manager import KVGroupSpec, cdiv
 from brisk.layers.attention import Attention
-from brisk.layers.kv_fp8 import FP8_KV_DTYPE, fp8_kv_unsupported
+from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 from brisk.model_runner.memory import available_host_memory
 from brisk.spec_decode.proposer import Proposer
 
@@ -35,15 +35,10 @@ GIB = 1 << 30
 
 
 def kv_group_dtypes(
-    kv_config: KvCacheConfig,
-    model_dtype: torch.dtype,
-    groups: list[KVGroupSpec],
-    attention_backend: str,
-    device: torch.device,
+    kv_config: KvCacheConfig, model_dtype: torch.dtype, groups: list[KVGroupSpec]
 ) -> tuple[torch.dtype, ...]:
     """Per KV group, the dtype its K and V are stored in: FP8 E4M3 under an FP8 KV cache, else the model's dtype;
-    one dtype for all groups (they share the slot tensors). An FP8 cache the attention backend cannot read on this
-    device is a start-up error."""
+    one dtype for all groups (they share the slot tensors)."""
     if not kv_config.fp8:
         named = getattr(torch, kv_config.dtype, None) if kv_config.dtype != "auto" else None
         if named is not None and named != model_dtype:
@@ -60,10 +55,6 @@ def kv_group_dtypes(
             model_dtype,
         )
         return (model_dtype,) * len(groups)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    unsupported = fp8_kv_unsupported(attention_backend, capability)
-    if unsupported is not None:
-        raise ConfigError(unsupported)
     return (FP8_KV_DTYPE,) * len(groups)
 
 

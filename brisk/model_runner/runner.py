@@ -83,7 +83,7 @@ class ModelRunner:
             model_config.head_dim,
             model_config.dtype,
             proposer.kv_bytes_per_block(self.block_size) if self.drafter is not None and proposer else 0,
-            kv_group_dtypes(config.kv_cache_config, model_config.dtype, self.kv_groups, kernels.attention.name, device),
+            kv_group_dtypes(config.kv_cache_config, model_config.dtype, self.kv_groups),
         )
         self.num_blocks = 0  # set by allocate_kv_cache (setup.py)
         self.host_kv: HostKVCache | None = None  # the host KV tier (kv_cache_config.host_cache_size; setup.py)
