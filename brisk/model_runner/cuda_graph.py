@@ -8,7 +8,9 @@ runner pads shorter draft lists to k, as trtllm does, since any draft keeps the 
 requests is B x (k + 1) tokens on its own set of buffers and graphs. On a GPU each size is
 captured once at start-up (warm-up run, then `torch.cuda.CUDAGraph` capture into one shared memory pool) and a
 step is a copy of its inputs into the buffers plus one replay; on a CPU the padded buffers are all there is,
-which is what CI tests of this path run.
+which is what CI tests of this path run. tests/test_gpu_path_on_cpu.py also rehearses the GPU's way on the CPU:
+the Triton backends bound, each shape's capture call (`capture_args`) made once and repeated as its replay, and
+no host synchronisation inside it.
 
 Under attention data parallelism the MoE layers gather every DP rank's rows, so the ranks' steps must have one
 shape for a captured graph to hold: a decode step runs on the static buffers only when every rank's does, at the
@@ -28,7 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -76,6 +78,33 @@ class GraphedModel:
     max_blocks_per_row: int
 
 
+def aux_hidden_states(model: BriskModel) -> list[torch.Tensor] | None:
+    """EAGLE3 targets: the hidden states entering three layers that the last forward kept (None for others)."""
+    aux = getattr(getattr(model, "model", None), "aux_hidden_states", None)
+    return list(aux) if aux else None
+
+
+class Replayable(Protocol):
+    def replay(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Run the captured step again on the static buffers' current contents: (hidden states of every padded
+        row, EAGLE3's aux hidden states or None)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    """One captured CUDA graph and the outputs its replay refills in place."""
+
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor
+    aux: list[torch.Tensor] | None
+    meta: AttentionMetadata  # held: the attention plans the graph reads live on it
+
+    def replay(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        self.graph.replay()
+        return self.hidden, self.aux
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -111,10 +140,7 @@ class DecodeGraphs:
         # What padding rows compute (tests poison these): their slots stay in the null block whatever they are.
         self.pad_input_id = 0
         self.pad_position = 0
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._graph_hidden: dict[tuple[int, int], torch.Tensor] = {}
-        self._graph_aux: dict[tuple[int, int], list[torch.Tensor]] = {}  # EAGLE3's aux hidden states, per graph
-        self._graph_meta: dict[tuple[int, int], AttentionMetadata] = {}
+        self.captured: dict[tuple[int, int], Replayable] = {}  # by (requests, tokens per request)
 
     def padded_shape(self, step: StepBatch) -> tuple[int, int] | None:
         """(padded requests, tokens per request) this step runs at, or None to run it eagerly."""
@@ -201,17 +227,32 @@ class DecodeGraphs:
             block_size=self.target.block_size,
         )
         if self.capture:
-            self._graphs[padded, t].replay()
-            if (padded, t) in self._graph_aux:  # the replay refilled the captured aux tensors
+            hidden, aux = self.captured[padded, t].replay()
+            if aux is not None:  # the replay refilled the captured aux tensors
                 decoder: Any = self.target.model.model  # llama.py's DecoderModel (EAGLE3 targets are CausalLMs)
-                decoder.aux_hidden_states = self._graph_aux[padded, t]
-            return self._graph_hidden[padded, t][:n]
+                decoder.aux_hidden_states = aux
+            return hidden[:n]
         meta = self._meta(padded, t, width)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
         meta.attn_plan = self.target.attention.prepare(meta)
         return self.target.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """(requests, tokens per request) of every graph, in capture order: largest first, so that the smaller
+        ones reuse the pool's memory."""
+        return [(size, t) for t in self.query_lens for size in reversed(self.sizes)]
+
+    def capture_args(self, size: int, t: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The model's arguments that one graph captures: views of the static buffers and metadata whose attention
+        plan is built from the shape alone (the backend's plans are made at the first layer of the capture and
+        hold for every replay)."""
+        meta = self._meta(size, t, self.max_blocks)
+        meta.seq_lens = [t] * size
+        self.seq_lens[:size] = t
+        meta.attn_plan = self.target.attention.prepare(meta)
+        return self.input_ids[: size * t], self.positions[: size * t], meta
+
     def capture_all(self) -> None:
         """Capture one graph per size, largest first, sharing one memory pool; log the time and memory."""
         if not self.capture:
@@ -221,14 +262,9 @@ class DecodeGraphs:
         free_before, _ = torch.cuda.mem_get_info(device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
-        shapes = [(size, t) for t in self.query_lens for size in reversed(self.sizes)]
+        shapes = self.graph_shapes()
         for size, t in shapes:
-            meta = self._meta(size, t, self.max_blocks)
-            meta.seq_lens = [t] * size
-            self.seq_lens[:size] = t
-            meta.attn_plan = self.target.attention.prepare(meta)
-            self._graph_meta[size, t] = meta
-            args = (self.input_ids[: size * t], self.positions[: size * t], meta)
+            args = self.capture_args(size, t)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning, lazy allocations, workspace sizes
@@ -236,11 +272,8 @@ class DecodeGraphs:
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._graph_hidden[size, t] = model(*args)
-            self._graphs[size, t] = graph
-            aux = getattr(getattr(model, "model", None), "aux_hidden_states", None)
-            if aux:  # EAGLE3: the target's hidden states entering three layers, outputs of this graph too
-                self._graph_aux[size, t] = list(aux)
+                hidden = model(*args)
+            self.captured[size, t] = CapturedGraph(graph, hidden, aux_hidden_states(model), args[2])
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
         logger.info(

@@ -1,0 +1,232 @@
+"""The engine's GPU path rehearsed on the CPU: the Triton attention and MoE backends bound to the model (no CPU
+kernels), Triton kernels in the interpreter, and decode / verification steps replayed from "captured" calls.
+
+A GPU run of brisk must not find its first bug in the glue between the kernels and the runner: the kernels are
+checked one by one (test_triton_attention.py, test_triton_moe.py, test_kv_fp8.py), and this checks the whole step
+path a GPU takes, end to end against the CPU reference engine:
+
+- greedy tokens identical to the reference with MXFP4 experts, FP8 KV, n-gram and EAGLE3 speculation (verification
+  steps on the static buffers) and overlap scheduling;
+- what a CUDA graph does, emulated: each static shape's call is made once with the metadata `capture_all` builds
+  (the attention plans come from the shape alone) and that same call is what every "replay" runs, so a plan that
+  depended on the step it was captured at would give wrong tokens here;
+- nothing in the captured forward synchronises with the host (`.item()`, `.tolist()`, `bool(tensor)`, `nonzero`,
+  host data to the device...), which on a GPU fails the capture ("operation not permitted when stream is
+  capturing") or freezes a value into the graph. A TorchFunctionMode sees every such call made from brisk's code;
+  that it sees the torch backends' (`graph_safe = False`) is checked too.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import brisk
+from brisk import LLM, SamplingParams
+from brisk.layers.attention import TorchAttentionBackend
+from brisk.layers.attention_triton import TritonAttentionBackend
+from brisk.layers.moe import TorchMoEBackend
+from brisk.layers.moe_triton import TritonMoEBackend
+from brisk.model_runner import setup
+from brisk.model_runner.binding import Kernels
+from brisk.model_runner.cuda_graph import DecodeGraphs, aux_hidden_states
+from brisk.models.registry import BriskModel
+from tests.test_spec_graphs import record_static_steps
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rehearsal; test_gpu_e2e.py runs the GPU")
+
+K = 3
+BRISK_DIR = str(Path(brisk.__file__).parent)
+TORCH_DIR = str(Path(torch.__file__).parent)
+GRAPHS = {"batch_sizes": [1, 2, 4, 8], "enable_padding": True}
+OPTIONS = dict(
+    seed=0, dtype="float32", tokens_per_block=16, max_num_tokens=64, max_seq_len=64, check_kv_invariants=True
+)
+NGRAM = {"decoding_type": "NGram", "max_draft_len": K, "max_matching_ngram_size": 2}
+# Calls that make the host wait for the device (or copy host data to it): none may run inside a captured graph.
+HOST_SYNCS = {
+    "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero", "argwhere",
+    "masked_select", "unique", "unique_consecutive", "bincount", "tensor", "as_tensor", "from_numpy",
+}  # fmt: skip
+
+
+@dataclass
+class HostSyncs:
+    """Where brisk's code made a host-synchronising call: (call, file, line) of every one seen."""
+
+    seen: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def guard(self) -> TorchFunctionMode:
+        return _HostSyncGuard(self.seen)
+
+
+class _HostSyncGuard(TorchFunctionMode):
+    def __init__(self, seen: list[tuple[str, str, int]]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        boolean_index = name in ("__getitem__", "__setitem__") and _has_bool_tensor(args[1:2])
+        if name in HOST_SYNCS or boolean_index or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
+            frame: FrameType | None = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
+                frame = frame.f_back
+            # Only brisk's own calls: Triton's interpreter copies tensors to the host to run kernels on the CPU.
+            if frame is not None and frame.f_code.co_filename.startswith(BRISK_DIR):
+                self.seen.append((name, frame.f_code.co_filename, frame.f_lineno))
+        return func(*args, **(kwargs or {}))
+
+
+def _has_bool_tensor(index) -> bool:
+    items = index[0] if index and isinstance(index[0], tuple) else index
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def watched(model: Callable[..., torch.Tensor], syncs: HostSyncs) -> Callable[..., torch.Tensor]:
+    """`model`, its host syncs noted in `syncs`."""
+
+    def call(*args) -> torch.Tensor:
+        with syncs.guard():
+            return model(*args)
+
+    return call
+
+
+@dataclass
+class ReplayedCall:
+    """Stands in for a captured CUDA graph: the call the capture made (the same static buffers, metadata and
+    attention plans), made again at every replay, watched for host syncs."""
+
+    model: BriskModel
+    args: tuple
+    syncs: HostSyncs
+
+    def replay(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        return watched(self.model, self.syncs)(*self.args), aux_hidden_states(self.model)
+
+
+def capture_on_cpu(graphs: DecodeGraphs, syncs: HostSyncs) -> None:
+    """What `capture_all` does on a GPU, with calls for graphs: per shape the warm-up call, then the capture call
+    (watched), whose arguments every replay reuses."""
+    model = graphs.target.model
+    for size, t in graphs.graph_shapes():
+        args = graphs.capture_args(size, t)
+        model(*args)  # warm-up: builds the attention plans, outside the capture as on a GPU
+        watched(model, syncs)(*args)  # the capture
+        graphs.captured[size, t] = ReplayedCall(model, args, syncs)
+    graphs.capture = True
+
+
+def _prompts() -> list[dict]:
+    """Five prompts (a batch padded to 8), two of them copy-heavy (prompt lookup drafts their continuation)."""
+    rng = random.Random(11)
+    prompts = []
+    for n in (6, 11):
+        passage = [rng.randrange(1, 512) for _ in range(n)]
+        prompts.append(passage + passage[: n // 2] + passage[:3])
+    prompts += [[rng.randrange(1, 512) for _ in range(n)] for n in (3, 9, 20)]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _eagle3_head(target_path: str, root: Path) -> dict:
+    from brisk.config import ModelConfig
+    from tests.test_eagle3_model import head_config, head_weights, write_head
+
+    target = ModelConfig.from_pretrained(target_path, dtype="float32")
+    aux = [1, target.num_layers // 2, target.num_layers - 1]
+    config = head_config(target, eagle_config={"eagle_aux_hidden_state_layer_ids": aux})
+    head = write_head(root / "head", config, head_weights(target, seed=5))
+    return {"method": "eagle3", "num_speculative_tokens": K, "model": head}
+
+
+def _generate_on_the_gpu_path(path: str, kernels: Kernels, monkeypatch, capture: bool = True, **options):
+    """Greedy outputs of `_prompts()` with `kernels` bound and the static steps replayed from emulated captures
+    (capture=False: run on the static buffers, watched, as a GPU runs backends it cannot capture); also (requests,
+    padded requests, tokens per request) of every static step and the host syncs seen."""
+    syncs = HostSyncs()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(setup, "make_kernels", lambda config, device: kernels)
+        llm = LLM(path, **OPTIONS, cuda_graph_config=GRAPHS, **options)
+    with llm:
+        runner = llm.engine.executor.runner
+        assert runner.kernels is kernels and runner.graphs is not None
+        if capture:
+            capture_on_cpu(runner.graphs, syncs)
+        else:
+            target = runner.graphs.target
+            runner.graphs.target = replace(target, model=watched(target.model, syncs))
+        shapes = record_static_steps(runner.graphs)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+        assert llm.engine.kv.pool.num_used == 0
+    return tokens, shapes, syncs.seen
+
+
+def _reference(path: str, **options) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(path, **OPTIONS, **options) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+
+
+def _triton_kernels(split_k: bool = True) -> Kernels:
+    """The GPU's backends. split_k: decode in partitions of 16 keys, so the replays' split-K is sized by the
+    captured bound (max_seq_len) as on a GPU with long contexts (else the fp32 tiles, one partition here)."""
+    attention = TritonAttentionBackend(decode_block_n=16, decode_partition_size=16) if split_k else None
+    return Kernels(attention or TritonAttentionBackend(), TritonMoEBackend(), None)
+
+
+CASES: dict[str, tuple[str, bool, bool, dict[str, Any]]] = {  # (architecture, MXFP4 experts, split-K decode, options)
+    "gpt_oss-mxfp4-overlap": ("gpt_oss", True, False, dict(disable_overlap_scheduler=False)),
+    "gpt_oss-fp8-kv": ("gpt_oss", False, True, dict(kv_cache_config={"dtype": "fp8"})),
+    "gpt_oss-ngram": ("gpt_oss", False, True, dict(speculative_config=NGRAM)),
+    "llama-ngram": ("llama", False, True, dict(speculative_config=NGRAM)),
+    "gpt_oss-eagle3": ("gpt_oss", False, True, dict(speculative_config="eagle3")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path, monkeypatch):
+    arch, mxfp4, split_k, options = CASES[case]
+    path = make_tiny_model(arch, tmp_path / "m", seed=0, mxfp4=mxfp4)
+    make_tiny_tokenizer(path)
+    if options.get("speculative_config") == "eagle3":
+        options = {**options, "speculative_config": _eagle3_head(path, tmp_path)}
+    # The reference: the CPU engine's own kernels, no speculation (speculation keeps greedy output exact).
+    reference = _reference(path, **{k: v for k, v in options.items() if k != "speculative_config"})
+    kernels = _triton_kernels(split_k)
+    assert kernels.graph_safe  # a GPU captures these
+    tokens, shapes, syncs = _generate_on_the_gpu_path(path, kernels, monkeypatch, **options)
+    assert tokens == reference
+    assert not syncs, f"host syncs in the captured forward: {sorted(set(syncs))}"
+    assert any(padded > b and t == 1 for b, padded, t in shapes), "no padded decode step was replayed"
+    if "speculative_config" in options:
+        assert any(t == K + 1 for _, _, t in shapes), "no verification step was replayed"
+
+
+def test_the_checks_see_what_the_backends_a_gpu_does_not_capture_do(tmp_path, monkeypatch):
+    """The torch backends (`graph_safe = False`: a GPU runs their static steps uncaptured) sync with the host, the
+    MoE sizing its work with `.tolist()`, and plan attention from the step's host lists: the guard sees the former
+    and replays of their captures give wrong tokens, so both checks' silence on the Triton backends means
+    something."""
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    reference = _reference(path)
+    kernels = Kernels(TorchAttentionBackend(), TorchMoEBackend(), None)
+    assert not kernels.graph_safe
+    tokens, shapes, syncs = _generate_on_the_gpu_path(path, kernels, monkeypatch, capture=False)
+    assert tokens == reference and shapes
+    assert any(name == "tolist" and file.endswith("moe.py") for name, file, _ in syncs)
+    replayed, _, _ = _generate_on_the_gpu_path(path, kernels, monkeypatch)
+    assert replayed != reference
