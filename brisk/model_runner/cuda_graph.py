@@ -8,7 +8,7 @@ runner pads shorter draft lists to k, as trtllm does, since any draft keeps the 
 requests is B x (k + 1) tokens on its own set of buffers and graphs. On a GPU each size is
 captured once at start-up (warm-up run, then `torch.cuda.CUDAGraph` capture into one shared memory pool) and a
 step is a copy of its inputs into the buffers plus one replay; on a CPU the padded buffers are all there is,
-which is what CI tests of this path run. tests/test_gpu_path_on_cpu.py also rehearses the GPU's way on the CPU:
+which is what CI tests of this path run. tests/test_rehearsed_gpu_path.py also rehearses the GPU's way on the CPU:
 the Triton backends bound, each shape's capture call (`capture_args`) made once and repeated as its replay, and
 no host synchronisation inside it.
 
