@@ -6,7 +6,8 @@ checked one by one (test_triton_attention.py, test_triton_moe.py, test_kv_fp8.py
 path a GPU takes, end to end against the CPU reference engine:
 
 - greedy tokens identical to the reference with MXFP4 experts, FP8 KV, n-gram and EAGLE3 speculation (verification
-  steps on the static buffers) and overlap scheduling;
+  steps on the static buffers), overlap scheduling, chunked prefill (a chunk reads the earlier ones' KV as a prefix hit does), preemption and
+  the host KV tier;
 - what a CUDA graph does, emulated: each static shape's call is made once with the metadata `capture_all` builds
   (the attention plans come from the shape alone) and that same call is what every "replay" runs, so a plan that
   depended on the step it was captured at would give wrong tokens here;
@@ -154,12 +155,12 @@ def _eagle3_head(target_path: str, root: Path) -> dict:
 def _generate_on_the_gpu_path(path: str, kernels: Kernels, monkeypatch, capture: bool = True, **options):
     """Greedy outputs of `_prompts()` with `kernels` bound and the static steps replayed from emulated captures
     (capture=False: run on the static buffers, watched, as a GPU runs backends it cannot capture); also (requests,
-    padded requests, tokens per request) of every static step and the host syncs seen."""
+    padded requests, tokens per request) of every static step, the host syncs seen and the engine's stats."""
     syncs = HostSyncs()
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with monkeypatch.context() as patch:
         patch.setattr(setup, "make_kernels", lambda config, device: kernels)
-        llm = LLM(path, **OPTIONS, cuda_graph_config=GRAPHS, **options)
+        llm = LLM(path, **{**OPTIONS, **options}, cuda_graph_config=GRAPHS)
     with llm:
         runner = llm.engine.executor.runner
         assert runner.kernels is kernels and runner.graphs is not None
@@ -171,12 +172,13 @@ def _generate_on_the_gpu_path(path: str, kernels: Kernels, monkeypatch, capture:
         shapes = record_static_steps(runner.graphs)
         tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
         assert llm.engine.kv.pool.num_used == 0
-    return tokens, shapes, syncs.seen
+        stats = llm.engine.stats()
+    return tokens, shapes, syncs.seen, stats
 
 
 def _reference(path: str, **options) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with LLM(path, **OPTIONS, **options) as llm:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(path, **{**OPTIONS, **options}) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
 
 
@@ -193,6 +195,14 @@ CASES: dict[str, tuple[str, bool, bool, dict[str, Any]]] = {  # (architecture, M
     "gpt_oss-ngram": ("gpt_oss", False, True, dict(speculative_config=NGRAM)),
     "llama-ngram": ("llama", False, True, dict(speculative_config=NGRAM)),
     "gpt_oss-eagle3": ("gpt_oss", False, True, dict(speculative_config="eagle3")),
+    # Prompts chunked (32 tokens a step), a pool too small for the batch: preemption, the host KV tier keeping
+    # evicted blocks.
+    "gpt_oss-chunks-preemption": (
+        "gpt_oss",
+        True,
+        True,
+        dict(max_num_tokens=32, kv_cache_config={"max_blocks": 10, "host_cache_size": 2**20}),
+    ),
 }
 
 
@@ -203,12 +213,15 @@ def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path,
     make_tiny_tokenizer(path)
     if options.get("speculative_config") == "eagle3":
         options = {**options, "speculative_config": _eagle3_head(path, tmp_path)}
-    # The reference: the CPU engine's own kernels, no speculation (speculation keeps greedy output exact).
-    reference = _reference(path, **{k: v for k, v in options.items() if k != "speculative_config"})
+    # The reference: the CPU engine's own kernels, no speculation (speculation keeps greedy output exact), a pool
+    # for everything, no chunks.
+    reference = _reference(path, **{k: v for k, v in options.items() if k == "kv_cache_config" and "dtype" in v})
     kernels = _triton_kernels(split_k)
     assert kernels.graph_safe  # a GPU captures these
-    tokens, shapes, syncs = _generate_on_the_gpu_path(path, kernels, monkeypatch, **options)
+    tokens, shapes, syncs, stats = _generate_on_the_gpu_path(path, kernels, monkeypatch, **options)
     assert tokens == reference
+    if "max_blocks" in options.get("kv_cache_config", {}):
+        assert stats.num_preemptions > 0 and stats.host_bytes_to_host > 0
     assert not syncs, f"host syncs in the captured forward: {sorted(set(syncs))}"
     assert any(padded > b and t == 1 for b, padded, t in shapes), "no padded decode step was replayed"
     if "speculative_config" in options:
@@ -225,8 +238,8 @@ def test_the_checks_see_what_the_backends_a_gpu_does_not_capture_do(tmp_path, mo
     reference = _reference(path)
     kernels = Kernels(TorchAttentionBackend(), TorchMoEBackend(), None)
     assert not kernels.graph_safe
-    tokens, shapes, syncs = _generate_on_the_gpu_path(path, kernels, monkeypatch, capture=False)
+    tokens, shapes, syncs, _ = _generate_on_the_gpu_path(path, kernels, monkeypatch, capture=False)
     assert tokens == reference and shapes
     assert any(name == "tolist" and file.endswith("moe.py") for name, file, _ in syncs)
-    replayed, _, _ = _generate_on_the_gpu_path(path, kernels, monkeypatch)
+    replayed, _, _, _ = _generate_on_the_gpu_path(path, kernels, monkeypatch)
     assert replayed != reference
