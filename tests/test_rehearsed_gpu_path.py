@@ -157,7 +157,6 @@ def _generate_on_the_gpu_path(path: str, kernels: Kernels, monkeypatch, capture:
     (capture=False: run on the static buffers, watched, as a GPU runs backends it cannot capture); also (requests,
     padded requests, tokens per request) of every static step, the host syncs seen and the engine's stats."""
     syncs = HostSyncs()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with monkeypatch.context() as patch:
         patch.setattr(setup, "make_kernels", lambda config, device: kernels)
         llm = LLM(path, **{**OPTIONS, **options}, cuda_graph_config=GRAPHS)
@@ -170,23 +169,29 @@ def _generate_on_the_gpu_path(path: str, kernels: Kernels, monkeypatch, capture:
             target = runner.graphs.target
             runner.graphs.target = replace(target, model=watched(target.model, syncs))
         shapes = record_static_steps(runner.graphs)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+        tokens = _greedy_tokens(llm)
         assert llm.engine.kv.pool.num_used == 0
         stats = llm.engine.stats()
     return tokens, shapes, syncs.seen, stats
 
 
-def _reference(path: str, **options) -> list[list[int]]:
+def _greedy_tokens(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+
+
+def _reference(path: str, **options) -> list[list[int]]:
     with LLM(path, **{**OPTIONS, **options}) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+        return _greedy_tokens(llm)
 
 
 def _triton_kernels(split_k: bool = True) -> Kernels:
     """The GPU's backends. split_k: decode in partitions of 16 keys, so the replays' split-K is sized by the
     captured bound (max_seq_len) as on a GPU with long contexts (else the fp32 tiles, one partition here)."""
-    attention = TritonAttentionBackend(decode_block_n=16, decode_partition_size=16) if split_k else None
-    return Kernels(attention or TritonAttentionBackend(), TritonMoEBackend(), None)
+    attention = (
+        TritonAttentionBackend(decode_block_n=16, decode_partition_size=16) if split_k else TritonAttentionBackend()
+    )
+    return Kernels(attention, TritonMoEBackend(), None)
 
 
 CASES: dict[str, tuple[str, bool, bool, dict[str, Any]]] = {  # (architecture, MXFP4 experts, split-K decode, options)
@@ -213,9 +218,10 @@ def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path,
     make_tiny_tokenizer(path)
     if options.get("speculative_config") == "eagle3":
         options = {**options, "speculative_config": _eagle3_head(path, tmp_path)}
-    # The reference: the CPU engine's own kernels, no speculation (speculation keeps greedy output exact), a pool
-    # for everything, no chunks.
-    reference = _reference(path, **{k: v for k, v in options.items() if k == "kv_cache_config" and "dtype" in v})
+    # The reference: the CPU engine's own kernels and the case's KV dtype; no speculation (speculation keeps greedy
+    # output exact), a pool for everything, no chunks.
+    kv_dtype = options.get("kv_cache_config", {}).get("dtype")
+    reference = _reference(path, **({"kv_cache_config": {"dtype": kv_dtype}} if kv_dtype else {}))
     kernels = _triton_kernels(split_k)
     assert kernels.graph_safe  # a GPU captures these
     tokens, shapes, syncs, stats = _generate_on_the_gpu_path(path, kernels, monkeypatch, **options)

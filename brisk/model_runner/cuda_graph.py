@@ -245,8 +245,8 @@ class DecodeGraphs:
 
     def capture_args(self, size: int, t: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The model's arguments that one graph captures: views of the static buffers and metadata whose attention
-        plan is built from the shape alone (the backend's plans are made at the first layer of the capture and
-        hold for every replay)."""
+        plan is built from the shape alone (the backend's plans are made at the first layer of the warm-up call and
+        hold for the capture and every replay)."""
         meta = self._meta(size, t, self.max_blocks)
         meta.seq_lens = [t] * size
         self.seq_lens[:size] = t
@@ -265,6 +265,7 @@ class DecodeGraphs:
         shapes = self.graph_shapes()
         for size, t in shapes:
             args = self.capture_args(size, t)
+            meta = args[2]
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning, lazy allocations, workspace sizes
@@ -273,7 +274,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 hidden = model(*args)
-            self.captured[size, t] = CapturedGraph(graph, hidden, aux_hidden_states(model), args[2])
+            self.captured[size, t] = CapturedGraph(graph, hidden, aux_hidden_states(model), meta)
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
         logger.info(
