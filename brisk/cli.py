@@ -46,7 +46,8 @@ def _did_you_mean(parser: argparse.ArgumentParser, flag: str) -> str:
     import difflib
 
     name = flag.split("=", 1)[0]
-    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]  # not the peers' options brisk refuses
+    known = [s for a in shown for s in a.option_strings if s.startswith("--")]
     normal = {s.replace("_", "-"): s for s in known}
     close = difflib.get_close_matches(name.replace("_", "-"), list(normal), n=3, cutoff=0.6)
     return f" (did you mean {' or '.join(close)}?)" if close else ""
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     serve.add_argument("model", nargs="?", help="a model folder or Hugging Face id (default: the bundled demo model)")
+    serve.add_argument("--model", dest="model_option", metavar="MODEL", help="MODEL given as a flag (vLLM's spelling)")
     OPTIONS.add_arguments(serve, (OptionFiles, ServerConfig, EngineConfig))
     from brisk.bench import add_subcommands as add_bench_subcommands
 
@@ -76,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "bench":
         import shlex
 
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args, "brisk " + shlex.join(sys.argv[1:] if argv is None else argv))
 
+    if getattr(args, "model_option", None) is not None:
+        if args.model is not None and args.model != args.model_option:
+            parser.error(f"two models given: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
     given = OPTIONS.given(args)
     debug = str(given.get("log_level", "")).lower() in DEBUG_LOG_LEVELS
     try:

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
 from brisk.kv_cache.config import DEFAULT_RETENTION_PRIORITY, KvCacheConfig
-from brisk.options import Alias, OptionError, OptionModel, OptionTable, only_values, option
+from brisk.options import Alias, OptionError, OptionModel, OptionTable, human_int, only_values, option, parse_human_int
+from brisk.peer_options import PEER_OPTIONS
 from brisk.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("brisk.config")
@@ -49,6 +50,18 @@ TRTLLM_ATTENTION_BACKENDS = {
     "flashinfer_star_attention": "auto",
     "vanilla": "torch",
 }
+# vLLM's attention backends (--attention-backend) likewise: its fused GPU kernels -> auto, its Triton kernels ->
+# brisk's, its CPU and SDPA paths -> brisk's CPU kernels and torch reference
+VLLM_ATTENTION_BACKENDS = {
+    "flash_attn": "auto",
+    "flashinfer": "auto",
+    "flex_attention": "auto",
+    "triton_attn": "triton",
+    "cpu_attn": "cpu",
+    "torch_sdpa": "torch",
+}
+# vLLM's compilation_config.cudagraph_mode values that capture decode steps (brisk captures whole decode steps)
+VLLM_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
 # Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
 BRISKS_OWN_ONLY = {
     "backend": (
@@ -72,6 +85,7 @@ class CudaGraphConfig(OptionModel):
         "decode batches up to this size run as captured CUDA graphs (padded to a captured size)",
         ge=0,
         trtllm="cuda_graph_config.max_batch_size",
+        vllm="max_cudagraph_capture_size",
     )
     enable_padding: bool = option(
         True,
@@ -79,7 +93,12 @@ class CudaGraphConfig(OptionModel):
         trtllm="cuda_graph_config.enable_padding",
     )
     batch_sizes: list[int] | None = option(
-        None, "the batch sizes to capture (default: from max_batch_size)", trtllm="cuda_graph_config.batch_sizes"
+        None,
+        "the batch sizes to capture (default: from max_batch_size)",
+        trtllm="cuda_graph_config.batch_sizes",
+        vllm="cudagraph_capture_sizes",
+        nargs="+",
+        parse=int,
     )
 
 
@@ -121,29 +140,6 @@ class StructuredOutputsConfig(OptionModel):
         if isinstance(value, str) and value not in ("auto", "xgrammar"):
             raise ValueError(f"brisk's structured outputs run on xgrammar; backend {value!r} is not available")
         return value
-
-
-def _token_count(value: Any) -> Any:
-    """vLLM's human-readable lengths: 32k, 1M (powers of 1000, as vLLM reads them; 1Ki for 1024)."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.lower().endswith(suffix):
-            try:
-                return int(float(text[: -len(suffix)]) * units[suffix])
-            except ValueError:
-                return value
-    return value
-
-
-def _parse_token_count(text: str) -> int:
-    value = _token_count(text)
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (e.g. 4096, 32k)") from None
 
 
 class EngineConfig(OptionModel):
@@ -202,7 +198,7 @@ class EngineConfig(OptionModel):
         None,
         "prompt + output tokens of a request at most (default: the model's max_position_embeddings); 32k works",
         vllm="max_model_len",
-        parse=_parse_token_count,
+        parse=parse_human_int,
         ge=1,
         trtllm="max_seq_len",
     )
@@ -243,6 +239,28 @@ class EngineConfig(OptionModel):
         vllm=Alias("enforce_eager", sets=None),
         trtllm="cuda_graph_config",
     )
+    compilation_config: dict[str, Any] | int | None = option(
+        None,
+        "vLLM's compilation config (JSON): its cudagraph_mode NONE runs no CUDA graphs (the others: brisk's graphs of "
+        "whole decode steps), cudagraph_capture_sizes and max_cudagraph_capture_size set cuda_graph_config's "
+        "batch_sizes and max_batch_size; brisk compiles nothing with torch.compile, so its other keys (and a level "
+        "given as a number) have no effect (logged)",
+        short=("-cc",),
+    )
+    cuda_graph_sizes: list[int] | None = option(
+        None,
+        "vLLM's earlier --cuda-graph-sizes: one value N captures decode batches up to N "
+        "(cuda_graph_config.max_batch_size), several are the batch sizes (cuda_graph_config.batch_sizes)",
+        nargs="+",
+        parse=int,
+    )
+    optimization_level: str = option(
+        "2",
+        "vLLM's torch.compile level (-O0 to -O3): brisk compiles nothing with torch.compile; its Triton kernels and "
+        "CUDA graphs run at every level",
+        short=("-O",),
+        no_effect=True,
+    )
     disable_overlap_scheduler: bool | None = option(
         None,
         "no overlap scheduling (step N+1 prepared while step N runs); default: overlap on GPUs, off on CPUs",
@@ -253,8 +271,10 @@ class EngineConfig(OptionModel):
     attn_backend: Literal["auto", "torch", "triton", "cpu"] = option(
         "auto",
         "attention kernels: triton (GPU), cpu (brisk's C kernels), torch (reference), auto; trtllm's TRTLLM and "
-        "FLASHINFER run auto, VANILLA torch",
+        "FLASHINFER run auto, VANILLA torch; vLLM's FLASH_ATTN, FLASHINFER and FLEX_ATTENTION run auto, TRITON_ATTN "
+        "triton, CPU_ATTN cpu, TORCH_SDPA torch",
         trtllm="attn_backend",
+        vllm="attention_backend",
     )
     check_kv_invariants: bool = option(
         False, "check KV block accounting after every step (soak tests and debugging; walks every block)"
@@ -294,7 +314,8 @@ class EngineConfig(OptionModel):
     speculative_config: SpeculativeConfig | None = option(
         None,
         "speculative decoding: trtllm's keys ({decoding_type: NGram, max_draft_len: 4}) or vLLM's JSON "
-        '({"method": "ngram", "num_speculative_tokens": 4})',
+        '({"method": "ngram", "num_speculative_tokens": 4}); an EAGLE3 head is split over the ranks as the target '
+        "is, so vLLM's draft_tensor_parallel_size has no effect",
         vllm="speculative_config",
         trtllm="speculative_config",
     )
@@ -341,7 +362,17 @@ class EngineConfig(OptionModel):
         trtllm="enable_mixed_sampler",
     )
     print_iter_log: bool = option(
-        False, "log one line per engine step: requests running and waiting, tokens, KV use", trtllm="print_iter_log"
+        False,
+        "log one line per engine step: requests running and waiting, tokens, KV use",
+        trtllm="print_iter_log",
+        vllm="enable_logging_iteration_details",
+    )
+    disable_log_stats: bool = option(
+        False,
+        "vLLM's switch for its periodic statistics lines: brisk logs none (GET /metrics has the statistics, "
+        "print_iter_log a line per step)",
+        vllm="disable_log_stats",
+        no_effect=True,
     )
     max_logprobs: int = option(
         20,
@@ -388,6 +419,53 @@ class EngineConfig(OptionModel):
             data = {**data, "ep_size": world}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_graph_options(cls, data: Any) -> Any:
+        """vLLM's compilation_config (its graph mode and capture sizes) and cuda_graph_sizes as cuda_graph_config."""
+        if not isinstance(data, dict):
+            return data
+        compilation = data.get("compilation_config")
+        if isinstance(compilation, str):
+            try:
+                compilation = json.loads(compilation)  # vLLM's YAML files give it as a JSON string
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"compilation_config is not valid JSON: {exc}") from None
+            data = {**data, "compilation_config": compilation}
+        graph: dict[str, Any] = {}
+        if isinstance(compilation, dict):
+            mode = compilation.get("cudagraph_mode")
+            if mode is not None and str(mode).upper() == "NONE":
+                return {**data, "cuda_graph_config": None}
+            if mode is not None and str(mode).upper() not in VLLM_GRAPH_MODES:
+                raise ValueError(
+                    f"compilation_config.cudagraph_mode {mode!r}: give one of NONE, {', '.join(VLLM_GRAPH_MODES)}"
+                )
+            if "cudagraph_capture_sizes" in compilation:
+                graph["batch_sizes"] = compilation["cudagraph_capture_sizes"]
+            if "max_cudagraph_capture_size" in compilation:
+                graph["max_batch_size"] = compilation["max_cudagraph_capture_size"]
+        sizes = cls._one_size_as_a_list(data.get("cuda_graph_sizes"))
+        if isinstance(sizes, list) and sizes:
+            graph["max_batch_size" if len(sizes) == 1 else "batch_sizes"] = sizes[0] if len(sizes) == 1 else sizes
+        given = data.get("cuda_graph_config", {})
+        if not graph or given is None:  # no sizes, or no graphs at all (enforce_eager wins, as in vLLM)
+            return data
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True)
+        for key, value in graph.items():
+            if key in given and given[key] != value:
+                raise ValueError(
+                    f"cuda_graph_config.{key} is {given[key]!r} but vLLM's compilation_config / cuda_graph_sizes give "
+                    f"{value!r}: give one of them"
+                )
+        return {**data, "cuda_graph_config": {**given, **graph}}
+
+    @field_validator("cuda_graph_sizes", mode="before")
+    @classmethod
+    def _one_size_as_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) and not isinstance(value, bool) else value  # YAML: 2048
+
     @model_validator(mode="after")
     def _host_tier_needs_prefix_caching(self) -> EngineConfig:
         kv = self.kv_cache_config
@@ -419,7 +497,8 @@ class EngineConfig(OptionModel):
     def _brisk_attention(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
-        return TRTLLM_ATTENTION_BACKENDS.get(value.lower(), value.lower())
+        name = value.lower()
+        return TRTLLM_ATTENTION_BACKENDS.get(name) or VLLM_ATTENTION_BACKENDS.get(name, name)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -430,7 +509,7 @@ class EngineConfig(OptionModel):
     @field_validator("max_seq_len", mode="before")
     @classmethod
     def _human_length(cls, value: Any) -> Any:
-        return _token_count(value)
+        return human_int(value)
 
     @field_validator("cpu_kernels", mode="before")
     @classmethod
@@ -566,7 +645,9 @@ class EngineConfig(OptionModel):
                 f"kv_cache_config.max_gpu_total_bytes {kv.max_gpu_total_bytes} on a CPU: the KV cache takes at most "
                 "that many bytes of RAM"
             )
-        notes += OPTIONS.no_effect_notes(kv, "kv_cache_config.")
+        notes += OPTIONS.no_effect_notes(self)
+        if "compilation_config" in given:
+            notes.append(compilation_config_note(self.compilation_config, self.cuda_graph_config is not None))
         if kv_changes:
             changes["kv_cache_config"] = self.kv_cache_config.model_copy(update=kv_changes)
         if "enable_mixed_sampler" in given:
@@ -574,6 +655,26 @@ class EngineConfig(OptionModel):
         if self.trust_remote_code:
             notes.append("trust_remote_code: brisk runs no code from checkpoints; its own model code runs")
         return (self.model_copy(update=changes) if changes else self), notes
+
+
+def compilation_config_note(compilation: dict[str, Any] | int | None, graphs: bool) -> str:
+    """The start-up line for vLLM's compilation_config: what of it brisk runs."""
+    if not isinstance(compilation, dict):
+        return f"compilation_config {compilation}: brisk compiles nothing with torch.compile (no effect)"
+    done = []
+    mode = compilation.get("cudagraph_mode")
+    if mode is not None:
+        done.append(
+            f"cudagraph_mode {mode}: "
+            + ("brisk captures whole decode steps" if graphs else "no CUDA graphs (cuda_graph_config null)")
+        )
+    sizes = [k for k in ("cudagraph_capture_sizes", "max_cudagraph_capture_size") if k in compilation]
+    if sizes:
+        done.append(f"{' and '.join(sizes)}: cuda_graph_config")
+    ignored = sorted(set(compilation) - {"cudagraph_mode", *sizes})
+    if ignored:
+        done.append(f"{', '.join(ignored)}: no effect (brisk compiles nothing with torch.compile)")
+    return "compilation_config: " + "; ".join(done)
 
 
 def _origins(text: str) -> list[str]:
@@ -633,7 +734,7 @@ class ServerConfig(OptionModel):
         False,
         "no log line per request (method, path, status, time; prompts only with --log-prompts); vLLM's "
         "--enable-log-requests is its opposite",
-        vllm=("disable_log_requests", Alias("enable_log_requests", invert=True)),
+        vllm=("disable_log_requests", "disable_uvicorn_access_log", Alias("enable_log_requests", invert=True)),
     )
     profile_dir: str | None = option(
         None, "enable POST /start_profile and /stop_profile, writing torch profiler traces here"
@@ -660,6 +761,7 @@ class ServerConfig(OptionModel):
         None,
         "harmony models (gpt-oss) have their tool calls parsed by brisk's harmony parser: openai is accepted for them",
         vllm="tool_call_parser",
+        trtllm="tool_parser",
     )
     reasoning_parser: str | None = option(
         None,
@@ -757,7 +859,7 @@ class OptionFiles(OptionModel):
     )
 
 
-OPTIONS = OptionTable(OptionFiles, ServerConfig, EngineConfig)
+OPTIONS = OptionTable(OptionFiles, ServerConfig, EngineConfig, peers=PEER_OPTIONS)
 
 
 def resolve_options(given: dict[str, Any], source: str) -> dict[type[BaseModel], dict[str, Any]]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -167,8 +168,50 @@ def only_values(value: Any, field: str, table: Mapping[str, tuple[tuple[Any, ...
     return value
 
 
+def human_int(value: Any) -> Any:
+    """vLLM's human-readable integers: 32k = 32,000 and 32K = 32,768 (lower case: powers of 1000, upper case: of
+    1024, as vLLM reads them; 25.6k works, a fraction with an upper-case suffix does not); 32Ki = 32,768 too.
+    Anything else is returned as it is, for the field's own validation."""
+    if not isinstance(value, str):
+        return value
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]i?)", value.strip())
+    if match is None:
+        return value
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix[0].lower()) + 1
+    if suffix[0].islower() and not suffix.endswith("i"):
+        return int(float(number) * 1000**power)
+    return int(number) * 1024**power if number.isdigit() else value
+
+
+def parse_human_int(text: str) -> int:
+    """A flag's human-readable integer (`human_int`)."""
+    value = human_int(text)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 4096, 32k, 32K, 1G)") from None
+
+
 def spellings_of(info: FieldInfo) -> Spellings | None:
     return next((m for m in info.metadata if isinstance(m, Spellings)), None)
+
+
+@dataclass(frozen=True)
+class PeerOption:
+    """A peer's option that brisk does not have (brisk/peer_options.py lists them). Given the value that means what
+    brisk does anyway (`accepted`, as lower-case text: "false" for a switch; "*": any, a knob with no effect here) it
+    is accepted and does nothing; any other value is refused with `reason`, never as an unknown option.
+    docs/options.md lists them."""
+
+    names: tuple[str, ...]  # vLLM's / trtllm's spellings (either of '-' and '_'); short flags start with one '-'
+    reason: str
+    accepted: tuple[str, ...] = ("false",)
+    switch: bool = True  # a flag without a value (--name, --no-name); else it takes one value, or several (nargs)
+    nargs: str | None = None
+
+    def allows(self, value: Any) -> bool:
+        return "*" in self.accepted or _text_of(value).lower() in self.accepted
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -254,6 +297,13 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
 
 
+def _takes_mapping(annotation: Any) -> bool:
+    """Whether an option's value is a mapping (a group, a model, or a dict; perhaps among other types)."""
+    inner, _ = _unwrap(annotation)
+    members = typing.get_args(inner) if typing.get_origin(inner) in (typing.Union, types.UnionType) else (inner,)
+    return any(_model_of(m) is not None or m is dict or typing.get_origin(m) is dict for m in members)
+
+
 def _type_text(annotation: Any) -> str:
     inner, optional = _unwrap(annotation)
     if _choices(annotation):
@@ -290,8 +340,9 @@ def _text_of(value: Any) -> str:
 class OptionTable:
     """The options of some config models, and what comes from them (see the module docstring)."""
 
-    def __init__(self, *models: type[BaseModel]) -> None:
+    def __init__(self, *models: type[BaseModel], peers: Sequence[PeerOption] = ()) -> None:
         self.models = models
+        self.peers = tuple(peers)
         self.rows: list[OptionRow] = []
         for model in models:
             self.rows += list(self._rows(model, model, ""))
@@ -304,6 +355,13 @@ class OptionTable:
             for alias in row.aliases:
                 if "." not in alias.name:  # a dotted spelling is the option's own path in a group (docs only)
                     self._add_key(alias.name, row, alias)
+        self._peer_keys: dict[str, PeerOption] = {}
+        for peer in self.peers:
+            for name in peer.names:
+                key = name.lstrip("-").replace("-", "_")
+                if key in self._keys or key in self._peer_keys:
+                    raise ValueError(f"peer option {name!r} is declared twice")
+                self._peer_keys[key] = peer
 
     def _add_key(self, name: str, row: OptionRow, alias: Alias | None) -> None:
         key = name.replace("-", "_")
@@ -330,7 +388,19 @@ class OptionTable:
         out: dict[type[BaseModel], dict[str, Any]] = {model: {} for model in self.models}
         seen: dict[str, str] = {}  # option path -> the key that set it
         for key, value in given.items():
-            found = self._keys.get(str(key).lstrip("-").replace("-", "_"))
+            name = str(key).lstrip("-").replace("-", "_")
+            found, peer = self._keys.get(name), self._peer_keys.get(name)
+            if found is None and peer is None and name.startswith("no_") and isinstance(value, bool):
+                # vLLM's config files hold flags by name: `no-enable-prefix-caching: true` is that flag
+                found, peer = self._keys.get(name[3:]), self._peer_keys.get(name[3:])
+                if (found is not None and _is_switch(*found)) or (peer is not None and peer.switch):
+                    value = not value
+                else:
+                    found = peer = None
+            if peer is not None:
+                if not peer.allows(value):
+                    raise OptionError(f"option '{key}' in {source}: {peer.reason}")
+                continue
             if found is None:
                 raise OptionError(f"unknown option '{key}' in {source}{self.suggest(str(key))}")
             row, alias = found
@@ -352,6 +422,12 @@ class OptionTable:
                 raise OptionError(f"'{key}' in {source} sets a part of '{part}', which is null there")
         if row.group and isinstance(value, BaseModel):
             value = value.model_dump(exclude_unset=True)
+        if isinstance(value, str) and value.lstrip().startswith("{") and _takes_mapping(row.annotation):
+            # vLLM's YAML files give JSON options as strings: speculative-config: '{"method": "ngram", ...}'
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise OptionError(f"'{key}' in {source} is not valid JSON: {exc}") from None
         if row.path in seen and seen[row.path] != key and into.get(last) != value:
             raise OptionError(f"'{seen[row.path]}' and '{key}' in {source} both set option '{row.path}'")
         seen[row.path] = key
@@ -407,6 +483,17 @@ class OptionTable:
             for row in self.rows:
                 if row.model is model:
                     self._add_row_arguments(group, row)
+        for peer in self.peers:  # hidden from --help (docs/options.md lists them): parsed to be refused with a reason
+            flags = [f for n in peer.names for f in _flag_spellings(n)]
+            dest = f"option:{peer.names[0].lstrip('-')}"
+            if peer.switch:
+                parser.add_argument(
+                    *flags, dest=dest, action=_Switch, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+                )
+            else:
+                parser.add_argument(
+                    *flags, dest=dest, nargs=peer.nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+                )
 
     def _add_row_arguments(self, parser: Any, row: OptionRow) -> None:
         flags = row.flags
@@ -470,6 +557,24 @@ class OptionTable:
                 if row.model is model:
                     lines.append(_markdown_row(row))
             lines.append("")
+        if self.peers:
+            lines += [
+                "## Peers' options brisk does not have",
+                "",
+                "Accepted with the value that means what brisk does anyway; any other value is refused with the reason.",
+                "",
+                "| flags (and YAML keys) | accepted | why others are refused |",
+                "|---|---|---|",
+            ]
+            by_reason: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+            for peer in self.peers:
+                by_reason.setdefault((peer.reason, peer.accepted), []).extend(_flag_spellings(n)[0] for n in peer.names)
+            for (reason, accepted), flags in by_reason.items():
+                shown = "any (no effect)" if "*" in accepted else ", ".join(f"`{a}`" for a in accepted) or "none"
+                lines.append(
+                    f"| {', '.join(f'`{f}`' for f in flags)} | {shown} | {reason.replace('|', chr(92) + '|')} |"
+                )
+            lines.append("")
         return "\n".join(lines).rstrip() + "\n"
 
 
@@ -482,6 +587,20 @@ class _Switch(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+
+
+def _is_switch(row: OptionRow, alias: Alias | None) -> bool:
+    """Whether a key is a switch: a bool option, or a spelling of an option that is one (inverted, or setting a value)."""
+    if alias is not None and (alias.invert or alias.is_switch):
+        return True
+    return _unwrap(row.annotation)[0] is bool
+
+
+def _flag_spellings(name: str) -> list[str]:
+    """A peer option's flags: `-x` as given; a long name with '-' and with '_'."""
+    if name.startswith("-"):
+        return [name]
+    return list(dict.fromkeys((f"--{name.replace('_', '-')}", f"--{name.replace('-', '_')}")))
 
 
 def _did_you_mean(key: str, choices: list[str]) -> str:

@@ -299,6 +299,7 @@ CORES = os.cpu_count() or 1
         ("--api-server-count 4 --num-postprocess-workers 2", ["api_server_count 4 and num_postprocess_workers 2"]),
         ("LLAMA --tool-call-parser openai", ["--tool-call-parser", "harmony models"]),
         ("--max-num-seqs 0", ["max_batch_size", "max_num_seqs"]),
+        ("--enable-lora --max-loras 2", ["enable-lora", "no LoRA adapters"]),  # a peer's option brisk does not have
         # raised in the engine process (as a KV cache too small for the GPU would be), reported by the server
         (
             '--speculative-config \'{"method": "eagle3", "num_speculative_tokens": 2, "model": "NOWHERE"}\'',
@@ -421,6 +422,42 @@ def test_vllm_command_serves(vllm_server):
     assert config["server"]["reasoning_parser"] == "openai_gptoss" and config["server"]["api_server_count"] == 1
     # --uvicorn-log-level warning: uvicorn's info lines are gone; --disable-log-requests: so are brisk's request lines
     assert "Application startup complete" not in log and "brisk.server.requests" not in log
+
+
+RECIPE = Path(__file__).resolve().parent / "data" / "vllm_gpt_oss_recipe"
+
+
+def test_vllm_gpt_oss_recipe_serves(hf_home, tmp_path):
+    """vLLM's gpt-oss recipe for Hopper: its launch command with its YAML file as written (tests/data/
+    vllm_gpt_oss_recipe/: no-enable-prefix-caching, max-cudagraph-capture-size, max-num-batched-tokens,
+    stream-interval), `vllm serve` -> `brisk serve`, the model given as --model (the recipe's docker form)."""
+    shutil.copy(RECIPE / "GPT-OSS_Hopper.yaml", tmp_path)
+    port = free_port()
+    command = (
+        f"brisk serve --model {MODEL_ID} --config GPT-OSS_Hopper.yaml --tensor-parallel-size 1 --port {port} "
+        + " ".join(session_cpu_kernels())
+    )
+    server = Command(command, tmp_path, user_env(hf_home, tmp_path))
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return server.proc.poll() is not None or httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(healthy, timeout=STARTUP_TIMEOUT_S) and server.proc.poll() is None, server.log()
+        body = {"model": MODEL_ID, "prompt": "Once", "max_tokens": 45, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        assert 3 <= len(chunks) <= 4, chunks  # stream-interval 20: 45 tokens in 3 chunks (and the finish)
+        config, _ = json.JSONDecoder().raw_decode(server.log().split("configuration in effect:\n", 1)[1])
+        engine = config["engine"]
+        assert engine["kv_cache_config"]["enable_block_reuse"] is False  # no-enable-prefix-caching: true
+        assert engine["cuda_graph_config"]["max_batch_size"] == 2048 and engine["max_num_tokens"] == 8192
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_vllm_max_num_seqs_caps_the_running_batch(vllm_server):

@@ -24,6 +24,8 @@ from brisk.config import (
     build_serve_configs,
     kv_fraction,
 )
+from brisk.options import OptionError
+from brisk.peer_options import ANY, PEER_OPTIONS
 from brisk.sampling_params import InvalidRequest
 from brisk.server.serve import observability_for, response_store_for
 from tests.test_kv_cache_config_fields import NO_EFFECT as KV_NO_EFFECT
@@ -150,6 +152,160 @@ def test_switches_and_inverted_spellings():
     assert server.disable_log_requests is False
 
 
+# ---- the peers' options: vLLM's and trtllm-serve's every flag is known -------------------------------------------
+PEER_FLAGS = TESTS / "data" / "peer_flags"
+
+
+def _serve_flags() -> set[str]:
+    serve = build_parser()._subparser("serve")  # type: ignore[attr-defined]
+    return {s for action in serve._actions for s in action.option_strings}
+
+
+def test_every_flag_of_vllm_serve_and_trtllm_serve_is_known():
+    """Each flag is an option of brisk's or a peer's option it refuses with a reason: never "unrecognized"."""
+    known = _serve_flags()
+    vllm = json.loads((PEER_FLAGS / "vllm_serve.json").read_text())
+    trtllm = [line.split() for line in (PEER_FLAGS / "trtllm_serve.txt").read_text().splitlines()]
+    groups = vllm["flags"] + [group for group in trtllm if group and not group[0].startswith("#")]
+    assert len(groups) > 300
+    unknown = [group for group in groups if not any(flag in known for flag in group)]
+    assert unknown == []
+
+
+def test_a_peers_option_is_refused_with_its_reason_unless_it_means_what_brisk_does():
+    for peer in PEER_OPTIONS:
+        name = peer.names[0]
+        if peer.accepted != ANY:
+            with pytest.raises(OptionError, match=re.escape(peer.reason)):
+                OPTIONS.resolve({name: "something else"}, "test")
+        for value in peer.accepted if peer.accepted != ANY else ("anything",):
+            given = value == "true" if value in ("true", "false") else value
+            assert OPTIONS.resolve({name: given}, "test")[EngineConfig] == {}, name
+    # on the command line: one line naming the reason, exit code 2 (a switch's --no- spelling is brisk's behaviour)
+    for argv, fails in (
+        (["serve", "--enable-lora"], True),
+        (["serve", "--lora-modules", "sql=/adapters/sql", "--port", "8001"], True),
+        (["serve", "-q", "fp8"], True),
+        (["serve", "--tokenizer-mode", "mistral"], True),
+        (["serve", "--no-enable-lora", "--tokenizer-mode", "auto", "-q", "mxfp4", "--use-tqdm-on-load"], False),
+    ):
+        given = OPTIONS.given(build_parser().parse_args(argv))
+        if fails:
+            with pytest.raises(ConfigError, match="brisk"):
+                build_serve_configs(None, given, default_model=DEMO)
+        else:
+            build_serve_configs(None, given, default_model=DEMO)
+    assert "--enable-lora" not in build_parser()._subparser("serve").format_help()  # type: ignore[attr-defined]
+
+
+def test_peers_options_in_yaml_files_and_keyword_arguments(tmp_path):
+    (tmp_path / "vllm.yaml").write_text("enable-sleep-mode: true\n")
+    with pytest.raises(ConfigError, match="no sleep mode"):
+        EngineConfig.build("m", config=str(tmp_path / "vllm.yaml"))
+    with pytest.raises(ConfigError, match="no LoRA adapters"):
+        EngineConfig.build("m", enable_lora=True, max_loras=4)
+    assert EngineConfig.build("m", enable_lora=False, scheduling_policy="fcfs").max_batch_size == 256
+
+
+def test_vllm_config_files_spell_a_switch_off_as_no_name(tmp_path):
+    """vLLM's --config YAML holds flags by name: `no-enable-prefix-caching: true` is --no-enable-prefix-caching."""
+    resolved = OPTIONS.resolve({"no-enable-prefix-caching": True, "no_async_scheduling": True}, "test")[EngineConfig]
+    assert resolved == {"kv_cache_config": {"enable_block_reuse": False}, "disable_overlap_scheduler": True}
+    assert OPTIONS.resolve({"no-enable-lora": True}, "test")[EngineConfig] == {}
+    with pytest.raises(OptionError, match="no LoRA"):
+        OPTIONS.resolve({"no-enable-lora": False}, "test")
+    for key in ("no-max-num-seqs", "no-such-thing"):  # not a switch: an unknown key
+        with pytest.raises(OptionError, match="unknown option"):
+            OPTIONS.resolve({key: True}, "test")
+
+
+def test_vllm_gpt_oss_recipe_files_resolve():
+    """The vLLM gpt-oss recipe's YAML files (tests/data/vllm_gpt_oss_recipe/, verbatim) mean brisk's options."""
+    recipe = TESTS / "data" / "vllm_gpt_oss_recipe"
+    hopper = EngineConfig.build("m", config=str(recipe / "GPT-OSS_Hopper.yaml"))
+    assert not hopper.enable_prefix_caching and hopper.max_num_tokens == 8192 and hopper.stream_interval == 20
+    assert hopper.cuda_graph_config is not None and hopper.cuda_graph_config.max_batch_size == 2048
+    assert EngineConfig.build("m", config=str(recipe / "GPT-OSS_Blackwell.yaml")).kv_cache_config.dtype == "fp8"
+    older = EngineConfig.build("m", config=str(recipe / "GPT-OSS_Hopper_v0.10.yaml"))
+    assert older.cuda_graph_config is not None and older.cuda_graph_config.max_batch_size == 2048
+    assert older.compilation_config == {"cudagraph_mode": "PIECEWISE"} and older.max_seq_len == 10240
+    assert older.disable_overlap_scheduler is False
+    eagle = EngineConfig.build("m", config=str(recipe / "GPT-OSS_EAGLE3_Hopper.yaml"))
+    spec = eagle.speculative_config
+    assert spec is not None and (spec.decoding_type, spec.max_draft_len) == ("Eagle3", 3)
+    assert spec.speculative_model_dir == "nvidia/gpt-oss-120b-Eagle3-v2"
+
+
+def test_vllm_graph_options_set_the_captured_sizes(caplog):
+    """compilation_config (its cudagraph_mode and sizes), cudagraph_capture_sizes, max_cudagraph_capture_size and the
+    earlier cuda_graph_sizes set cuda_graph_config; on a CPU the padded static buffers take those sizes."""
+    parse = build_parser().parse_args
+    flags = OPTIONS.given(parse(["serve", "--cudagraph-capture-sizes", "1", "2", "4", "-cc", '{"mode": 3}', "-O3"]))
+    engine, _ = build_serve_configs(None, flags, default_model=DEMO)
+    assert engine.cuda_graph_config is not None and engine.cuda_graph_config.batch_sizes == [1, 2, 4]
+    build = EngineConfig.build
+    assert build("m", max_cudagraph_capture_size=64).cuda_graph_config.max_batch_size == 64  # type: ignore[union-attr]
+    assert build("m", cuda_graph_sizes=[1, 3]).cuda_graph_config.batch_sizes == [1, 3]  # type: ignore[union-attr]
+    assert build("m", cuda_graph_sizes=48).cuda_graph_config.max_batch_size == 48  # type: ignore[union-attr]
+    assert build("m", compilation_config='{"cudagraph_mode": "NONE"}').cuda_graph_config is None
+    sized = build("m", compilation_config={"cudagraph_capture_sizes": [2, 6], "max_cudagraph_capture_size": 6})
+    assert sized.cuda_graph_config is not None and sized.cuda_graph_config.batch_sizes == [2, 6]
+    with pytest.raises(ConfigError, match="give one of them"):
+        build("m", compilation_config={"cudagraph_capture_sizes": [2]}, cudagraph_capture_sizes=[4])
+    with pytest.raises(ConfigError, match="cudagraph_mode"):
+        build("m", compilation_config={"cudagraph_mode": "SOMETIMES"})
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        EngineConfig.build(
+            "m", compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "pass_config": {}}, device="cpu"
+        )
+    assert "cudagraph_mode FULL_DECODE_ONLY: brisk captures whole decode steps" in caplog.text
+    assert "pass_config: no effect" in caplog.text
+    with LLM(DEMO, max_seq_len=128, device="cpu", compilation_config={"cudagraph_capture_sizes": [1, 3]}) as llm:
+        assert llm.engine.executor.runner.graphs.sizes == [1, 3]
+        out = llm.generate(PROMPTS[:3], GREEDY)  # three requests: one padded step of 3 rows
+    with LLM(DEMO, max_seq_len=128, device="cpu") as plain:
+        assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], GREEDY)] == [
+            o.outputs[0].token_ids for o in out
+        ]
+
+
+def test_vllm_human_readable_numbers():
+    """vLLM's spellings: 32k is 32,000 and 32K is 32,768 (for --max-model-len and --kv-cache-memory-bytes)."""
+    assert EngineConfig.build("m", max_model_len="32K").max_seq_len == 32_768
+    assert EngineConfig.build("m", max_model_len="25.6k").max_seq_len == 25_600
+    kv = EngineConfig.build("m", kv_cache_memory_bytes="1G").kv_cache_config
+    assert kv.max_gpu_total_bytes == 2**30
+    flags = OPTIONS.given(
+        build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "2g", "--max-model-len", "4K"])
+    )
+    engine, _ = build_serve_configs(None, flags, default_model=DEMO)
+    assert (engine.kv_cache_config.max_gpu_total_bytes, engine.max_seq_len) == (2 * 10**9, 4096)
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        EngineConfig.build("m", max_model_len="1.5K")
+
+
+def test_vllm_attention_backends_and_block_count(caplog):
+    def backend(name: str) -> str:  # as validated, before a CPU runs its own paths instead of triton (logged)
+        return EngineConfig(
+            model="m", **OPTIONS.resolve({"attention-backend": name}, "test")[EngineConfig]
+        ).attn_backend
+
+    assert [backend(n) for n in ("TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "CPU_ATTN")] == [
+        "triton",
+        "auto",
+        "auto",
+        "cpu",
+    ]
+    with LLM(DEMO, max_seq_len=128, device="cpu", attention_backend="TORCH_SDPA", num_gpu_blocks_override=24) as llm:
+        assert type(llm.engine.executor.runner.kernels.attention).__name__ == "TorchAttentionBackend"
+        assert llm.engine.num_kv_blocks == 24
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        EngineConfig.build("m", disable_log_stats=True, optimization_level="3", device="cpu")
+    assert "disable_log_stats true: no effect" in caplog.text and "optimization_level 3: no effect" in caplog.text
+    _, server = build_serve_configs(None, {"disable_uvicorn_access_log": True}, default_model=DEMO)
+    assert server.disable_log_requests is True
+
+
 # ---- effects: the engine (offline LLM on the demo model) -----------------------------------------------------
 VLLM_OPTIONS = dict(
     max_num_seqs=2,
@@ -158,7 +314,7 @@ VLLM_OPTIONS = dict(
     block_size=16,
     enable_prefix_caching=False,
     max_logprobs=3,
-    print_iter_log=True,
+    enable_logging_iteration_details=True,  # vLLM's spelling of print_iter_log
     enable_mixed_sampler=False,
     trust_remote_code=True,
     dtype="float",  # vLLM's name of float32
@@ -629,14 +785,22 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/test_engine_process_config.py::test_engine_process_config_keeps_what_was_given",
         f"{HERE}::test_switches_and_inverted_spellings",
     ],
-    "cuda_graph_config.max_batch_size": [f"{HERE}::test_cuda_graph_sizes_and_padding"],
+    "cuda_graph_config.max_batch_size": [
+        f"{HERE}::test_cuda_graph_sizes_and_padding",
+        f"{HERE}::test_vllm_graph_options_set_the_captured_sizes",
+    ],
     "cuda_graph_config.enable_padding": [
         f"{HERE}::test_cuda_graph_sizes_and_padding",
         "tests/test_engine_loop.py::test_padding_rows_never_write_a_requests_blocks",
     ],
     "cuda_graph_config.batch_sizes": [
-        "tests/test_engine_process_config.py::test_engine_process_config_keeps_what_was_given"
+        "tests/test_engine_process_config.py::test_engine_process_config_keeps_what_was_given",
+        f"{HERE}::test_vllm_graph_options_set_the_captured_sizes",
     ],
+    "compilation_config": [f"{HERE}::test_vllm_graph_options_set_the_captured_sizes"],
+    "cuda_graph_sizes": [f"{HERE}::test_vllm_graph_options_set_the_captured_sizes"],
+    "optimization_level": [f"{HERE}::test_vllm_attention_backends_and_block_count"],
+    "disable_log_stats": [f"{HERE}::test_vllm_attention_backends_and_block_count"],
     "disable_overlap_scheduler": [f"{HERE}::test_overlap_scheduling_spelled_either_way"],
     "moe_config": [f"{HERE}::test_moe_backend_names_of_trtllm"],
     "moe_config.backend": [

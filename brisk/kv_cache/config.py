@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationInfo, field_validator
 
-from brisk.options import OptionModel, only_values, option
+from brisk.options import OptionModel, human_int, only_values, option, parse_human_int
 
 # trtllm's kv_cache_config keys for what brisk does not have: the values that mean what brisk does, and why any other
 # is refused.
@@ -99,7 +99,11 @@ class KvCacheConfig(OptionModel):
         0.9,
         "the share of GPU memory left after the weights and a profiled step's activations that the KV cache takes "
         "(on a CPU: that share of the available RAM, at most 2 GiB)",
-        trtllm=("kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction"),
+        trtllm=(
+            "kv_cache_free_gpu_memory_fraction",
+            "free_gpu_memory_fraction",  # trtllm-serve's other flag for it
+            "kv_cache_config.free_gpu_memory_fraction",
+        ),
         gt=0.0,
         le=1.0,
     )
@@ -110,7 +114,9 @@ class KvCacheConfig(OptionModel):
         trtllm="kv_cache_config.host_cache_size",
         ge=0,
     )
-    max_blocks: int | None = option(None, "a fixed number of KV blocks (overrides the memory fraction)", ge=2)
+    max_blocks: int | None = option(
+        None, "a fixed number of KV blocks (overrides the memory fraction)", vllm="num_gpu_blocks_override", ge=2
+    )
     dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto",
         "the KV cache's dtype; auto: the model's compute dtype (bfloat16 / float16: the same, where it is that one); "
@@ -137,8 +143,11 @@ class KvCacheConfig(OptionModel):
     )
     max_gpu_total_bytes: int = option(
         0,
-        "bytes the KV pool takes at most (0: no cap; on a CPU, bytes of RAM)",
+        "bytes the KV pool takes at most (0: no cap; on a CPU, bytes of RAM); vLLM's --kv-cache-memory-bytes (1G, "
+        "8GiB: human-readable) sizes the pool so, within the memory fraction",
         trtllm="kv_cache_config.max_gpu_total_bytes",
+        vllm="kv_cache_memory_bytes",
+        parse=parse_human_int,
         ge=0,
     )
     secondary_offload_min_priority: int | None = option(
@@ -380,6 +389,11 @@ class KvCacheConfig(OptionModel):
         if self.max_gpu_total_bytes:
             limits.append(self.max_gpu_total_bytes // bytes_per_block)
         return max(2, min(limits)) if limits else None
+
+    @field_validator("max_gpu_total_bytes", mode="before")
+    @classmethod
+    def _human_bytes(cls, value: Any) -> Any:
+        return human_int(value)
 
     @field_validator("host_cache_size", mode="before")
     @classmethod

@@ -67,10 +67,16 @@ class SpeculativeConfig(BaseModel):
             return data
         out: dict[str, Any] = {}
         for key, value in data.items():
+            if key == "draft_tensor_parallel_size":
+                # brisk splits the draft head over the target's ranks, as the target: a placement, not a result
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"draft_tensor_parallel_size must be a positive integer (got {value!r})")
+                continue
             if key not in _VLLM_KEYS:
                 raise ValueError(
                     f"'{key}' is not a key of vLLM's speculative config (method, num_speculative_tokens, model, "
-                    "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, and brisk's draft_len_after_rejection); "
+                    "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, draft_tensor_parallel_size, and "
+                    "brisk's draft_len_after_rejection); "
                     "trtllm's keys go without 'method'"
                 )
             out[_VLLM_KEYS[key]] = value

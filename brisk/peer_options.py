@@ -1,0 +1,410 @@
+"""The options of `vllm serve` and `trtllm-serve` that brisk does not have, each with the reason.
+
+A user's command line or YAML file from a peer must never fail on an option brisk does not know. Every option of
+vLLM's `vllm serve` (0.32, tests/data/peer_flags/) and of `trtllm-serve` is either an option of brisk's (a field
+in brisk/config.py, under any of its spellings) or listed here: given the value that means what brisk does anyway
+(`accepted`; "false" for a switch) it is accepted and does nothing; any other value is refused with the reason.
+"*" accepts every value: a tuning knob of the peer's own machinery, with no effect here. brisk/config.py puts the
+list in the option table (`OptionTable(peers=...)`), which parses them (hidden from --help), refuses them and
+documents them in docs/options.md.
+"""
+
+from __future__ import annotations
+
+from brisk.options import PeerOption
+
+ANY = ("*",)
+
+
+def _switches(names: str, reason: str, accepted: tuple[str, ...] = ("false",)) -> list[PeerOption]:
+    return [PeerOption((name,), reason, accepted) for name in names.split()]
+
+
+def _values(names: str, reason: str, accepted: tuple[str, ...] = (), nargs: str | None = None) -> list[PeerOption]:
+    return [PeerOption((name,), reason, accepted, switch=False, nargs=nargs) for name in names.split()]
+
+
+_LORA = (
+    "brisk serves no LoRA adapters: merge the adapter into the weights (peft's merge_and_unload) and serve the "
+    "merged model"
+)
+_MULTIMODAL = "brisk serves text-only models: there is no image, audio or video input to configure"
+_MAMBA = "brisk serves attention models only (no Mamba / SSM layers)"
+_ONE_NODE = (
+    "brisk runs all its ranks on one node (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel); "
+    "multi-node deployments are not available"
+)
+_NO_PLUGINS = (
+    "brisk loads no code named on its command line (plugins, custom classes, middleware); its own implementation serves"
+)
+_DISAGGREGATION = (
+    "prefill/decode disaggregation and KV transfer between instances are not available in brisk; its host KV tier "
+    "is --kv-offloading-size"
+)
+_SLEEP = "brisk has no sleep mode: its weights and KV cache stay on the device for the life of the server"
+_TORCH_COMPILE_TUNING = (
+    "brisk compiles nothing with torch.compile and picks its own kernels (--attention-backend, --moe-backend); "
+    "this tuning of vLLM's has nothing to act on"
+)
+_METRICS = "brisk's /metrics has a fixed set of vLLM's metric names (docs/observability.md); this one is not among them"
+_ONE_API = (
+    "brisk serves the OpenAI API (chat completions, completions, responses) over HTTP; this other interface is not "
+    "available"
+)
+_SCHEDULER = (
+    "brisk's scheduler has one policy: first come first served, bounded by --max-num-seqs, "
+    "--max-num-batched-tokens and --max-num-waiting"
+)
+_TLS = "brisk serves plain HTTP: put a TLS-terminating proxy in front of it (docs/deploy.md)"
+_HUB = (
+    "brisk downloads through huggingface_hub's own settings: set HF_TOKEN, HF_HOME or HF_HUB_CACHE in the "
+    "environment (--revision picks the model's revision)"
+)
+_NO_OVERRIDES = "brisk reads the model's config.json as it is; edit a local copy of the checkpoint's config instead"
+_ENGINE_INTERNALS = "an implementation detail of vLLM's engine that brisk's engine does not have"
+_CONTEXT_PARALLEL = "brisk has no context parallelism: attention is tensor or data parallel"
+_WEIGHT_OFFLOAD = "brisk keeps every weight on the device: weight offloading to host memory is not available"
+
+PEER_OPTIONS: list[PeerOption] = [
+    # ---- vLLM: the API server ----
+    *_switches("headless enable-scale-out", _ONE_NODE),
+    *_values(
+        "data-parallel-rank data-parallel-start-rank data-parallel-size-local data-parallel-address "
+        "data-parallel-rpc-port data-parallel-supervisor-port dp-supervisor-probe-interval-s "
+        "dp-supervisor-probe-timeout-s dp-supervisor-probe-failure-threshold master-addr master-port "
+        "distributed-timeout-seconds cpu-distributed-timeout-seconds",
+        _ONE_NODE,
+    ),
+    *_switches("data-parallel-hybrid-lb data-parallel-external-lb data-parallel-multi-port-external-lb", _ONE_NODE),
+    *_values("nnodes", _ONE_NODE, ("1",)),
+    *_values("node-rank", _ONE_NODE, ("0",)),
+    *_values("data-parallel-backend", _ONE_NODE + " (its data-parallel ranks are processes: mp)", ("mp",)),
+    *_switches("grpc tokens-only cohere-is-reasoning-model", _ONE_API),
+    *_values("grpc-port cohere-format anthropic-disabled-thinking-effort", _ONE_API),
+    *_values("lora-modules", _LORA, nargs="+"),
+    *_switches(
+        "enable-lora enable-tower-connector-lora fully-sharded-loras specialize-active-lora "
+        "enable-mixed-moe-lora-format enable-moe-shared-loras",
+        _LORA,
+    ),
+    *_values("max-loras max-lora-rank lora-dtype max-cpu-loras lora-target-modules default-mm-loras", _LORA),
+    *_values("max-lora-cls-labels", _LORA),
+    *_values(
+        "chat-template-content-format",
+        "brisk renders a message's text parts joined into one string (vLLM's 'string'); the 'openai' form is not "
+        "available",
+        ("auto", "string"),
+    ),
+    *_switches(
+        "trust-request-chat-template",
+        "brisk renders every request with the server's chat template (--chat-template); a request's own template is "
+        "not accepted",
+    ),
+    *_values(
+        "default-chat-template-kwargs",
+        "give chat_template_kwargs (and gpt-oss's reasoning_effort) in each request; server-wide defaults for them are "
+        "not available",
+        ("null", "{}"),
+    ),
+    *_values("response-role", "brisk's responses always have the role 'assistant'", ("assistant",)),
+    *_switches(
+        "return-tokens-as-token-ids",
+        "brisk's logprobs name tokens by their text; token ids are in the responses' token_ids where asked for",
+    ),
+    *_switches(
+        "exclude-tools-when-tool-choice-none",
+        "brisk leaves the tools out of the prompt whenever tool_choice is 'none' (the switch on is its behaviour)",
+        ("true",),
+    ),
+    *_values("tool-parser-plugin reasoning-parser-plugin", _NO_PLUGINS),
+    *_values(
+        "tool-strict-level",
+        "brisk constrains a forced or required tool call's arguments to the function's JSON schema (vLLM's auto)",
+        ("auto",),
+    ),
+    *_values(
+        "tool-server",
+        "brisk runs no built-in tools (browser, python, MCP servers): clients run their tools through function calling",
+    ),
+    *_values("max-log-len", "brisk logs a prompt whole, and only with --log-prompts", ("null",)),
+    *_switches(
+        "enable-prompt-tokens-details",
+        "brisk always reports usage.prompt_tokens_details.cached_tokens (the switch on is its behaviour)",
+        ("true",),
+    ),
+    *_switches("enable-per-request-metrics enable-server-load-tracking", _METRICS),
+    *_switches(
+        "enable-force-include-usage",
+        "a streamed response carries usage when the request asks for it (stream_options.include_usage)",
+    ),
+    *_values("sse-keep-alive-interval", "brisk sends no keep-alive comments on its event streams", ("0",)),
+    *_switches("enable-tokenizer-info-endpoint", "brisk serves /tokenize and /detokenize, not /tokenizer_info"),
+    *_switches(
+        "enable-log-outputs enable-log-deltas",
+        "brisk logs a line per request (--disable-log-requests) and prompts with --log-prompts; outputs are not logged",
+    ),
+    *_switches(
+        "log-error-stack",
+        "brisk logs the traceback of a server error always, and of a start-up error at --log-level debug",
+    ),
+    *_values("fingerprint-mode fingerprint-value", "brisk's responses carry no system_fingerprint setting"),
+    *_values("uds", "brisk listens on TCP (--host, --port)"),
+    *_values(
+        "disable-access-log-for-endpoints",
+        "brisk logs /health and /metrics requests at debug level only; --disable-log-requests quiets every request "
+        "line",
+    ),
+    *_switches(
+        "allow-credentials",
+        "brisk's CORS (--allowed-origins) allows no credentials: clients authenticate with an Authorization header",
+    ),
+    *_values(
+        "allowed-methods allowed-headers",
+        "brisk's CORS (--allowed-origins) allows the methods GET, POST and DELETE and the headers Authorization and "
+        "Content-Type, which its API needs",
+    ),
+    *_values("ssl-keyfile ssl-certfile ssl-ca-certs ssl-cert-reqs ssl-ciphers", _TLS),
+    *_switches("enable-ssl-refresh", _TLS),
+    *_values(
+        "root-path",
+        "brisk serves its routes at the root; a proxy that adds a path prefix must strip it",
+    ),
+    PeerOption(("middleware",), _NO_PLUGINS, (), switch=False, nargs="+"),
+    *_switches("enable-request-id-headers", "brisk's responses carry their id in the body (id), not in a header"),
+    *_switches("disable-fastapi-docs", "brisk serves its OpenAPI document and /docs always"),
+    *_switches("enable-offline-docs", "brisk's /docs page loads its scripts from a CDN"),
+    *_values(
+        "h11-max-incomplete-event-size h11-max-header-count",
+        "brisk bounds requests by --max-request-body-size; its HTTP server's own limits are its defaults",
+    ),
+    *_switches("enable-flash-late-interaction", _ENGINE_INTERNALS),
+    # ---- vLLM: the model ----
+    *_values("runner", "brisk runs generative models only (no pooling or draft runners)", ("auto", "generate")),
+    *_values("convert", "brisk runs generative models only (no conversion to pooling models)", ("auto", "none")),
+    *_values(
+        "tokenizer-mode",
+        "brisk loads the model's fast tokenizer (tokenizer.json) through transformers (vLLM's hf mode)",
+        ("auto", "hf"),
+    ),
+    *_values("config-format", "brisk reads the Hugging Face config.json", ("auto", "hf")),
+    *_values(
+        "model-impl",
+        "brisk runs its own model code (gpt-oss, Llama, Qwen3); other implementations are not available",
+        ("auto", "vllm"),
+    ),
+    *_values("hf-config-path", _NO_OVERRIDES),
+    *_values("allowed-local-media-path allowed-media-domains media-io-kwargs", _MULTIMODAL),
+    *_values("hf-token download-dir tokenizer-revision code-revision", _HUB),
+    PeerOption(
+        ("quantization", "-q"),
+        "brisk runs a checkpoint's own quantization (gpt-oss: MXFP4 experts, from its config.json) and quantizes "
+        "nothing at load time",
+        ("null", "none", "mxfp4"),
+        switch=False,
+    ),
+    *_values("quantization-config", "brisk reads a checkpoint's quantization from its config.json"),
+    *_switches("allow-deprecated-quantization", "brisk has no deprecated quantization methods"),
+    *_switches(
+        "enable-return-routed-experts return-sampling-mask use-fp64-gumbel enable-trace-replay enable-prompt-embeds "
+        "skip-tokenizer-init",
+        _ENGINE_INTERNALS,
+    ),
+    *_values(
+        "logprobs-mode",
+        "brisk's logprobs are the log-softmax of the model's raw logits (vLLM's raw_logprobs)",
+        ("raw_logprobs",),
+    ),
+    *_switches(
+        "disable-sliding-window",
+        "brisk attends over each layer's window from the model's config.json; full attention on sliding-window "
+        "layers would change the model's outputs",
+    ),
+    *_switches("disable-cascade-attn", "no effect in vLLM either: cascade attention is gone from both", ANY),
+    *_values("hf-overrides model-class-overrides", _NO_OVERRIDES),
+    *_values("pooler-config", "brisk runs generative models only (no pooling)"),
+    *_values(
+        "override-generation-config",
+        "give --generation-config a folder holding a generation_config.json with the defaults you want",
+    ),
+    *_switches(
+        "enable-sleep-mode sleep-mode-offload-cudagraph enable-cumem-allocator enable-nccl-comm-suspend", _SLEEP
+    ),
+    *_values("sleep-preserve-parameter-names", _SLEEP),
+    *_values("logits-processors io-processor-plugin worker-cls worker-extension-cls scheduler-cls", _NO_PLUGINS),
+    *_values(
+        "renderer-num-workers",
+        "brisk renders chat templates in its API-server processes: --api-server-count sets how many",
+    ),
+    *_values(
+        "safetensors-load-strategy safetensors-prefetch-num-threads safetensors-prefetch-block-size "
+        "max-parallel-loading-workers",
+        "no effect: brisk's loader reads safetensors its own way (memory-mapped, tensor by tensor)",
+        ANY,
+    ),
+    *_switches("use-tqdm-on-load", "no effect: brisk logs the load's time, not a progress bar", ANY),
+    *_values(
+        "model-loader-extra-config pt-load-map-location",
+        "brisk's loader reads safetensors (and --load-format dummy) with no further settings",
+    ),
+    *_values(
+        "ignore-patterns",
+        "brisk downloads a model's config, tokenizer and safetensors files only (never original/ or .bin files)",
+    ),
+    *_values(
+        "mamba-backend mamba-ssu-algorithm mamba-cache-philox-rounds mamba-cache-dtype mamba-ssm-cache-dtype "
+        "mamba-block-size mamba-cache-mode replayssm-buffer-len prefix-match-unit",
+        _MAMBA,
+    ),
+    *_switches("enable-mamba-cache-stochastic-rounding enable-mamba-shared-prefix-checkpoint use-replayssm", _MAMBA),
+    # ---- vLLM: parallelism and loading ----
+    *_values(
+        "distributed-executor-backend",
+        "brisk runs one process per rank (vLLM's mp; uni with one rank); ray and external launchers are not available",
+        ("mp", "uni"),
+    ),
+    *_switches("numa-bind", "brisk sets no NUMA binding of its own: bind it with numactl or the container runtime"),
+    *_values(
+        "numa-bind-nodes numa-bind-cpus",
+        "brisk sets no NUMA binding of its own: bind it with numactl or the container runtime",
+    ),
+    *_values("device-ids", "brisk uses the GPUs CUDA_VISIBLE_DEVICES gives it, in that order"),
+    *_values("decode-context-parallel-size prefill-context-parallel-size", _CONTEXT_PARALLEL, ("1",)),
+    *_values("dcp-comm-backend dcp-kv-cache-interleave-size cp-kv-cache-interleave-size", _CONTEXT_PARALLEL),
+    *_switches("dcp-q-replicate", _CONTEXT_PARALLEL),
+    *_switches(
+        "enable-hc-sp enable-batch-sharded-sampling enable-ep-weight-filter enable-dbo enable-shm-tensor-arena "
+        "disable-nccl-for-dp-synchronization ray-workers-use-nsight enable-elastic-ep enable-fault-tolerance",
+        _ENGINE_INTERNALS,
+    ),
+    *_values(
+        "all2all-backend ubatch-size dbo-decode-token-threshold dbo-prefill-token-threshold dp-sync-interval "
+        "elastic-ep-max-dp-size fault-tolerance-config",
+        _ENGINE_INTERNALS,
+    ),
+    *_switches(
+        "enable-eplb",
+        "brisk places experts statically (rank r holds a contiguous range); expert load balancing is not available",
+    ),
+    *_values("eplb-config", "brisk places experts statically; expert load balancing is not available"),
+    *_values(
+        "expert-placement-strategy", "brisk places experts in contiguous ranges per rank (vLLM's linear)", ("linear",)
+    ),
+    *_switches("disable-custom-all-reduce", "no effect: brisk's all-reduce is torch.distributed's (NCCL, gloo)", ANY),
+    # ---- vLLM: the KV cache ----
+    *_values(
+        "prefix-caching-hash-algo",
+        "brisk keys its prefix cache by each block's tokens and its parent's key (exact matches only, no digest)",
+    ),
+    *_values("prefix-cache-retention-interval", _ENGINE_INTERNALS),
+    *_switches("kv-sharing-fast-prefill swa-bounded-replay disable-hybrid-kv-cache-manager", _ENGINE_INTERNALS),
+    *_values(
+        "offload-backend cpu-offload-params offload-group-size offload-num-in-group offload-prefetch-step "
+        "offload-params",
+        _WEIGHT_OFFLOAD,
+    ),
+    *_values("cpu-offload-gb", _WEIGHT_OFFLOAD, ("0",)),
+    # ---- vLLM: multimodal inputs ----
+    *_switches("language-model-only", "no effect: brisk's models are language models only", ("true", "false")),
+    *_switches(
+        "enable-mm-embeds mm-encoder-only interleave-mm-strings skip-mm-profiling mm-device-do-normalize "
+        "trust-request-mm-kwargs disable-chunked-mm-input",
+        _MULTIMODAL,
+    ),
+    *_values(
+        "limit-mm-per-prompt mm-processor-kwargs mm-processor-cache-gb mm-processor-cache-type mm-hasher-algorithm "
+        "mm-shm-cache-max-object-size-mb mm-encoder-tp-mode mm-encoder-attn-backend mm-encoder-attn-dtype "
+        "mm-encoder-fp8-scale-path mm-encoder-fp8-scale-save-path mm-encoder-fp8-scale-save-margin "
+        "video-pruning-rate video-pruning-method mm-tensor-ipc mm-processor-device mm-ipc-gpu-memory-gb",
+        _MULTIMODAL,
+    ),
+    # ---- vLLM: logging and metrics ----
+    *_values(
+        "logging-config log-config-file",
+        "brisk's logs are set by --log-level and --log-format (text, or JSON lines for collectors)",
+    ),
+    *_values("show-hidden-metrics-for-version", "no effect: brisk's /metrics hides no deprecated metrics", ANY),
+    *_values(
+        "collect-detailed-traces",
+        "brisk's OpenTelemetry spans (--otlp-traces-endpoint) are per request and per engine step, with no more "
+        "detailed level",
+    ),
+    *_values(
+        "per-request-spec-decode-metrics kv-cache-metrics-sample custom-histogram-buckets jit-monitor-mode", _METRICS
+    ),
+    *_switches(
+        "kv-cache-metrics cudagraph-metrics enable-layerwise-nvtx-tracing enable-mfu-metrics jit-monitor-verbose",
+        _METRICS,
+    ),
+    *_switches("aggregate-engine-logging", "no effect: brisk has one engine process and logs from it", ANY),
+    *_switches("fail-on-environ-validation", "brisk reads no performance settings from environment variables"),
+    # ---- vLLM: the scheduler ----
+    *_values(
+        "max-num-scheduled-tokens",
+        "brisk's one token budget per step is --max-num-batched-tokens (speculative tokens included)",
+    ),
+    *_values(
+        "max-num-active-seqs",
+        "brisk's running batch is bounded by --max-num-seqs, which also sizes its CUDA graphs",
+    ),
+    *_values(
+        "max-num-queued-reqs",
+        "brisk bounds the requests waiting beyond the running batch with --max-num-waiting (then answers 429), not "
+        "the requests in flight",
+    ),
+    *_values("max-num-queued-tokens long-prefill-token-threshold watermark prefill-schedule-interval", _SCHEDULER),
+    *_switches("long-prefill-token-threshold-adaptive scheduler-reserve-full-isl", _SCHEDULER),
+    *_values("scheduling-policy", _SCHEDULER, ("fcfs",)),
+    # ---- vLLM: kernels, compilation and other configs ----
+    *_values(
+        "ir-op-priority linear-backend sparse-indexer-topk-backend gdn-prefill-backend kda-prefill-backend "
+        "kda-decode-backend kernel-config",
+        _TORCH_COMPILE_TUNING,
+    ),
+    *_switches("enable-flashinfer-autotune", _TORCH_COMPILE_TUNING),
+    PeerOption(
+        ("attention-config", "-ac"),
+        "brisk picks its attention kernels with --attention-backend (vLLM's names work)",
+        (),
+        switch=False,
+    ),
+    *_values(
+        "spec-method spec-model spec-tokens",
+        'give speculative decoding as one option: --speculative-config \'{"method": "ngram" or "eagle3", '
+        '"model": ..., "num_speculative_tokens": N}\'',
+    ),
+    *_values("kv-transfer-config kv-events-config ec-transfer-config ec-manager-config", _DISAGGREGATION),
+    *_values("watermark-config diffusion-config engram-config aux-output-config additional-config", _ENGINE_INTERNALS),
+    *_values(
+        "reasoning-config",
+        "brisk parses gpt-oss's reasoning with its harmony parser; a request sets its depth with reasoning_effort",
+    ),
+    *_values(
+        "profiler-config",
+        "brisk's profiler is trtllm's: --profile-dir enables POST /start_profile and /stop_profile (torch profiler "
+        "traces)",
+    ),
+    *_values(
+        "performance-mode",
+        "brisk's operating points are its presets: examples/low_latency.yaml and examples/max_throughput.yaml",
+        ("balanced",),
+    ),
+    *_values("weight-transfer-config", _SLEEP.replace("has no sleep mode", "takes no weight updates while serving")),
+    # ---- trtllm-serve ----
+    *_values("custom_tokenizer", "brisk loads the model's tokenizer (or --tokenizer) through transformers"),
+    *_values("custom_module_dirs", _NO_PLUGINS, nargs="+"),
+    *_values("max_beam_width", "brisk has no beam search (one beam)", ("1",)),
+    *_values("context_parallel_size cp_size", _CONTEXT_PARALLEL, ("1",)),
+    *_values(
+        "moe_cluster_parallel_size cluster_size",
+        "brisk splits the MoE by expert (--ep_size) and by intermediate size (tp_size / ep_size) only",
+        ("null", "1"),
+    ),
+    *_values("gpus_per_node", "no effect: brisk uses the GPUs it sees on its one node", ANY),
+    *_values("metadata_server_config_file server_role disagg_cluster_uri", _DISAGGREGATION),
+    *_switches(
+        "fail_fast_on_attention_window_too_large",
+        "brisk fails at start-up whenever one sequence of max_seq_len cannot fit in the KV cache (the switch on is its "
+        "behaviour)",
+        ("true", "false"),
+    ),
+]

@@ -1,0 +1,36 @@
+"""Write the flags of an installed vLLM's `vllm serve` to tests/data/peer_flags/vllm_serve.json, for
+tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
+with a reason: brisk/peer_options.py).
+
+    python tools/peer_flags.py        # run with the Python of a venv where vLLM is installed
+
+trtllm-serve's flags (tests/data/peer_flags/trtllm_serve.txt) are copied by hand from the click options of
+tensorrt_llm/commands/serve.py: TensorRT-LLM does not install on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "peer_flags" / "vllm_serve.json"
+
+
+def main() -> None:
+    import vllm
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    flags = []
+    for action in parser._actions:
+        spellings = [s for s in action.option_strings if s not in ("-h", "--help")]
+        if spellings:
+            flags.append(spellings)
+    lines = ",\n".join(f"  {json.dumps(group)}" for group in flags)  # one flag (its spellings) a line
+    OUT.write_text(f'{{\n "vllm": "{vllm.__version__}",\n "flags": [\n{lines}\n ]\n}}\n')
+    print(f"wrote {len(flags)} flags of vLLM {vllm.__version__} to {OUT}")
+
+
+if __name__ == "__main__":
+    main()
