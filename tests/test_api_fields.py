@@ -73,7 +73,17 @@ def test_each_table_lists_exactly_the_spec_fields():
     for row in ROWS:
         assert row["status"] in STATUSES, row
         assert row["field"] in row["example"], row  # the example exercises its own field
-        assert row["source"] == "OpenAI" or row["status"] == "implemented", row  # extensions are never ignored
+        assert row["source"] == "OpenAI" or row["status"] != "no effect", row  # extensions are never ignored
+
+
+def test_every_field_of_vllms_requests_is_listed():
+    """vLLM's chat and completion request fields (vLLM 0.32: tests/data/peer_flags/vllm_request_fields.json, written
+    by tools/peer_flags.py) are each a row of the endpoint's table: implemented, or rejected with the reason."""
+    vllm = json.loads((Path(__file__).parent / "data" / "peer_flags" / "vllm_request_fields.json").read_text())
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        listed = {r["field"] for r in ROWS if r["endpoint"] == endpoint}
+        missing = [f for f in vllm[endpoint] if f not in listed]
+        assert missing == [], endpoint
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +190,41 @@ def test_responses_truncation_auto_drops_the_oldest_items(server):
     assert fitted.status_code == 200, fitted.text
     usage = fitted.json()["usage"]
     assert usage["input_tokens"] + 4 <= MAX_SEQ_LEN and fitted.json()["truncation"] == "auto"
+
+
+def test_completions_response_format_constrains_as_structured_outputs_does(server):
+    """vLLM's response_format on /v1/completions: the same constraint as structured_outputs' json (greedy: the same
+    text), and the text ends in a value the schema allows."""
+    schema = {"enum": ["yes", "no"]}
+    body = {"prompt": "Answer:", "max_tokens": 20, "temperature": 0}
+
+    def text(**constraint) -> str:
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, **constraint}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    constrained = text(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert constrained == text(structured_outputs={"json": schema})
+    assert constrained.endswith(('"yes"', '"no"')) and constrained != text()
+
+
+def test_completions_add_special_tokens_reaches_the_tokenizer():
+    """vLLM's add_special_tokens on /v1/completions: each text prompt is encoded with the request's switch (the demo
+    tokenizers add no BOS, so the switch is checked where the completions route hands it to the tokenizer)."""
+    import asyncio
+
+    from brisk.server.completions import _prompts
+
+    calls: list[bool] = []
+
+    class Tokenizing:
+        async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append(add_special_tokens)
+            return [len(text)]
+
+        def check_text_fits(self, size: int, param: str) -> None:
+            pass
+
+    assert asyncio.run(_prompts(Tokenizing(), "Hi", False)) == [("Hi", [2])]  # type: ignore[arg-type]
+    asyncio.run(_prompts(Tokenizing(), ["a", "bc"], True))  # type: ignore[arg-type]
+    assert calls == [False, True, True]

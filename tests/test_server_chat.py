@@ -115,6 +115,11 @@ def test_harmony_parser_marks_reasoning_and_content_tokens_apart(piece):
     assert message == {"content": "Nay, answer me.", "reasoning_content": "Who is there?"}
     assert tokenizer.decode(reasoning) == message["reasoning_content"]
     assert tokenizer.decode(content) == message["content"]
+    # vLLM's include_reasoning: false: the same output, its reasoning left out of the message and every delta
+    quiet = HarmonyChoiceParser(tokenizer, [], include_reasoning=False)
+    deltas = [quiet.feed(ids[start : start + piece], "") for start in range(0, len(ids), piece)]
+    assert quiet.finish() == {"content": "Nay, answer me."}
+    assert not any("reasoning_content" in d for d in deltas) and any("content" in d for d in deltas)
 
 
 def test_continuous_usage_stats_grow_chunk_by_chunk(server):

@@ -1,6 +1,7 @@
 """Write the flags of an installed vLLM's `vllm serve` to tests/data/peer_flags/vllm_serve.json, for
 tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
-with a reason: brisk/peer_options.py).
+with a reason: brisk/peer_options.py), and the fields of its chat and completion requests to
+tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each.
 
     python tools/peer_flags.py        # run with the Python of a venv where vLLM is installed
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "peer_flags" / "vllm_serve.json"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "peer_flags"
+OUT = DATA / "vllm_serve.json"
 
 
 def main() -> None:
@@ -30,6 +32,15 @@ def main() -> None:
     lines = ",\n".join(f"  {json.dumps(group)}" for group in flags)  # one flag (its spellings) a line
     OUT.write_text(f'{{\n "vllm": "{vllm.__version__}",\n "flags": [\n{lines}\n ]\n}}\n')
     print(f"wrote {len(flags)} flags of vLLM {vllm.__version__} to {OUT}")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    fields = {
+        "vllm": vllm.__version__,
+        "/v1/chat/completions": list(ChatCompletionRequest.model_fields),
+        "/v1/completions": list(CompletionRequest.model_fields),
+    }
+    (DATA / "vllm_request_fields.json").write_text(json.dumps(fields, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     stop = params.stop if state.is_harmony else []
     if stop:
         params.stop = []
-    parsers = [make_choice_parser(state, forced, stop, params.include_stop_str_in_output) for _ in range(params.n)]
+    parsers = [
+        make_choice_parser(state, forced, stop, params.include_stop_str_in_output, req.include_reasoning)
+        for _ in range(params.n)
+    ]
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     top_n = req.top_logprobs or 0
     # a harmony parser decodes the tokens itself: the engine client's text would go unread

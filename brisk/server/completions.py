@@ -39,9 +39,9 @@ from brisk.server.streaming import (
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
-async def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+async def _prompts(state: ServerState, prompt, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
-        return [(prompt, await state.encode(prompt, "prompt"))]
+        return [(prompt, await state.encode(prompt, "prompt", add_special_tokens))]
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
@@ -49,7 +49,7 @@ async def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[in
     if all(isinstance(p, str) for p in prompt):
         for p in prompt:  # every prompt's size checked before any is tokenized
             state.check_text_fits(len(p), "prompt")
-        return [(p, await state.encode(p, "prompt")) for p in prompt]
+        return [(p, await state.encode(p, "prompt", add_special_tokens)) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [(None, list(p)) for p in prompt]
     raise APIError(400, "prompt must be a string, a list of strings, or token ids.", param="prompt")
@@ -129,7 +129,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
     params = state.sampling_params(req)
     await state.check_structured_outputs(params, req.field_names())
-    prompts = await _prompts(state, req.prompt)
+    prompts = await _prompts(state, req.prompt, req.add_special_tokens)
     for _, ids in prompts:
         state.check_prompt(ids, params, req.field_names())
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name

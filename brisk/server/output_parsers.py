@@ -73,11 +73,18 @@ class HarmonyChoiceParser:
     engine does not see them: they must not match reasoning), and nothing after a stop is reported."""
 
     def __init__(
-        self, tokenizer, prefix_ids: list[int], stop: list[str] | None = None, include_stop=False, text_decoder=None
+        self,
+        tokenizer,
+        prefix_ids: list[int],
+        stop: list[str] | None = None,
+        include_stop=False,
+        text_decoder=None,
+        include_reasoning: bool = True,
     ) -> None:
         from brisk.harmony import HarmonyParser
 
         self.parser = HarmonyParser.from_tokenizer(tokenizer, text_decoder=text_decoder)
+        self.include_reasoning = include_reasoning  # vLLM's include_reasoning: false leaves reasoning_content out
         self.has_tool_calls = False
         self._stop = StopTrimmer(list(stop or []), include_stop)
         self._finished = False
@@ -150,7 +157,7 @@ class HarmonyChoiceParser:
         fields: dict[str, Any] = {}
         if self.stopped:
             return fields
-        if delta.reasoning_content:
+        if delta.reasoning_content and self.include_reasoning:
             fields["reasoning_content"] = delta.reasoning_content
         if delta.content:
             content = self._stop.add(delta.content)
@@ -186,8 +193,17 @@ def _tool_call_delta(c) -> dict[str, Any]:
     return out
 
 
-def make_choice_parser(state, prefix_ids: list[int], stop: list[str] | None = None, include_stop: bool = False):
-    """The parser of one choice; `stop`: the stop strings a harmony parser applies to `content`."""
+def make_choice_parser(
+    state,
+    prefix_ids: list[int],
+    stop: list[str] | None = None,
+    include_stop: bool = False,
+    include_reasoning: bool = True,
+):
+    """The parser of one choice; `stop`: the stop strings a harmony parser applies to `content`;
+    include_reasoning false: no `reasoning_content` (the model still reasons)."""
     if state.is_harmony:
-        return HarmonyChoiceParser(state.tokenizer, prefix_ids, stop, include_stop, state.harmony_text_decoder)
+        return HarmonyChoiceParser(
+            state.tokenizer, prefix_ids, stop, include_stop, state.harmony_text_decoder, include_reasoning
+        )
     return PlainChoiceParser()

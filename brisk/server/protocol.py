@@ -63,6 +63,18 @@ def refused(reason: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def only(accepted: tuple[Any, ...], reason: str) -> AfterValidator:
+    """For a vLLM extension brisk honours in one of its values only (`accepted`: what brisk does anyway): null and
+    those are accepted, any other value is a 400 naming the field, with `reason`."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in accepted:
+            raise PydanticCustomError("unsupported_field", reason)
+        return value
+
+    return AfterValidator(check)
+
+
 # An OpenAI field with no effect on a self-hosted server (docs/api.md says why for each); accepted, bounded
 # only by the body's own limits (size, depth).
 NoEffect = Any
@@ -141,6 +153,7 @@ class _GenerationFields(_Body):
         )
 
 
+TEXT_ONLY = "brisk serves text-only models: there is no multimodal input or output."
 GUIDED_REMOVED = "guided_* fields were removed in vLLM 0.12; use structured_outputs: {json, regex, choice, grammar}."
 
 
@@ -222,9 +235,63 @@ class _SamplingFields(_GenerationFields):
     guided_choice: Annotated[Any, refused(GUIDED_REMOVED)] = None
     guided_grammar: Annotated[Any, refused(GUIDED_REMOVED)] = None
     guided_decoding_backend: Annotated[Any, refused(GUIDED_REMOVED)] = None
+    # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
+    use_beam_search: Annotated[Any, only((False,), "brisk has no beam search.")] = None
+    length_penalty: Annotated[Any, only((1, 1.0), "length_penalty scores beams: brisk has no beam search.")] = None
+    spaces_between_special_tokens: Annotated[
+        Any,
+        only((True,), "brisk writes special tokens (skip_special_tokens: false) as the tokenizer decodes them (true)."),
+    ] = None
+    truncate_prompt_tokens: Annotated[
+        Any, refused("brisk does not truncate prompts: a prompt beyond the context length is a 400; shorten it.")
+    ] = None
+    truncation_side: Annotated[Any, refused("brisk does not truncate prompts.")] = None
+    allowed_token_ids: Annotated[
+        Any, refused("allowed_token_ids is not available; constrain the output with structured_outputs or logit_bias.")
+    ] = None
+    logprob_token_ids: Annotated[
+        Any, refused("logprobs of chosen token ids are not available; top_logprobs lists the likeliest tokens.")
+    ] = None
+    request_id: Annotated[Any, refused("brisk names each request itself: the response's id.")] = None
+    session_id: Annotated[Any, refused("brisk has no sessions; previous_response_id chains Responses.")] = None
+    return_tokens_as_token_ids: Annotated[Any, only((False,), "brisk's logprobs name tokens by their text.")] = None
+    return_token_ids: Annotated[
+        Any, only((False,), "brisk's responses carry text; POST /tokenize gives the token ids of a text.")
+    ] = None
+    return_token_offsets: Annotated[Any, only((False,), "brisk's responses carry no token offsets.")] = None
+    routed_experts_prompt_start: Annotated[Any, refused("brisk does not report the experts tokens route to.")] = None
+    cache_salt: Annotated[
+        Any, refused("brisk's prefix cache is shared by every request of the server: run a server per tenant.")
+    ] = None
+    kv_transfer_params: Annotated[Any, refused("brisk has no KV transfer between instances (disaggregation).")] = None
+    ec_transfer_params: Annotated[Any, refused("brisk has no transfer between instances (disaggregation).")] = None
+    vllm_xargs: Annotated[Any, refused("brisk takes no plugin arguments: it loads no plugins.")] = None
+    repetition_detection: Annotated[
+        Any, refused("repetition_detection is not available; repetition_penalty discourages repeats.")
+    ] = None
+    thinking_token_budget: Annotated[
+        Any, refused("a reasoning token budget is not available; reasoning_effort sets gpt-oss's reasoning depth.")
+    ] = None
+    stream_interval: Annotated[
+        Any, refused("the streaming interval is the server's --stream-interval, not a request's.")
+    ] = None
+    watermarking: Annotated[Any, refused("brisk does not watermark its outputs.")] = None
+    mm_payload: Annotated[Any, refused(TEXT_ONLY)] = None
+    return_mm_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
 
     def _vllm_structured_outputs(self) -> StructuredOutputs | None:
         return self.structured_outputs.spec() if self.structured_outputs is not None else None
+
+    def _answer(self, response_format: ResponseFormat | None) -> StructuredOutputs | None:
+        """The answer constraint: response_format (structured_outputs' options applied), or structured_outputs."""
+        answer = response_format.spec() if response_format is not None else None
+        vllm = self.structured_outputs
+        if answer is not None and vllm is not None:
+            if not vllm.options_only():
+                raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
+            # vLLM's way to set structured_outputs' options for a response_format
+            answer = msgspec.structs.replace(answer, disable_any_whitespace=vllm.disable_any_whitespace)
+        return answer or self._vllm_structured_outputs()
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
@@ -324,6 +391,22 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM: false leaves reasoning_content out (the model still reasons)
+    add_special_tokens: Annotated[
+        Any, only((False,), "the chat template writes the special tokens a chat prompt has; none are added.")
+    ] = None
+    echo: Annotated[Any, only((False,), "echo is not available on chat completions; /v1/completions has it.")] = None
+    continue_final_message: Annotated[
+        Any,
+        only((False,), "brisk renders a chat to a new assistant turn; continuing the last message is not available."),
+    ] = None
+    documents: Annotated[Any, refused("chat templates' documents are not available; put them in the messages.")] = None
+    chat_template: Annotated[
+        Any, refused("brisk renders every request with the server's chat template (--chat-template).")
+    ] = None
+    media_io_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
+    mm_processor_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
+    return_prompt_text: Annotated[Any, only((False,), "brisk's responses do not repeat the rendered prompt.")] = None
 
     @field_validator("messages")
     @classmethod
@@ -349,15 +432,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true.")
         if self.reasoning_logprobs and not self.logprobs:
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs logprobs: true.")
+        if self.reasoning_logprobs and not self.include_reasoning:
+            raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs include_reasoning: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        answer = self.response_format.spec() if self.response_format is not None else None
-        vllm = self.structured_outputs
-        if answer is not None and vllm is not None:
-            if not vllm.options_only():
-                raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
-            # vLLM's way to set structured_outputs' options for a response_format
-            answer = msgspec.structs.replace(answer, disable_any_whitespace=vllm.disable_any_whitespace)
-        answer = answer or self._vllm_structured_outputs()
+        answer = self._answer(self.response_format)
         offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
         tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]
         return self.sampling_params(
@@ -379,6 +457,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: Annotated[Any, refused("suffix (fill-in-the-middle) is not supported by brisk's models.")] = None
+    # vLLM's extensions
+    response_format: ResponseFormat | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS (where it has one) leads a text prompt
+    prompt_embeds: Annotated[Any, refused("brisk takes prompts as text or token ids, not embeddings.")] = None
 
     @property
     def echoes_logprobs(self) -> bool:
@@ -390,7 +472,13 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if self.echoes_logprobs:
             prompt_logprobs = max(self.logprobs or 0, prompt_logprobs or 0)
-        return self.sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs=prompt_logprobs)
+        return self.sampling_params(
+            self.max_tokens,
+            self.logprobs,
+            defaults,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=self._answer(self.response_format),
+        )
 
 
 class TokenizeRequest(_Body):
