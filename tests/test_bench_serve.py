@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -282,3 +283,29 @@ def test_spec_decode_counters_from_metrics_text():
     summary = spec_decode_summary(spec_decode_counters(text(10, 40, 10)), spec_decode_counters(text(30, 120, 70)))
     assert summary is not None
     assert summary["acceptance_rate"] == 60 / 80 and summary["mean_accepted_length"] == 1 + 60 / 20
+
+
+def test_the_vllm_recipes_benchmark_command(server, tmp_path):
+    """vLLM's gpt-oss recipe's `vllm bench serve` command (run_performance.sh) with `brisk bench serve` in its place,
+    at small sizes: --host/--port, --dataset-name random, --random-input-len/--random-output-len,
+    --max-concurrency, --save-result --result-filename, and --result-dir."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    command = (
+        f"--host {host} --port {port} --model tiny --trust-remote-code --dataset-name random --random-input-len 24 "
+        f"--random-output-len 6 --ignore-eos --max-concurrency 2 --num-prompts 4 --save-result --result-filename "
+        f"vllm_benchmark_serving_results.json --result-dir {tmp_path}"
+    )
+    assert main(["bench", "serve", *command.split()]) == 0
+    run = json.loads((tmp_path / "vllm_benchmark_serving_results.json").read_text())
+    (point,) = run["points"]
+    assert point["concurrency"] == 2 and run["endpoint"] == "completions" and run["workload"]["kind"] == "fixed"
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in point["requests"]] == [(24, 6)] * 4
+    # --random-range-ratio: lengths uniform around the mean; --backend openai-chat: the chat endpoint
+    ranged = f"--random-input-len 30 --random-output-len 6 --random-range-ratio 0.5 --backend openai-chat --max-concurrency 2 --num-prompts 6 --result-dir {tmp_path / 'r'}"
+    assert main(["bench", "serve", "--host", host, "--port", port, *ranged.split()]) == 0
+    (path,) = glob.glob(str(tmp_path / "r" / "*.json"))
+    run = json.loads(Path(path).read_text())
+    assert run["endpoint"] == "chat" and run["workload"]["random_output_range"] == [3, 9]
+    assert all(3 <= r["output_tokens"] <= 9 for r in run["points"][0]["requests"])
+    # a vLLM spelling and brisk's own one that disagree are an error, not a silent choice
+    assert main(["bench", "serve", "--port", port, "--base-url", "http://127.0.0.1:1", "--out-dir", str(tmp_path)]) == 2

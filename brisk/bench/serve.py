@@ -54,7 +54,12 @@ def _rates(text: str) -> list[float | None]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://host:8000")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument(
+        "--endpoint",
+        type=_endpoint,
+        default="completions",
+        help="completions or chat (vLLM's paths /v1/completions, /v1/chat/completions work too)",
+    )
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     w = p.add_argument_group("workload (default: fixed lengths, 1024 in / 1024 out)")
@@ -116,6 +121,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--out-dir", default="bench_results")
     o.add_argument("--label", help="name of this run in plots (default: model and server)")
     o.add_argument("--compare", nargs="+", metavar="RUN_JSON", help="plot saved runs on one Pareto chart and exit")
+    _add_vllm_spellings(
+        p.add_argument_group("vLLM's `vllm bench serve` spellings (the recipes' commands run as written)")
+    )
+
+
+def _add_vllm_spellings(g) -> None:
+    """`vllm bench serve`'s flags for what brisk bench serve measures (vllm_spellings() maps them)."""
+    g.add_argument("--host", help="with --port: the server at http://HOST:PORT (instead of --base-url)")
+    g.add_argument("--port", type=int, help="with --host: the server at http://HOST:PORT")
+    g.add_argument("--backend", choices=["openai", "vllm", "openai-chat"], help="openai-chat: --endpoint chat")
+    g.add_argument("--dataset-name", choices=["random", "sharegpt"], help="random: --random-*-len; sharegpt: a file")
+    g.add_argument("--dataset-path", help="sharegpt: the file (--dataset)")
+    g.add_argument("--random-input-len", type=int, help="--input-len (with --random-range-ratio: a range)")
+    g.add_argument("--random-output-len", type=int, help="--output-len (with --random-range-ratio: a range)")
+    g.add_argument("--random-range-ratio", type=float, help="lengths uniform in [len * (1 - r), len * (1 + r)]")
+    g.add_argument("--max-concurrency", type=int, help="--concurrency, one point")
+    g.add_argument("--result-dir", help="--out-dir")
+    g.add_argument("--result-filename", help="the run's JSON file name (in --out-dir)")
+    g.add_argument("--save-result", action="store_true", help="no effect: the run is always saved")
+    g.add_argument("--trust-remote-code", action="store_true", help="no effect: no code is loaded")
+    g.add_argument("--percentile-metrics", help="no effect: the table has the mean, p50, p90 and p99 of each")
+    g.add_argument("--metric-percentiles", help="no effect: the table has the mean, p50, p90 and p99 of each")
+
+
+def _endpoint(text: str) -> str:
+    name = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(text, text)
+    if name not in ("completions", "chat"):
+        raise argparse.ArgumentTypeError(f"expected completions or chat (or their /v1 paths), got {text!r}")
+    return name
+
+
+def vllm_spellings(args: argparse.Namespace) -> None:
+    """`vllm bench serve`'s flags as brisk's (in place); BenchError where one contradicts brisk's own flag."""
+
+    def take(name: str, value: Any, default: Any = None) -> None:
+        if value is None:
+            return
+        if getattr(args, name) not in (None, default) and getattr(args, name) != value:
+            raise BenchError(f"--{name.replace('_', '-')} and its vLLM spelling give different values: give one")
+        setattr(args, name, value)
+
+    if args.host is not None or args.port is not None:
+        take("base_url", f"http://{args.host or '127.0.0.1'}:{args.port or 8000}", "http://127.0.0.1:8000")
+    if args.backend == "openai-chat":
+        take("endpoint", "chat", "completions")
+    if args.dataset_name == "sharegpt" and not (args.dataset_path or args.dataset):
+        raise BenchError("--dataset-name sharegpt needs --dataset-path (a ShareGPT-format JSON file)")
+    if args.dataset_name == "random" and (args.dataset_path or args.dataset):
+        raise BenchError("--dataset-name random makes its prompts: drop --dataset-path")
+    take("dataset", args.dataset_path)
+    ratio = args.random_range_ratio
+    if ratio is not None and not 0 <= ratio < 1:
+        raise BenchError("--random-range-ratio must be in [0, 1)")
+    for vllm_name, name, range_name in (
+        ("random_input_len", "input_len", "random_input_range"),
+        ("random_output_len", "output_len", "random_output_range"),
+    ):
+        length = getattr(args, vllm_name)
+        if length is None:
+            continue
+        if ratio:
+            take(range_name, [max(1, int(length * (1 - ratio))), int(length * (1 + ratio))])
+        else:
+            take(name, length)
+    if args.max_concurrency is not None:
+        take("concurrency", [args.max_concurrency])
+    take("out_dir", args.result_dir, "bench_results")
 
 
 def _workload(args: argparse.Namespace):
@@ -373,6 +445,8 @@ def benchmark(args: argparse.Namespace, command: str) -> int:
     }
     label = report.run_label(run)
     stem = _output_stem(args.out_dir, label)
+    if args.result_filename:  # vLLM's --result-filename names the JSON file
+        stem = os.path.join(args.out_dir, args.result_filename.removesuffix(".json"))
     report.write_json(run, f"{stem}.json")
     plots.plot_pareto([(label, points)], f"{stem}_pareto.png", f"{label}: throughput vs interactivity")
     plots.plot_cdfs(points, "ttft_ms", f"{stem}_ttft.png", f"{label}: time to first token")
@@ -409,6 +483,7 @@ def compare(paths: list[str], out_dir: str) -> int:
 def run(args: argparse.Namespace, command: str) -> int:
     """Run the parsed `brisk bench serve` command; the exit code is 1 when any request failed."""
     try:
+        vllm_spellings(args)
         if args.compare:
             return compare(args.compare, args.out_dir)
         return benchmark(args, command)
