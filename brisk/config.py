@@ -757,6 +757,12 @@ class ServerConfig(OptionModel):
         ge=0,
         trtllm="num_postprocess_workers",
     )
+    default_chat_template_kwargs: dict[str, Any] | None = option(
+        None,
+        "keyword arguments every request's chat template gets (gpt-oss: reasoning_effort; Qwen3: enable_thinking); "
+        "a request's chat_template_kwargs override them key by key",
+        vllm="default_chat_template_kwargs",
+    )
     tool_call_parser: str | None = option(
         None,
         "harmony models (gpt-oss) have their tool calls parsed by brisk's harmony parser: openai is accepted for them",

@@ -100,12 +100,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk renders every request with the server's chat template (--chat-template); a request's own template is "
         "not accepted",
     ),
-    *_values(
-        "default-chat-template-kwargs",
-        "give chat_template_kwargs (and gpt-oss's reasoning_effort) in each request; server-wide defaults for them are "
-        "not available",
-        ("null", "{}"),
-    ),
     *_values("response-role", "brisk's responses always have the role 'assistant'", ("assistant",)),
     *_switches(
         "return-tokens-as-token-ids",

@@ -345,7 +345,8 @@ VLLM_FLAGS = (
     "--served-model-name gpt-oss openai/gpt-oss-120b --max-logprobs 5 --generation-config auto "
     "--tool-call-parser openai --reasoning-parser openai_gptoss --enable-auto-tool-choice "
     "--uvicorn-log-level warning --disable-log-requests --api-server-count 1 "
-    """--structured-outputs-config '{"disable_any_whitespace": false}' --config vllm.yaml"""
+    """--structured-outputs-config '{"disable_any_whitespace": false}' --config vllm.yaml """
+    """--default-chat-template-kwargs '{"reasoning_effort": "low"}'"""
 )
 
 
@@ -394,6 +395,11 @@ def test_vllm_command_serves(vllm_server):
         assert r.status_code == 200 and r.json()["model"] == "gpt-oss", r.text
     assert _chat(url, model="other").status_code == 404
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["gpt-oss", MODEL_ID]
+    # --default-chat-template-kwargs: every prompt is rendered with them (gpt-oss: the reasoning effort)
+    messages = [{"role": "user", "content": "Good morrow"}]
+    tokens = httpx.post(f"{url}/tokenize", json={"model": "gpt-oss", "messages": messages}).json()["tokens"]
+    prompt = httpx.post(f"{url}/detokenize", json={"model": "gpt-oss", "tokens": tokens}).json()["prompt"]
+    assert "Reasoning: low" in prompt, prompt
     # --max-model-len 512: a longer prompt is a 400
     r = _chat(url, messages=[{"role": "user", "content": "Speak " * 600}])
     assert r.status_code == 400 and "512" in r.json()["error"]["message"]

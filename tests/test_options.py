@@ -720,6 +720,7 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{HERE}::test_server_option_checks",
         "tests/test_api_servers.py::test_engine_death_stops_every_api_server",
     ],
+    "default_chat_template_kwargs": [f"{DROPIN}::test_vllm_command_serves"],
     "tool_call_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "enable_auto_tool_choice": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],

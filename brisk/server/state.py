@@ -262,7 +262,7 @@ class ServerState:
             harmony=self.is_harmony,
             tools=tools,
             reasoning_effort=reasoning_effort,
-            template_kwargs=template_kwargs,
+            template_kwargs={**(self.server.default_chat_template_kwargs or {}), **template_kwargs},
             add_generation_prompt=add_generation_prompt,
         )
         try:
