@@ -747,6 +747,7 @@ class ServerConfig(OptionModel):
         "API-server processes on the one port, each tokenizing, detokenizing and streaming its own requests to the one "
         "engine process; more than 1 when the API side is the bottleneck (docs/deploy.md)",
         vllm="api_server_count",
+        trtllm="num_serve_frontends",
         short=("-asc",),
         ge=1,
     )

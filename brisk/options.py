@@ -471,6 +471,11 @@ class OptionTable:
                 into[last] = True
         return exclude
 
+    def knows(self, key: str) -> bool:
+        """Whether `key` (any spelling) is an option or a peer's option brisk refuses with a reason."""
+        name = key.lstrip("-").replace("-", "_")
+        return name in self._keys or name in self._peer_keys
+
     def suggest(self, key: str) -> str:
         return _did_you_mean(key.lstrip("-").replace("-", "_"), list(self._keys))
 

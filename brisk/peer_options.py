@@ -1,7 +1,8 @@
-"""The options of `vllm serve` and `trtllm-serve` that brisk does not have, each with the reason.
+"""The options of `vllm serve`, `trtllm-serve` and TensorRT-LLM's LLM API that brisk does not have, with reasons.
 
 A user's command line or YAML file from a peer must never fail on an option brisk does not know. Every option of
-vLLM's `vllm serve` (0.32, tests/data/peer_flags/) and of `trtllm-serve` is either an option of brisk's (a field
+vLLM's `vllm serve` (0.32), of `trtllm-serve` and of TensorRT-LLM's `TorchLlmArgs` (the keys of an
+`extra_llm_api_options` file; tests/data/peer_flags/ lists them all) is either an option of brisk's (a field
 in brisk/config.py, under any of its spellings) or listed here: given the value that means what brisk does anyway
 (`accepted`; "false" for a switch) it is accepted and does nothing; any other value is refused with the reason.
 "*" accepts every value: a tuning knob of the peer's own machinery, with no effect here. brisk/config.py puts the
@@ -383,6 +384,96 @@ PEER_OPTIONS: list[PeerOption] = [
         ("balanced",),
     ),
     *_values("weight-transfer-config", _SLEEP.replace("has no sleep mode", "takes no weight updates while serving")),
+    # ---- TensorRT-LLM's LLM API keys (extra_llm_api_options; TorchLlmArgs) ----
+    *_values(
+        "moe_tensor_parallel_size",
+        "brisk splits the MoE ep_size ways by expert and tp_size / ep_size ways by intermediate size: give ep_size",
+        ("null",),
+    ),
+    *_values("pp_partition", "brisk has no pipeline parallelism (pp_size 1)", ("null",)),
+    *_values("cp_config", _CONTEXT_PARALLEL, ("null", "{}")),
+    *_values("lora_config peft_cache_config", _LORA, ("null",)),
+    *_values("guided_decoding_backend", "brisk's structured outputs run on xgrammar", ("null", "xgrammar")),
+    *_values("post_processor_hook batched_logits_processor checkpoint_loader mpi_session", _NO_PLUGINS, ("null",)),
+    *_values("model_kwargs", _NO_OVERRIDES, ("null", "{}")),
+    *_values(
+        "scheduler_config",
+        "brisk's scheduler admits requests while KV blocks are free and preempts the newest when they run out "
+        "(trtllm's MAX_UTILIZATION); its policies are not configurable",
+        ("null", "{}", '{"capacity_scheduler_policy": "max_utilization"}'),
+    ),
+    *_values(
+        "attention_dp_config",
+        "brisk's attention data parallel balances nothing across ranks: each rank takes the requests routed to it",
+        ("null", "{}", '{"enable_balance": false}'),
+    ),
+    *_values(
+        "batch_wait_timeout_ms batch_wait_timeout_iters batch_wait_max_tokens_ratio",
+        "brisk schedules every waiting request at the next step; it holds none back to batch it with later ones",
+        ("0", "0.0"),
+    ),
+    *_values("cache_transceiver_config kv_connector_config dwdp_config", _DISAGGREGATION, ("null",)),
+    *_values(
+        "sparse_attention_config kv_cache_compression_config",
+        "brisk attends over every token of each "
+        "layer's window: sparse attention and KV compression would change the model's outputs",
+        ("null",),
+    ),
+    *_switches("gather_generation_logits", "brisk returns logprobs (logprobs, top_logprobs), not whole logits"),
+    *_values("decoding_config", "trtllm's deprecated decoding config: speculative_config sets brisk's", ("null",)),
+    *_values(
+        "env_overrides", "brisk reads no settings from environment variables: give them as options", ("null", "{}")
+    ),
+    *_values(
+        "orchestrator_type ray_worker_extension_cls ray_placement_config ray_worker_nsight_options",
+        _ONE_NODE,
+        ("null",),
+    ),
+    *_values("sleep_config", _SLEEP, ("null",)),
+    *_values("reorder_policy_config", _SCHEDULER, ("null",)),
+    *_values(
+        "encoder_cuda_graph_config encoder_max_batch_size encoder_max_num_tokens",
+        "brisk serves decoder-only models (no encoder)",
+        ("null",),
+    ),
+    *_values("multimodal_config", _MULTIMODAL, ("null", "{}")),
+    *_switches("encode_only", "brisk runs decoder-only generation (no encode-only forward)"),
+    *_switches(
+        "return_perf_metrics enable_energy_metrics enable_resource_governor force_dynamic_quantization "
+        "enable_in_graph_sampling enable_speculative_beam_history_d2h",
+        _ENGINE_INTERNALS,
+    ),
+    *_values("perf_metrics_output_dir prometheus_metrics_config", _METRICS, ("null",)),
+    *_values("checkpoint_format", "brisk reads Hugging Face safetensors checkpoints", ("null", "hf")),
+    *_values("checkpoint_io_policy", "brisk's loader reads checkpoints its own way", ("auto",)),
+    *_values(
+        "max_input_len",
+        "no effect: brisk bounds a prompt by max_seq_len, as trtllm's PyTorch backend does",
+        ANY,
+    ),
+    *_values(
+        "postprocess_tokenizer_dir",
+        "no effect: brisk post-processes with the model's tokenizer (or --tokenizer), as trtllm-serve sets it",
+        ANY,
+    ),
+    *_values(
+        "iter_stats_max_iterations request_stats_max_iterations max_stats_len perf_metrics_max_requests "
+        "garbage_collection_gen0_threshold telemetry_config mx_config gms_config layer_wise_benchmarks_config "
+        "nvfp4_gemm_config mla_skip_correction_threshold allreduce_strategy torch_compile_config "
+        "prefill_cuda_graph_backend prefill_capture_num_tokens",
+        "no effect: a statistics, telemetry or kernel-tuning knob of TensorRT-LLM's engine; brisk's engine has none "
+        "of these (its statistics are on GET /metrics)",
+        ANY,
+    ),
+    *_switches(
+        "enable_iter_perf_stats enable_iter_req_stats enable_autotuner enable_layerwise_nvtx_marker "
+        "enable_min_latency enable_lm_head_tp_in_adp enable_mla_skip_correction sampler_force_async_worker "
+        "enable_early_first_token_response enable_low_latency_host_dispatch use_fine_grained_sync "
+        "use_cute_dsl_blockscaling_mm use_cute_dsl_blockscaling_bmm use_cute_dsl_bf16_bmm use_cute_dsl_bf16_gemm "
+        "enable_encoder_decoder_mixed_cuda_graph disable_mm_encoder",
+        "no effect: a statistics or kernel-tuning switch of TensorRT-LLM's engine; brisk's engine has none of these",
+        ANY,
+    ),
     # ---- trtllm-serve ----
     *_values("custom_tokenizer", "brisk loads the model's tokenizer (or --tokenizer) through transformers"),
     *_values("custom_module_dirs", _NO_PLUGINS, nargs="+"),

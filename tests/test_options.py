@@ -172,6 +172,20 @@ def test_every_flag_of_vllm_serve_and_trtllm_serve_is_known():
     assert unknown == []
 
 
+def test_every_key_of_trtllms_llm_api_is_known():
+    """An extra_llm_api_options file may hold any key of TensorRT-LLM's TorchLlmArgs: each is an option, or a peer's
+    option accepted with the value that means what brisk does and refused with its reason otherwise."""
+    lines = (PEER_FLAGS / "trtllm_llm_args.txt").read_text().splitlines()
+    keys = [line for line in lines if line and not line.startswith("#")]
+    assert len(keys) > 100 and "kv_cache_config" in keys
+    assert [key for key in keys if not OPTIONS.knows(key)] == ["model"]  # MODEL is brisk serve's argument
+    with pytest.raises(OptionError, match="holds none back"):
+        OPTIONS.resolve({"batch_wait_timeout_iters": 20}, "test")
+    accepted = {"scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"}, "enable_autotuner": False}
+    assert OPTIONS.resolve(accepted, "test")[EngineConfig] == {}
+    assert OPTIONS.resolve({"num_serve_frontends": 2}, "test")[ServerConfig] == {"api_server_count": 2}
+
+
 def test_a_peers_option_is_refused_with_its_reason_unless_it_means_what_brisk_does():
     for peer in PEER_OPTIONS:
         name = peer.names[0]
