@@ -216,7 +216,7 @@ class EngineConfig(OptionModel):
         None,
         "vLLM's sizing: weights, activations and KV cache within this share of the whole GPU; converted to "
         "kv_cache_config.free_gpu_memory_fraction at start-up (logged); on a CPU the share of RAM the KV cache takes",
-        vllm="gpu_memory_utilization",
+        vllm=("gpu_memory_utilization", "device_memory_utilization"),
         gt=0.0,
         le=1.0,
     )
@@ -318,6 +318,7 @@ class EngineConfig(OptionModel):
         "is, so vLLM's draft_tensor_parallel_size has no effect",
         vllm="speculative_config",
         trtllm="speculative_config",
+        short=("-sc",),
     )
     tp_size: int = option(
         1,
@@ -354,6 +355,7 @@ class EngineConfig(OptionModel):
         False,
         "vLLM's expert parallel: experts split over all ranks (ep_size = the number of ranks)",
         vllm="enable_expert_parallel",
+        short=("-ep",),
     )
     enable_mixed_sampler: bool = option(
         False,

@@ -511,7 +511,7 @@ class OptionTable:
             if not (alias.invert or alias.is_switch):
                 continue
             spelled = [f"--{alias.name.replace('_', '-')}", f"--{alias.name.replace('-', '_')}"]
-            action = _Switch if alias.invert else "store_true"
+            action = _Switch  # --NAME true, --no-NAME false (a switch alias's false leaves the option alone)
             what = f"`{row.path}: {_text_of(alias.sets)}`" if alias.is_switch else f"the opposite of {row.path}"
             parser.add_argument(
                 *dict.fromkeys(spelled),

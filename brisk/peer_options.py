@@ -18,11 +18,13 @@ ANY = ("*",)
 
 
 def _switches(names: str, reason: str, accepted: tuple[str, ...] = ("false",)) -> list[PeerOption]:
-    return [PeerOption((name,), reason, accepted) for name in names.split()]
+    """One switch a word of `names`; a word's spellings are joined by '/' (`nnodes/-n`)."""
+    return [PeerOption(tuple(name.split("/")), reason, accepted) for name in names.split()]
 
 
 def _values(names: str, reason: str, accepted: tuple[str, ...] = (), nargs: str | None = None) -> list[PeerOption]:
-    return [PeerOption((name,), reason, accepted, switch=False, nargs=nargs) for name in names.split()]
+    """One option taking a value a word of `names`; a word's spellings are joined by '/' (`nnodes/-n`)."""
+    return [PeerOption(tuple(name.split("/")), reason, accepted, switch=False, nargs=nargs) for name in names.split()]
 
 
 _LORA = (
@@ -70,16 +72,19 @@ PEER_OPTIONS: list[PeerOption] = [
     # ---- vLLM: the API server ----
     *_switches("headless enable-scale-out", _ONE_NODE),
     *_values(
-        "data-parallel-rank data-parallel-start-rank data-parallel-size-local data-parallel-address "
-        "data-parallel-rpc-port data-parallel-supervisor-port dp-supervisor-probe-interval-s "
+        "data-parallel-rank/-dpn data-parallel-start-rank/-dpr data-parallel-size-local/-dpl "
+        "data-parallel-address/-dpa data-parallel-rpc-port/-dpp data-parallel-supervisor-port dp-supervisor-probe-interval-s "
         "dp-supervisor-probe-timeout-s dp-supervisor-probe-failure-threshold master-addr master-port "
         "distributed-timeout-seconds cpu-distributed-timeout-seconds",
         _ONE_NODE,
     ),
-    *_switches("data-parallel-hybrid-lb data-parallel-external-lb data-parallel-multi-port-external-lb", _ONE_NODE),
-    *_values("nnodes", _ONE_NODE, ("1",)),
-    *_values("node-rank", _ONE_NODE, ("0",)),
-    *_values("data-parallel-backend", _ONE_NODE + " (its data-parallel ranks are processes: mp)", ("mp",)),
+    *_switches(
+        "data-parallel-hybrid-lb/-dph data-parallel-external-lb/-dpe data-parallel-multi-port-external-lb/-dpm",
+        _ONE_NODE,
+    ),
+    *_values("nnodes/-n", _ONE_NODE, ("1",)),
+    *_values("node-rank/-r", _ONE_NODE, ("0",)),
+    *_values("data-parallel-backend/-dpb", _ONE_NODE + " (its data-parallel ranks are processes: mp)", ("mp",)),
     *_switches("grpc tokens-only cohere-is-reasoning-model", _ONE_API),
     *_values("grpc-port cohere-format anthropic-disabled-thinking-effort", _ONE_API),
     *_values("lora-modules", _LORA, nargs="+"),
@@ -263,7 +268,7 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk sets no NUMA binding of its own: bind it with numactl or the container runtime",
     ),
     *_values("device-ids", "brisk uses the GPUs CUDA_VISIBLE_DEVICES gives it, in that order"),
-    *_values("decode-context-parallel-size prefill-context-parallel-size", _CONTEXT_PARALLEL, ("1",)),
+    *_values("decode-context-parallel-size/-dcp prefill-context-parallel-size/-pcp", _CONTEXT_PARALLEL, ("1",)),
     *_values("dcp-comm-backend dcp-kv-cache-interleave-size cp-kv-cache-interleave-size", _CONTEXT_PARALLEL),
     *_switches("dcp-q-replicate", _CONTEXT_PARALLEL),
     *_switches(
@@ -368,7 +373,9 @@ PEER_OPTIONS: list[PeerOption] = [
         '"model": ..., "num_speculative_tokens": N}\'',
     ),
     *_values("kv-transfer-config kv-events-config ec-transfer-config ec-manager-config", _DISAGGREGATION),
-    *_values("watermark-config diffusion-config engram-config aux-output-config additional-config", _ENGINE_INTERNALS),
+    *_values(
+        "watermark-config diffusion-config/-dc engram-config aux-output-config additional-config", _ENGINE_INTERNALS
+    ),
     *_values(
         "reasoning-config",
         "brisk parses gpt-oss's reasoning with its harmony parser; a request sets its depth with reasoning_effort",
