@@ -9,6 +9,8 @@ adds its traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 import traceback
 
@@ -22,6 +24,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a "did you mean" from the option table for an unknown flag."""
 
     def parse_args(self, args=None, namespace=None):
+        args = _dotted_json_flags(sys.argv[1:] if args is None else list(args))
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             sub = getattr(parsed, "command", None)
@@ -40,6 +43,47 @@ class _Parser(argparse.ArgumentParser):
             if isinstance(action, argparse._SubParsersAction):
                 return action.choices[name]
         return self
+
+
+_DOTTED = re.compile(r"^(--?[A-Za-z][\w-]*)\.([\w.]+)(?:=(.*))?$")
+
+
+def _dotted_json_flags(args: list[str]) -> list[str]:
+    """vLLM's dotted form of a JSON option, `--speculative-config.method ngram` or `-cc.cudagraph_mode=FULL`, as
+    the option's JSON (`--speculative-config '{"method": "ngram", ...}'`): the dotted keys of one flag merged, each
+    value read as JSON where it is JSON (3, true) and as text otherwise."""
+    out: list[str] = []
+    merged: dict[str, dict] = {}
+    i = 0
+    while i < len(args):
+        match = _DOTTED.match(args[i])
+        if match is None:
+            out.append(args[i])
+            i += 1
+            continue
+        flag, path, value = match.groups()
+        if value is None:
+            if i + 1 >= len(args):
+                raise SystemExit(f"brisk: error: {args[i]} needs a value")
+            value, i = args[i + 1], i + 1
+        i += 1
+        if flag not in merged:
+            merged[flag] = {}
+            out += [flag, ""]  # its JSON, filled in below, where the first dotted key was
+        into = merged[flag]
+        *parents, last = path.split(".")
+        for key in parents:
+            into = into.setdefault(key, {})
+        try:
+            into[last] = json.loads(value)
+        except ValueError:
+            into[last] = value
+    for flag, value in merged.items():
+        at = out.index(flag)
+        if out.count(flag) > 1:
+            raise SystemExit(f"brisk: error: give {flag} either as JSON or in its dotted form ({flag}.KEY VALUE)")
+        out[at + 1] = json.dumps(value)
+    return out
 
 
 def _did_you_mean(parser: argparse.ArgumentParser, flag: str) -> str:

@@ -283,6 +283,25 @@ def test_vllm_graph_options_set_the_captured_sizes(caplog):
         ]
 
 
+def test_vllm_dotted_json_flags():
+    """vLLM's dotted form of a JSON option: each KEY VALUE (or KEY=VALUE) of one flag merged into its JSON."""
+    args = [
+        "serve",
+        "--speculative-config.method",
+        "ngram",
+        "--speculative-config.num_speculative_tokens=3",
+        "-cc.cudagraph_mode=NONE",
+        "-cc.pass_config.fuse_rope_kvcache=True",
+        "--max-model-len=2k",
+    ]
+    engine, _ = build_serve_configs(None, OPTIONS.given(build_parser().parse_args(args)), default_model=DEMO)
+    assert engine.speculative_config is not None and engine.speculative_config.max_draft_len == 3
+    assert engine.cuda_graph_config is None and engine.max_seq_len == 2000
+    assert engine.compilation_config == {"cudagraph_mode": "NONE", "pass_config": {"fuse_rope_kvcache": "True"}}
+    with pytest.raises(SystemExit, match="either as JSON or in its dotted form"):
+        build_parser().parse_args(["serve", "-cc", "{}", "-cc.mode", "3"])
+
+
 def test_vllm_human_readable_numbers():
     """vLLM's spellings: 32k is 32,000 and 32K is 32,768 (for --max-model-len and --kv-cache-memory-bytes)."""
     assert EngineConfig.build("m", max_model_len="32K").max_seq_len == 32_768
