@@ -77,10 +77,10 @@ def test_each_table_lists_exactly_the_spec_fields():
 
 
 def test_every_field_of_vllms_requests_is_listed():
-    """vLLM's chat and completion request fields (vLLM 0.32: tests/data/peer_flags/vllm_request_fields.json, written
+    """vLLM's chat, completion and Responses request fields (vLLM 0.32: tests/data/peer_flags/vllm_request_fields.json, written
     by tools/peer_flags.py) are each a row of the endpoint's table: implemented, or rejected with the reason."""
     vllm = json.loads((Path(__file__).parent / "data" / "peer_flags" / "vllm_request_fields.json").read_text())
-    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+    for endpoint in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         listed = {r["field"] for r in ROWS if r["endpoint"] == endpoint}
         missing = [f for f in vllm[endpoint] if f not in listed]
         assert missing == [], endpoint
@@ -228,3 +228,28 @@ def test_completions_add_special_tokens_reaches_the_tokenizer():
     assert asyncio.run(_prompts(Tokenizing(), "Hi", False)) == [("Hi", [2])]  # type: ignore[arg-type]
     asyncio.run(_prompts(Tokenizing(), ["a", "bc"], True))  # type: ignore[arg-type]
     assert calls == [False, True, True]
+
+
+def test_responses_take_vllms_sampling_extensions(server):
+    """vLLM's extensions on /v1/responses: structured_outputs constrains the answer as text.format does, and
+    logit_bias / stop_token_ids reach the sampler (greedy: banning the first token changes the output; its second
+    token as a stop token ends it there)."""
+    base = {**BASE["/v1/responses"], "max_output_tokens": 24, "temperature": 0}
+
+    def respond(**fields) -> dict:
+        r = httpx.post(f"{server.url}/v1/responses", json={**base, **fields}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def text(body: dict) -> str:
+        return "".join(part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"])
+
+    schema = {"type": "json_schema", "name": "a", "schema": {"enum": ["yes", "no"]}}
+    assert text(respond(structured_outputs={"json": {"enum": ["yes", "no"]}})) == text(respond(text={"format": schema}))
+    assert text(respond(text={"format": schema})) in ('"yes"', '"no"')
+    plain = respond(include=["message.output_text.logprobs"], top_logprobs=0)
+    tokens = [t for item in plain["output"] if item["type"] == "message" for t in item["content"][0]["logprobs"]]
+    first = httpx.post(f"{server.url}/tokenize", json={"prompt": tokens[0]["token"]}).json()["tokens"][0]
+    assert respond(logit_bias={str(first): -100})["output"] != plain["output"]
+    stopped = respond(stop_token_ids=[first])
+    assert stopped["usage"]["output_tokens"] < plain["usage"]["output_tokens"]

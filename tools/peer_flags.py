@@ -1,6 +1,6 @@
 """Write the flags of an installed vLLM's `vllm serve` to tests/data/peer_flags/vllm_serve.json, for
 tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
-with a reason: brisk/peer_options.py), and the fields of its chat and completion requests to
+with a reason: brisk/peer_options.py), and the fields of its chat, completion and Responses requests to
 tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each.
 
     python tools/peer_flags.py        # run with the Python of a venv where vLLM is installed
@@ -34,11 +34,13 @@ def main() -> None:
     print(f"wrote {len(flags)} flags of vLLM {vllm.__version__} to {OUT}")
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     fields = {
         "vllm": vllm.__version__,
         "/v1/chat/completions": list(ChatCompletionRequest.model_fields),
         "/v1/completions": list(CompletionRequest.model_fields),
+        "/v1/responses": list(ResponsesRequest.model_fields),
     }
     (DATA / "vllm_request_fields.json").write_text(json.dumps(fields, indent=1) + "\n")
 

@@ -125,10 +125,39 @@ class _GenerationFields(_Body):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
     timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
+    request_id: Annotated[Any, refused("brisk names each request itself: the response's id.")] = None
+    session_id: Annotated[Any, refused("brisk has no sessions; previous_response_id chains Responses.")] = None
+    cache_salt: Annotated[
+        Any, refused("brisk's prefix cache is shared by every request of the server: run a server per tenant.")
+    ] = None
+    kv_transfer_params: Annotated[Any, refused("brisk has no KV transfer between instances (disaggregation).")] = None
+    ec_transfer_params: Annotated[Any, refused("brisk has no transfer between instances (disaggregation).")] = None
+    vllm_xargs: Annotated[Any, refused("brisk takes no plugin arguments: it loads no plugins.")] = None
+    watermarking: Annotated[Any, refused("brisk does not watermark its outputs.")] = None
+    mm_payload: Annotated[Any, refused(TEXT_ONLY)] = None
+    return_mm_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
+    media_io_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
+    mm_processor_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
 
     def field_names(self) -> dict[str, str]:
         """This endpoint's names of SamplingParams fields where they differ, so errors name the client's field."""
         return {}
+
+    def _vllm_structured_outputs(self) -> StructuredOutputs | None:
+        return self.structured_outputs.spec() if self.structured_outputs is not None else None
+
+    def _answer(self, answer: StructuredOutputs | None) -> StructuredOutputs | None:
+        """The answer constraint: the OpenAI field's (`answer`, with structured_outputs' options applied), or
+        vLLM's structured_outputs."""
+        vllm = self.structured_outputs
+        if answer is not None and vllm is not None:
+            if not vllm.options_only():
+                raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
+            # vLLM's way to set structured_outputs' options for a response_format
+            answer = msgspec.structs.replace(answer, disable_any_whitespace=vllm.disable_any_whitespace)
+        return answer or self._vllm_structured_outputs()
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
@@ -212,15 +241,25 @@ def combine_structured(
     )
 
 
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, Field(max_length=MAX_TOKEN_ID_LIST)
+]
+
+
+def token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(k): v for k, v in (logit_bias or {}).items()}
+    except ValueError:
+        raise InvalidRequest("logit_bias", "logit_bias keys must be token ids.") from None
+
+
 class _SamplingFields(_GenerationFields):
     """Chat completions' and completions' further sampling fields: OpenAI's plus vLLM's extensions."""
 
     n: int = Field(1, ge=1, le=128)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, max_length=MAX_TOKEN_ID_LIST
-    )
+    logit_bias: LogitBias = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream_options: StreamOptions | None = None
     # extensions
@@ -229,7 +268,6 @@ class _SamplingFields(_GenerationFields):
     skip_special_tokens: bool = True
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: top logprobs of each prompt token
-    structured_outputs: StructuredOutputsField | None = None
     guided_json: Annotated[Any, refused(GUIDED_REMOVED)] = None
     guided_regex: Annotated[Any, refused(GUIDED_REMOVED)] = None
     guided_choice: Annotated[Any, refused(GUIDED_REMOVED)] = None
@@ -252,20 +290,12 @@ class _SamplingFields(_GenerationFields):
     logprob_token_ids: Annotated[
         Any, refused("logprobs of chosen token ids are not available; top_logprobs lists the likeliest tokens.")
     ] = None
-    request_id: Annotated[Any, refused("brisk names each request itself: the response's id.")] = None
-    session_id: Annotated[Any, refused("brisk has no sessions; previous_response_id chains Responses.")] = None
     return_tokens_as_token_ids: Annotated[Any, only((False,), "brisk's logprobs name tokens by their text.")] = None
     return_token_ids: Annotated[
         Any, only((False,), "brisk's responses carry text; POST /tokenize gives the token ids of a text.")
     ] = None
     return_token_offsets: Annotated[Any, only((False,), "brisk's responses carry no token offsets.")] = None
     routed_experts_prompt_start: Annotated[Any, refused("brisk does not report the experts tokens route to.")] = None
-    cache_salt: Annotated[
-        Any, refused("brisk's prefix cache is shared by every request of the server: run a server per tenant.")
-    ] = None
-    kv_transfer_params: Annotated[Any, refused("brisk has no KV transfer between instances (disaggregation).")] = None
-    ec_transfer_params: Annotated[Any, refused("brisk has no transfer between instances (disaggregation).")] = None
-    vllm_xargs: Annotated[Any, refused("brisk takes no plugin arguments: it loads no plugins.")] = None
     repetition_detection: Annotated[
         Any, refused("repetition_detection is not available; repetition_penalty discourages repeats.")
     ] = None
@@ -275,31 +305,11 @@ class _SamplingFields(_GenerationFields):
     stream_interval: Annotated[
         Any, refused("the streaming interval is the server's --stream-interval, not a request's.")
     ] = None
-    watermarking: Annotated[Any, refused("brisk does not watermark its outputs.")] = None
-    mm_payload: Annotated[Any, refused(TEXT_ONLY)] = None
-    return_mm_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
-
-    def _vllm_structured_outputs(self) -> StructuredOutputs | None:
-        return self.structured_outputs.spec() if self.structured_outputs is not None else None
-
-    def _answer(self, response_format: ResponseFormat | None) -> StructuredOutputs | None:
-        """The answer constraint: response_format (structured_outputs' options applied), or structured_outputs."""
-        answer = response_format.spec() if response_format is not None else None
-        vllm = self.structured_outputs
-        if answer is not None and vllm is not None:
-            if not vllm.options_only():
-                raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, not both.")
-            # vLLM's way to set structured_outputs' options for a response_format
-            answer = msgspec.structs.replace(answer, disable_any_whitespace=vllm.disable_any_whitespace)
-        return answer or self._vllm_structured_outputs()
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
     ) -> SamplingParams:
-        try:
-            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise InvalidRequest("logit_bias", "logit_bias keys must be token ids.") from None
+        bias = token_bias(self.logit_bias)
         return super().sampling_params(
             max_tokens,
             logprobs,
@@ -404,8 +414,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Annotated[
         Any, refused("brisk renders every request with the server's chat template (--chat-template).")
     ] = None
-    media_io_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
-    mm_processor_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
     return_prompt_text: Annotated[Any, only((False,), "brisk's responses do not repeat the rendered prompt.")] = None
 
     @field_validator("messages")
@@ -435,7 +443,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.reasoning_logprobs and not self.include_reasoning:
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs include_reasoning: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        answer = self._answer(self.response_format)
+        answer = self._answer(self.response_format.spec() if self.response_format is not None else None)
         offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
         tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]
         return self.sampling_params(
@@ -477,7 +485,7 @@ class CompletionRequest(_SamplingFields):
             self.logprobs,
             defaults,
             prompt_logprobs=prompt_logprobs,
-            structured_outputs=self._answer(self.response_format),
+            structured_outputs=self._answer(self.response_format.spec() if self.response_format else None),
         )
 
 
@@ -577,6 +585,30 @@ class ResponsesRequest(_GenerationFields):
     context_management: Annotated[Any, refused("brisk does not compact conversations; use truncation.")] = None
     conversation: Annotated[Any, refused("the Conversations API is not available; use previous_response_id.")] = None
     prompt: Annotated[Any, refused("stored prompt templates are not available; send the input itself.")] = None
+    # vLLM's extensions
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: LogitBias = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
+    chat_template_kwargs: dict[str, Any] | None = None
+    stop: Annotated[Any, refused("stop strings are not available on /v1/responses; /v1/chat/completions has them.")] = (
+        None
+    )
+    include_stop_str_in_output: Annotated[Any, only((False,), "stop strings are not available on /v1/responses.")] = (
+        None
+    )
+    skip_special_tokens: Annotated[
+        Any, only((True,), "a Response's items hold text; special tokens are never written into them.")
+    ] = None
+    include_reasoning: Annotated[
+        Any, only((True,), "reasoning items are part of a Response (and of the conversation it continues).")
+    ] = None
+    enable_response_messages: Annotated[
+        Any, only((False,), "a Response's output items are its messages; the raw harmony messages are not returned.")
+    ] = None
+    previous_input_messages: Annotated[
+        Any, refused("continue a conversation with previous_response_id (or send the whole input).")
+    ] = None
 
     @field_validator("include")
     @classmethod
@@ -600,7 +632,14 @@ class ResponsesRequest(_GenerationFields):
         tools = [(t.name, t.parameters, t.strict) for t in offered or []]
         logprobs = (self.top_logprobs or 0) if self.includes_logprobs else None
         return self.sampling_params(
-            self.max_output_tokens, logprobs, defaults, structured_outputs=combine_structured(answer, tools)
+            self.max_output_tokens,
+            logprobs,
+            defaults,
+            structured_outputs=combine_structured(self._answer(answer), tools),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=token_bias(self.logit_bias) or None,
+            stop_token_ids=list(self.stop_token_ids or []),
         )
 
     @property

@@ -52,7 +52,9 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None):
 FORCED_CALL_ROOM = 32  # tokens truncation leaves for a forced call's header
 
 
-async def _truncated(state: ServerState, messages, prompt_ids, tools, effort, reserve: int, max_tokens) -> list[int]:
+async def _truncated(
+    state: ServerState, messages, prompt_ids, tools, effort, template_kwargs, reserve: int, max_tokens
+) -> list[int]:
     """truncation "auto": drop the oldest input items (keeping instructions and the last item) until the prompt,
     `reserve` tokens and max_output_tokens fit the context."""
     room = state.info.max_seq_len - (max_tokens or 1) - reserve
@@ -64,7 +66,7 @@ async def _truncated(state: ServerState, messages, prompt_ids, tools, effort, re
         del messages[first]
         while first < len(messages) - 1 and messages[first]["role"] == "tool":  # results of a dropped call go too
             del messages[first]
-        prompt_ids = await state.render_chat(messages, tools, effort, {}, param="input", may_truncate=True)
+        prompt_ids = await state.render_chat(messages, tools, effort, template_kwargs, param="input", may_truncate=True)
     return prompt_ids
 
 
@@ -108,12 +110,15 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     effort = req.reasoning.effort if req.reasoning else None
     items = input_items(req.input)
     messages = items_to_messages(req.instructions, history + items)
+    template_kwargs = req.chat_template_kwargs or {}
     prompt_ids = await state.render_chat(
-        messages, plan.tools, effort, {}, param="input", may_truncate=req.truncation == "auto"
+        messages, plan.tools, effort, template_kwargs, param="input", may_truncate=req.truncation == "auto"
     )
     if req.truncation == "auto":
         reserve = FORCED_CALL_ROOM if plan.forces_call else 0
-        prompt_ids = await _truncated(state, messages, prompt_ids, plan.tools, effort, reserve, params.max_tokens)
+        prompt_ids = await _truncated(
+            state, messages, prompt_ids, plan.tools, effort, template_kwargs, reserve, params.max_tokens
+        )
     state.check_prompt(prompt_ids, params, req.field_names())
     forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
     prompt_ids += forced
