@@ -357,6 +357,20 @@ class EngineConfig(OptionModel):
         vllm="enable_expert_parallel",
         short=("-ep",),
     )
+    attention_dp_config: dict[str, Any] | None = option(
+        None,
+        "trtllm's balancing of attention-DP ranks (enable_balance, batching_wait_iters, timeout_iters): a scheduling "
+        "knob; brisk's attention DP gives each rank the requests routed to it",
+        trtllm="attention_dp_config",
+        no_effect=True,
+    )
+    env_overrides: dict[str, str | int | float | bool] | None = option(
+        None,
+        "trtllm's environment switches (TRTLLM_*, e.g. TRTLLM_ENABLE_PDL) are TensorRT-LLM kernel knobs; brisk "
+        "reads none, and refuses any other variable (set it in the environment)",
+        trtllm="env_overrides",
+        no_effect=True,
+    )
     enable_mixed_sampler: bool = option(
         False,
         "trtllm's per-request sampling switch: brisk always samples each request with its own parameters, so true "
@@ -488,6 +502,18 @@ class EngineConfig(OptionModel):
             )
         return self
 
+    @field_validator("env_overrides")
+    @classmethod
+    def _only_trtllm_switches(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        others = sorted(k for k in value or {} if not k.startswith("TRTLLM_"))
+        if others:
+            raise ValueError(
+                f"{', '.join(others)}: brisk reads no settings from environment variables given as options; set them "
+                "in the server's environment (only TensorRT-LLM's own TRTLLM_* switches are accepted here, with no "
+                "effect)"
+            )
+        return value
+
     @field_validator("backend", "kv_offloading_backend")
     @classmethod
     def _brisks_own_only(cls, value: str, info: ValidationInfo) -> str:
@@ -550,8 +576,11 @@ class EngineConfig(OptionModel):
         if yaml_path is not None:
             given["extra_llm_api_options"] = str(yaml_path)
         merged = resolve_with_files(given, "the keyword arguments")
-        if merged[ServerConfig]:
-            raise ConfigError(f"'{next(iter(merged[ServerConfig]))}' is an option of brisk serve, not of the engine")
+        direct = resolve_options(given, "the keyword arguments")[ServerConfig]
+        if direct:
+            raise ConfigError(f"'{next(iter(direct))}' is an option of brisk serve, not of the engine")
+        for key in merged[ServerConfig]:  # a serving config (trtllm's, say) loaded offline: its server part idles
+            logger.info("%s (from an options file): an option of brisk serve, no effect on LLM(...)", key)
         return cls.from_options(model, merged[EngineConfig], find_model=find_model)
 
     @classmethod

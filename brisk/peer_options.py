@@ -410,11 +410,6 @@ PEER_OPTIONS: list[PeerOption] = [
         ("null", "{}", '{"capacity_scheduler_policy": "max_utilization"}'),
     ),
     *_values(
-        "attention_dp_config",
-        "brisk's attention data parallel balances nothing across ranks: each rank takes the requests routed to it",
-        ("null", "{}", '{"enable_balance": false}'),
-    ),
-    *_values(
         "batch_wait_timeout_ms batch_wait_timeout_iters batch_wait_max_tokens_ratio",
         "brisk schedules every waiting request at the next step; it holds none back to batch it with later ones",
         ("0", "0.0"),
@@ -428,9 +423,6 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_switches("gather_generation_logits", "brisk returns logprobs (logprobs, top_logprobs), not whole logits"),
     *_values("decoding_config", "trtllm's deprecated decoding config: speculative_config sets brisk's", ("null",)),
-    *_values(
-        "env_overrides", "brisk reads no settings from environment variables: give them as options", ("null", "{}")
-    ),
     *_values(
         "orchestrator_type ray_worker_extension_cls ray_placement_config ray_worker_nsight_options",
         _ONE_NODE,

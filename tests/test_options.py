@@ -172,6 +172,26 @@ def test_every_flag_of_vllm_serve_and_trtllm_serve_is_known():
     assert unknown == []  # every spelling: --no-enforce-eager, -sc, -ep, -dcp...
 
 
+TRTLLM_CONFIGS = TESTS / "data" / "trtllm_gpt_oss_configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TRTLLM_CONFIGS.glob("*.yaml")))
+def test_trtllms_own_gpt_oss_configs_load(name, caplog):
+    """TensorRT-LLM's curated and database gpt-oss-120b configs (verbatim) load; their TensorRT-LLM-only knobs are
+    logged at start-up as having no effect."""
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        engine = EngineConfig.build("m", TRTLLM_CONFIGS / name, device="cpu")
+    assert engine.stream_interval == 20 and engine.cuda_graph_config is not None
+    if "attention_dp_config" in (TRTLLM_CONFIGS / name).read_text():
+        assert engine.enable_attention_dp and "attention_dp_config" in caplog.text and "no effect" in caplog.text
+    if "env_overrides" in (TRTLLM_CONFIGS / name).read_text():
+        assert "env_overrides" in caplog.text and "no effect" in caplog.text
+    if "num_postprocess_workers" in (TRTLLM_CONFIGS / name).read_text():  # a server option, offline: logged
+        assert "num_postprocess_workers (from an options file): an option of brisk serve" in caplog.text
+    with pytest.raises(ConfigError, match="HF_HOME: brisk reads no settings from environment variables"):
+        EngineConfig.build("m", env_overrides={"HF_HOME": "/x", "TRTLLM_ENABLE_PDL": 1})
+
+
 def test_every_key_of_trtllms_llm_api_is_known():
     """An extra_llm_api_options file may hold any key of TensorRT-LLM's TorchLlmArgs: each is an option, or a peer's
     option accepted with the value that means what brisk does and refused with its reason otherwise."""
@@ -867,6 +887,8 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{HERE}::test_vllm_parallel_layout",
         f"{HERE}::test_vllm_and_trtllm_spellings_mean_the_same_config",
     ],
+    "attention_dp_config": [f"{HERE}::test_trtllms_own_gpt_oss_configs_load"],
+    "env_overrides": [f"{HERE}::test_trtllms_own_gpt_oss_configs_load"],
     "enable_mixed_sampler": [f"{HERE}::test_mixed_sampler_off_still_samples_each_request_with_its_own_parameters"],
     "print_iter_log": [f"{HERE}::test_max_num_seqs_batched_tokens_and_iteration_log"],
     "max_logprobs": [f"{HERE}::test_max_logprobs", f"{DROPIN}::test_vllm_command_serves"],
