@@ -10,6 +10,7 @@ subprocess per command):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -354,9 +356,15 @@ VLLM_FLAGS = (
 def vllm_server(hf_home, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("vllm")
     (cwd / "vllm.yaml").write_text("trust-remote-code: true\nhost: 127.0.0.1\n")  # vLLM's --config: flags by name
+    with serving(f"brisk serve {MODEL_ID} {VLLM_FLAGS}", cwd, hf_home) as (url, server):
+        yield url, server
+
+
+@contextlib.contextmanager
+def serving(command: str, cwd: Path, hf_home: Path) -> Iterator[tuple[str, Command]]:
+    """`command` (a brisk serve, given a free --port here) run until /health answers; SIGTERM at the end."""
     port = free_port()
-    command = f"brisk serve {MODEL_ID} {VLLM_FLAGS} --port {port} " + " ".join(session_cpu_kernels())
-    server = Command(command, cwd, user_env(hf_home, cwd))
+    server = Command(f"{command} --port {port} " + " ".join(session_cpu_kernels()), cwd, user_env(hf_home, cwd))
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -438,22 +446,8 @@ def test_vllm_gpt_oss_recipe_serves(hf_home, tmp_path):
     vllm_gpt_oss_recipe/: no-enable-prefix-caching, max-cudagraph-capture-size, max-num-batched-tokens,
     stream-interval), `vllm serve` -> `brisk serve`, the model given as --model (the recipe's docker form)."""
     shutil.copy(RECIPE / "GPT-OSS_Hopper.yaml", tmp_path)
-    port = free_port()
-    command = (
-        f"brisk serve --model {MODEL_ID} --config GPT-OSS_Hopper.yaml --tensor-parallel-size 1 --port {port} "
-        + " ".join(session_cpu_kernels())
-    )
-    server = Command(command, tmp_path, user_env(hf_home, tmp_path))
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return server.proc.poll() is not None or httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        assert wait_until(healthy, timeout=STARTUP_TIMEOUT_S) and server.proc.poll() is None, server.log()
+    command = f"brisk serve --model {MODEL_ID} --config GPT-OSS_Hopper.yaml --tensor-parallel-size 1"
+    with serving(command, tmp_path, hf_home) as (url, server):
         body = {"model": MODEL_ID, "prompt": "Once", "max_tokens": 45, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
@@ -462,8 +456,7 @@ def test_vllm_gpt_oss_recipe_serves(hf_home, tmp_path):
         engine = config["engine"]
         assert engine["kv_cache_config"]["enable_block_reuse"] is False  # no-enable-prefix-caching: true
         assert engine["cuda_graph_config"]["max_batch_size"] == 2048 and engine["max_num_tokens"] == 8192
-    finally:
-        assert server.stop() == 0, server.log()
+    assert server.stop() == 0, server.log()  # drained and exited on SIGTERM
 
 
 def test_vllm_max_num_seqs_caps_the_running_batch(vllm_server):
