@@ -742,6 +742,17 @@ class ServerConfig(OptionModel):
         parse=_origins,
         metavar="ORIGINS",
     )
+    ssl_certfile: str | None = option(
+        None, "serve HTTPS with this certificate (PEM; with ssl_keyfile)", vllm="ssl_certfile"
+    )
+    ssl_keyfile: str | None = option(None, "the certificate's private key (PEM)", vllm="ssl_keyfile")
+    ssl_ca_certs: str | None = option(
+        None, "CA certificates (PEM) that client certificates are checked against", vllm="ssl_ca_certs"
+    )
+    ssl_cert_reqs: int = option(
+        0, "client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)", ge=0, le=2, vllm="ssl_cert_reqs"
+    )
+    ssl_ciphers: str = option("TLSv1", "the TLS ciphers (OpenSSL's cipher list)", vllm="ssl_ciphers")
     log_prompts: bool = option(False, "log each request's prompt (request logs carry no prompt text otherwise)")
     request_timeout: float | None = option(
         None, "seconds; longer-running requests are aborted (finish_reason 'abort')", gt=0.0
@@ -829,6 +840,29 @@ class ServerConfig(OptionModel):
     def _trtllm_log_levels(cls, value: Any) -> Any:
         trtllm = {"trace": "debug", "verbose": "debug", "internal_error": "error"}
         return trtllm.get(value.lower(), value.lower()) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> ServerConfig:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both to serve HTTPS")
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path}: no such file")
+        if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
+            raise ValueError(
+                "ssl_ca_certs and ssl_cert_reqs check clients over HTTPS: give ssl_certfile and ssl_keyfile"
+            )
+        if self.ssl_cert_reqs == 2 and self.num_api_servers > 1:
+            raise ValueError(
+                "ssl_cert_reqs 2 (client certificates required) with several API-server processes: they forward "
+                "requests to each other without one; give ssl_cert_reqs 0 or 1, or one API-server process"
+            )
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
 
     @model_validator(mode="after")
     def _one_process_count(self) -> ServerConfig:

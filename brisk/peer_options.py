@@ -58,7 +58,6 @@ _SCHEDULER = (
     "brisk's scheduler has one policy: first come first served, bounded by --max-num-seqs, "
     "--max-num-batched-tokens and --max-num-waiting"
 )
-_TLS = "brisk serves plain HTTP: put a TLS-terminating proxy in front of it (docs/deploy.md)"
 _HUB = (
     "brisk downloads through huggingface_hub's own settings: set HF_TOKEN, HF_HOME or HF_HUB_CACHE in the "
     "environment (--revision picks the model's revision)"
@@ -163,8 +162,10 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk's CORS (--allowed-origins) allows the methods GET, POST and DELETE and the headers Authorization and "
         "Content-Type, which its API needs",
     ),
-    *_values("ssl-keyfile ssl-certfile ssl-ca-certs ssl-cert-reqs ssl-ciphers", _TLS),
-    *_switches("enable-ssl-refresh", _TLS),
+    *_switches(
+        "enable-ssl-refresh",
+        "brisk reads its certificate (--ssl-certfile, --ssl-keyfile) at start-up: restart it to load a new one",
+    ),
     *_values(
         "root-path",
         "brisk serves its routes at the root; a proxy that adds a path prefix must strip it",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -53,10 +54,12 @@ class RunningServer:
         env: dict[str, str] | None = None,
         script: str | None = None,
         launcher: list[str] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        """`launcher`: python arguments before MODEL (default `-m brisk.cli serve`, or `script`)."""
+        """`launcher`: python arguments before MODEL (default `-m brisk.cli serve`, or `script`); `tls`: the server
+        serves HTTPS (--ssl-certfile), reached with this client context."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         launcher = launcher or ([script] if script else ["-m", "brisk.cli", "serve"])
         cmd = [sys.executable, *launcher, model, "--port", str(self.port), *args]
         cmd += _cpu_kernels_args(launcher, args)
@@ -66,12 +69,13 @@ class RunningServer:
         self._state_home = tempfile.TemporaryDirectory(prefix="brisk-test-state-")
         env = {**os.environ, "XDG_STATE_HOME": self._state_home.name, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        verify = tls or True
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1, verify=verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

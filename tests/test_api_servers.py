@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -47,7 +48,9 @@ STEPS = f'brisk:iteration_tokens_total_count{{model_name="{MODEL}"}}'
 class Processes:
     """The supervisor's processes, from its start-up line."""
 
-    def __init__(self, server: RunningServer) -> None:
+    def __init__(self, server: RunningServer, tls: bool = False) -> None:
+        # with --ssl-certfile the private sockets speak HTTPS too (their certificate is the port's; not checked)
+        self.base_url, self.verify = ("https://brisk", False) if tls else ("http://brisk", True)
         found = re.search(
             r"engine process (\d+); API-server processes ([\d ]+) \(private sockets in (\S+)\)", server.log()
         )
@@ -66,11 +69,12 @@ class Processes:
             return False
 
     def client(self, index: int, **kw) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=self.sockets[index]), base_url="http://brisk", **kw)
+        transport = httpx.HTTPTransport(uds=self.sockets[index], verify=self.verify)
+        return httpx.Client(transport=transport, base_url=self.base_url, **kw)
 
     def async_client(self, index: int, **kw) -> httpx.AsyncClient:
-        transport = httpx.AsyncHTTPTransport(uds=self.sockets[index])
-        return httpx.AsyncClient(transport=transport, base_url="http://brisk", **kw)
+        transport = httpx.AsyncHTTPTransport(uds=self.sockets[index], verify=self.verify)
+        return httpx.AsyncClient(transport=transport, base_url=self.base_url, **kw)
 
     async def stream(self, index: int, body: dict, started: asyncio.Event) -> list:
         """The events of a streamed completion from process `index`; `started` is set at its first line."""
@@ -83,8 +87,8 @@ class Processes:
                 return _sse("\n".join(lines))
 
 
-def _serve(state_dir: Path, *args: str) -> RunningServer:
-    return RunningServer(str(DEMO_MODEL), "--served-model-name", MODEL, "--state-dir", str(state_dir), *args)
+def _serve(state_dir: Path, *args: str, tls: ssl.SSLContext | None = None) -> RunningServer:
+    return RunningServer(str(DEMO_MODEL), "--served-model-name", MODEL, "--state-dir", str(state_dir), *args, tls=tls)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +298,88 @@ def test_a_background_response_is_followed_and_cancelled_through_another_process
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
         assert a.get(f"/v1/responses/{long['id']}").json()["status"] == "cancelled"
     assert wait_until(lambda: _idle(server), timeout=60), server.metrics()  # its engine request was aborted
+
+
+def _self_signed(folder: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (PEM files in `folder`)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(certfile), str(keyfile)
+
+
+def test_https_on_the_port_and_between_the_processes(tmp_path):
+    """vLLM's --ssl-certfile / --ssl-keyfile: the port serves HTTPS only, and a Response run by one API-server
+    process is streamed through the other (forwarded over its private socket, HTTPS too)."""
+    certfile, keyfile = _self_signed(tmp_path)
+    args = ("--api-server-count", "2", "--ssl-certfile", certfile, "--ssl-keyfile", keyfile)
+    trusted = ssl.create_default_context(cafile=certfile)
+    server = _serve(tmp_path / "state", *args, tls=trusted)
+    try:
+        # the port answers once one process serves; the supervisor's ready line comes when both do
+        assert wait_until(lambda: f"on https://127.0.0.1:{server.port}" in server.log(), timeout=60), server.log()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hail"}], "max_tokens": 4}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, verify=trusted, timeout=120)
+        assert r.status_code == 200, r.text
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the port: no answer
+            httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body, timeout=30)
+        processes = Processes(server, tls=True)
+        with processes.client(0, timeout=120) as a, processes.client(1, timeout=120) as b:
+            started = _respond(a, input="Tell me a tale.", background=True, max_output_tokens=8, ignore_eos=True)
+            events = [e for e in _sse(b.get(f"/v1/responses/{started['id']}", params={"stream": "true"}).text)]
+            assert events[-1] == "[DONE]" and events[-2]["type"] == "response.incomplete"
+    finally:
+        server.stop()
+
+
+def test_https_client_certificates_and_ciphers(tmp_path):
+    """--ssl-ca-certs with --ssl-cert-reqs 2: a client without a certificate the CA signed gets no answer;
+    --ssl-ciphers: a TLS 1.2 client offering only other ciphers gets none either."""
+    certfile, keyfile = _self_signed(tmp_path)  # its own CA: it signs itself, and serves as the client's too
+
+    def client(cipher: str, with_certificate: bool = True) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=certfile)
+        context.maximum_version = ssl.TLSVersion.TLSv1_2  # set_ciphers rules TLS 1.2's ciphers (not 1.3's)
+        context.set_ciphers(cipher)
+        if with_certificate:
+            context.load_cert_chain(certfile, keyfile)
+        return context
+
+    allowed = "ECDHE-ECDSA-AES128-GCM-SHA256"
+    args = ("--ssl-certfile", certfile, "--ssl-keyfile", keyfile, "--ssl-ca-certs", certfile, "--ssl-cert-reqs", "2")
+    server = _serve(tmp_path / "state", *args, "--ssl-ciphers", allowed, tls=client(allowed))
+    try:
+        assert httpx.get(f"{server.url}/v1/models", verify=client(allowed)).status_code == 200
+        for refused in (client(allowed, with_certificate=False), client("ECDHE-ECDSA-AES256-GCM-SHA384")):
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"{server.url}/v1/models", verify=refused, timeout=30)
+    finally:
+        server.stop()
 
 
 # ---- shutdown and failure -------------------------------------------------------------------------------------------

@@ -769,6 +769,14 @@ OPTION_TESTS: dict[str, list[str]] = {
         f"{DROPIN}::test_vllm_command_serves",
         "tests/test_api_servers.py::test_two_api_servers_serve_every_api",
     ],
+    **{
+        name: ["tests/test_api_servers.py::test_https_on_the_port_and_between_the_processes"]
+        for name in ("ssl_certfile", "ssl_keyfile")
+    },
+    **{
+        name: ["tests/test_api_servers.py::test_https_client_certificates_and_ciphers"]
+        for name in ("ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers")
+    },
     "num_postprocess_workers": [
         f"{HERE}::test_server_option_checks",
         "tests/test_api_servers.py::test_engine_death_stops_every_api_server",

@@ -48,13 +48,16 @@ class Peers:
         return path if os.path.exists(path) else None
 
 
-async def forward(raw: Request, socket_path: str) -> StreamingResponse:
-    """Send `raw` to the sibling listening on `socket_path`; its answer (a stream too) comes back as it is sent."""
-    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), timeout=None)
+async def forward(raw: Request, socket_path: str, tls: bool = False) -> StreamingResponse:
+    """Send `raw` to the sibling listening on `socket_path`; its answer (a stream too) comes back as it is sent.
+    `tls`: the server serves HTTPS, so the sibling's private socket does too; its certificate is not checked (the
+    socket is found by path in the server's own private folder, which is what vouches for it)."""
+    transport = httpx.AsyncHTTPTransport(uds=socket_path, verify=not tls)
+    client = httpx.AsyncClient(transport=transport, timeout=None)
     headers = {name: raw.headers[name] for name in FORWARDED_REQUEST_HEADERS if name in raw.headers}
     request = client.build_request(
         raw.method,
-        f"http://brisk{raw.url.path}",
+        f"{'https' if tls else 'http'}://brisk{raw.url.path}",
         params=str(raw.query_params),
         headers={**headers, FORWARDED_HEADER: "1"},
         content=await raw.body(),

@@ -140,7 +140,7 @@ def announce_ready(plan: ServePlan, info: EngineInfo) -> None:
     processes = f", {server.num_api_servers} API-server processes" if server.num_api_servers > 1 else ""
     ready = (
         f"brisk serve: ready: '{plan.names[0]}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{processes}) on http://{server.host}:{server.port}"
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{processes}) on {server.scheme}://{server.host}:{server.port}"
     )
     if server.log_format == "json":
         logger.info(ready)
@@ -218,6 +218,12 @@ async def serve_api(
             log_level=server.uvicorn_log_level,
             access_log=False,
             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+            # HTTPS where a certificate is given: on the private socket too, where a sibling forwards to it
+            ssl_certfile=server.ssl_certfile,
+            ssl_keyfile=server.ssl_keyfile,
+            ssl_ca_certs=server.ssl_ca_certs,
+            ssl_cert_reqs=server.ssl_cert_reqs,
+            ssl_ciphers=server.ssl_ciphers,
             # uvicorn annotates this int | None but only passes it to asyncio.wait_for, which takes a float
             timeout_graceful_shutdown=ABORT_GRACE_S,  # type: ignore[arg-type]
             log_config=None,  # uvicorn's records go through the root handler (text or JSON, --log-format)
