@@ -753,7 +753,37 @@ class ServerConfig(OptionModel):
         0, "client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)", ge=0, le=2, vllm="ssl_cert_reqs"
     )
     ssl_ciphers: str = option("TLSv1", "the TLS ciphers (OpenSSL's cipher list)", vllm="ssl_ciphers")
+    allowed_methods: list[str] = option(
+        default_factory=lambda: ["GET", "POST", "DELETE"],
+        help="methods CORS allows (with allowed_origins), comma-separated or a JSON list ('*' for any)",
+        vllm="allowed_methods",
+        parse=_origins,
+        metavar="METHODS",
+    )
+    allowed_headers: list[str] = option(
+        default_factory=lambda: ["Authorization", "Content-Type"],
+        help="request headers CORS allows (with allowed_origins), comma-separated or a JSON list ('*' for any)",
+        vllm="allowed_headers",
+        parse=_origins,
+        metavar="HEADERS",
+    )
+    allow_credentials: bool = option(
+        False,
+        "CORS lets browsers send credentials (cookies) cross-origin (with allowed_origins)",
+        vllm="allow_credentials",
+    )
+    root_path: str = option(
+        "",
+        "the path prefix a proxy serves brisk under (for the links of /docs); routes stay at the root",
+        vllm="root_path",
+    )
+    disable_fastapi_docs: bool = option(
+        False, "serve no OpenAPI document, /docs or /redoc", vllm="disable_fastapi_docs"
+    )
     log_prompts: bool = option(False, "log each request's prompt (request logs carry no prompt text otherwise)")
+    max_log_len: int | None = option(
+        None, "with log_prompts: a logged prompt's characters (or token ids) at most", ge=0, vllm="max_log_len"
+    )
     request_timeout: float | None = option(
         None, "seconds; longer-running requests are aborted (finish_reason 'abort')", gt=0.0
     )
@@ -830,7 +860,7 @@ class ServerConfig(OptionModel):
     def _one_name(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("allowed_origins", mode="before")
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
     @classmethod
     def _origin_text(cls, value: Any) -> Any:
         return _origins(value) if isinstance(value, str) else value

@@ -125,7 +125,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "tool-server",
         "brisk runs no built-in tools (browser, python, MCP servers): clients run their tools through function calling",
     ),
-    *_values("max-log-len", "brisk logs a prompt whole, and only with --log-prompts", ("null",)),
     *_switches(
         "enable-prompt-tokens-details",
         "brisk always reports usage.prompt_tokens_details.cached_tokens (the switch on is its behaviour)",
@@ -154,25 +153,11 @@ PEER_OPTIONS: list[PeerOption] = [
         "line",
     ),
     *_switches(
-        "allow-credentials",
-        "brisk's CORS (--allowed-origins) allows no credentials: clients authenticate with an Authorization header",
-    ),
-    *_values(
-        "allowed-methods allowed-headers",
-        "brisk's CORS (--allowed-origins) allows the methods GET, POST and DELETE and the headers Authorization and "
-        "Content-Type, which its API needs",
-    ),
-    *_switches(
         "enable-ssl-refresh",
         "brisk reads its certificate (--ssl-certfile, --ssl-keyfile) at start-up: restart it to load a new one",
     ),
-    *_values(
-        "root-path",
-        "brisk serves its routes at the root; a proxy that adds a path prefix must strip it",
-    ),
     PeerOption(("middleware",), _NO_PLUGINS, (), switch=False, nargs="+"),
     *_switches("enable-request-id-headers", "brisk's responses carry their id in the body (id), not in a header"),
-    *_switches("disable-fastapi-docs", "brisk serves its OpenAPI document and /docs always"),
     *_switches("enable-offline-docs", "brisk's /docs page loads its scripts from a CDN"),
     *_values(
         "h11-max-incomplete-event-size h11-max-header-count",

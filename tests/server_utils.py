@@ -84,7 +84,8 @@ class RunningServer:
         raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # after stop() too: a start-up failure's message quotes the log
+            self._log.flush()
         with open(self.log_path) as f:
             return f.read()[-5000:]
 

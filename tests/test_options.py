@@ -777,6 +777,13 @@ OPTION_TESTS: dict[str, list[str]] = {
         name: ["tests/test_api_servers.py::test_https_client_certificates_and_ciphers"]
         for name in ("ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers")
     },
+    **{
+        name: ["tests/test_security.py::test_cors_methods_headers_and_credentials_as_configured"]
+        for name in ("allowed_methods", "allowed_headers", "allow_credentials")
+    },
+    "root_path": ["tests/test_security.py::test_docs_root_path_and_their_switch_off"],
+    "disable_fastapi_docs": ["tests/test_security.py::test_docs_root_path_and_their_switch_off"],
+    "max_log_len": ["tests/test_security.py::test_logged_prompts_are_cut_to_max_log_len"],
     "num_postprocess_workers": [
         f"{HERE}::test_server_option_checks",
         "tests/test_api_servers.py::test_engine_death_stops_every_api_server",

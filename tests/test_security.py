@@ -214,6 +214,43 @@ def test_cors_is_off_by_default():
     assert "access-control-allow-origin" not in http.get("/version", headers={"Origin": ORIGIN}).headers
 
 
+def test_cors_methods_headers_and_credentials_as_configured():
+    """vLLM's --allowed-methods, --allowed-headers and --allow-credentials shape the CORS answers."""
+    default = TestClient(build_app(fake_state(allowed_origins=[ORIGIN])))
+    r = default.options(
+        "/v1/models",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "PUT", "Access-Control-Request-Headers": "x-trace"},
+    )
+    assert r.status_code == 400 and "access-control-allow-credentials" not in r.headers  # PUT, x-trace: not allowed
+    opened = fake_state(
+        allowed_origins=[ORIGIN], allowed_methods=["GET", "PUT"], allowed_headers=["X-Trace"], allow_credentials=True
+    )
+    r = TestClient(build_app(opened)).options(
+        "/v1/models",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "PUT", "Access-Control-Request-Headers": "x-trace"},
+    )
+    assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true", r.text
+    assert "PUT" in r.headers["access-control-allow-methods"] and "x-trace" in r.headers["access-control-allow-headers"].lower()
+
+
+def test_docs_root_path_and_their_switch_off():
+    """vLLM's --root-path (a proxy's path prefix: the /docs page links the schema under it) and
+    --disable-fastapi-docs (no schema, /docs or /redoc)."""
+    http = TestClient(build_app(fake_state(root_path="/llm")))
+    assert "/llm/openapi.json" in http.get("/docs").text and http.get("/openapi.json").status_code == 200
+    assert "/llm/openapi.json" not in TestClient(build_app(fake_state())).get("/docs").text
+    off = TestClient(build_app(fake_state(disable_fastapi_docs=True)))
+    assert [off.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
+    assert off.get("/version").status_code == 200
+
+
+def test_logged_prompts_are_cut_to_max_log_len():
+    """--log-prompts logs a prompt's text (or its token ids), at most --max-log-len of them."""
+    assert fake_state(log_prompts=True).logged_prompt("To be or not", [1, 2, 3]) == "'To be or not'"
+    assert fake_state(max_log_len=5).logged_prompt("To be or not", [1, 2, 3]) == "'To be'"
+    assert fake_state(max_log_len=2).logged_prompt(None, [1, 2, 3]) == "[1, 2]"
+
+
 # ---- errors never show internals -------------------------------------------------------------------
 def test_unexpected_errors_are_opaque_500s_and_logged(caplog):
     internal = "/srv/brisk/secret_module.py line 42"

@@ -50,16 +50,26 @@ async def _static_heap(_: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(state: ServerState, extra_routers: tuple[APIRouter, ...] = ()) -> FastAPI:
-    app = FastAPI(title="brisk", version=brisk.__version__, lifespan=_static_heap)
+    server = state.server
+    off = server.disable_fastapi_docs  # no OpenAPI document, /docs or /redoc
+    app = FastAPI(
+        title="brisk",
+        version=brisk.__version__,
+        lifespan=_static_heap,
+        root_path=server.root_path,
+        openapi_url=None if off else "/openapi.json",
+        docs_url=None if off else "/docs",
+        redoc_url=None if off else "/redoc",
+    )
     app.state.brisk = state
     app.add_middleware(GuardMiddleware, state=state)
     if state.allowed_origins:  # added last, so outermost: preflights and 401s carry the CORS headers
         app.add_middleware(
             CORSMiddleware,
             allow_origins=state.allowed_origins,
-            allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type"],
-            allow_credentials=False,
+            allow_methods=server.allowed_methods,
+            allow_headers=server.allowed_headers,
+            allow_credentials=server.allow_credentials,
         )
     install_observability(app, state)  # HTTP metrics and traces, outermost: they see every response
     _add_error_handlers(app)

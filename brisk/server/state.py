@@ -275,6 +275,12 @@ class ServerState:
         limits = [t for t in (requested, self.request_timeout) if t is not None]
         return min(limits) if limits else None
 
+    def logged_prompt(self, prompt: str | None, prompt_ids: list[int]) -> str:
+        """A prompt as --log-prompts logs it: its text (else its token ids), cut to --max-log-len."""
+        limit = self.server.max_log_len
+        shown: str | list[int] = prompt if prompt is not None else prompt_ids
+        return repr(shown if limit is None else shown[:limit])
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -292,7 +298,7 @@ class ServerState:
         rid = uuid.uuid4().hex
         if self.log_prompts:
             logger.info(
-                "request %s prompt: %r (%d tokens)", rid, prompt if prompt is not None else prompt_ids, len(prompt_ids)
+                "request %s prompt: %s (%d tokens)", rid, self.logged_prompt(prompt, prompt_ids), len(prompt_ids)
             )
         timing = RequestTiming(rid, len(prompt_ids), params.max_tokens, params.n)
         last = None
