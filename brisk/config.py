@@ -780,6 +780,11 @@ class ServerConfig(OptionModel):
     disable_fastapi_docs: bool = option(
         False, "serve no OpenAPI document, /docs or /redoc", vllm="disable_fastapi_docs"
     )
+    enable_request_id_headers: bool = option(
+        False,
+        "every response carries an X-Request-Id header: the request's own, or a new one",
+        vllm="enable_request_id_headers",
+    )
     log_prompts: bool = option(False, "log each request's prompt (request logs carry no prompt text otherwise)")
     max_log_len: int | None = option(
         None, "with log_prompts: a logged prompt's characters (or token ids) at most", ge=0, vllm="max_log_len"

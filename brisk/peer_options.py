@@ -157,7 +157,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk reads its certificate (--ssl-certfile, --ssl-keyfile) at start-up: restart it to load a new one",
     ),
     PeerOption(("middleware",), _NO_PLUGINS, (), switch=False, nargs="+"),
-    *_switches("enable-request-id-headers", "brisk's responses carry their id in the body (id), not in a header"),
     *_switches("enable-offline-docs", "brisk's /docs page loads its scripts from a CDN"),
     *_values(
         "h11-max-incomplete-event-size h11-max-header-count",

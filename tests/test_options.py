@@ -784,6 +784,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     "root_path": ["tests/test_security.py::test_docs_root_path_and_their_switch_off"],
     "disable_fastapi_docs": ["tests/test_security.py::test_docs_root_path_and_their_switch_off"],
     "max_log_len": ["tests/test_security.py::test_logged_prompts_are_cut_to_max_log_len"],
+    "enable_request_id_headers": ["tests/test_security.py::test_request_id_headers_when_asked_for"],
     "num_postprocess_workers": [
         f"{HERE}::test_server_option_checks",
         "tests/test_api_servers.py::test_engine_death_stops_every_api_server",

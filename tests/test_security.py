@@ -230,7 +230,10 @@ def test_cors_methods_headers_and_credentials_as_configured():
         headers={"Origin": ORIGIN, "Access-Control-Request-Method": "PUT", "Access-Control-Request-Headers": "x-trace"},
     )
     assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true", r.text
-    assert "PUT" in r.headers["access-control-allow-methods"] and "x-trace" in r.headers["access-control-allow-headers"].lower()
+    assert (
+        "PUT" in r.headers["access-control-allow-methods"]
+        and "x-trace" in r.headers["access-control-allow-headers"].lower()
+    )
 
 
 def test_docs_root_path_and_their_switch_off():
@@ -242,6 +245,15 @@ def test_docs_root_path_and_their_switch_off():
     off = TestClient(build_app(fake_state(disable_fastapi_docs=True)))
     assert [off.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
     assert off.get("/version").status_code == 200
+
+
+def test_request_id_headers_when_asked_for():
+    """vLLM's --enable-request-id-headers: the request's X-Request-Id comes back, or a new one; off by default."""
+    http = TestClient(build_app(fake_state(enable_request_id_headers=True)))
+    assert http.get("/version", headers={"X-Request-Id": "trace-7"}).headers["x-request-id"] == "trace-7"
+    first, second = (http.get("/health").headers["x-request-id"] for _ in range(2))
+    assert len(first) == 32 and first != second
+    assert "x-request-id" not in TestClient(build_app(fake_state())).get("/version").headers
 
 
 def test_logged_prompts_are_cut_to_max_log_len():

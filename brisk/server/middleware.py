@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,12 @@ UNAUTHENTICATED_PATHS = frozenset({"/health"})
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug level
 
 
+def _request_id(scope: MutableMapping[str, Any]) -> bytes:
+    """vLLM's --enable-request-id-headers: the request's X-Request-Id echoed, or a new one."""
+    given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), None)
+    return given[:128] if given else uuid.uuid4().hex.encode()
+
+
 class RequestBodyTooLarge(Exception):
     pass
 
@@ -46,10 +53,13 @@ class GuardMiddleware:
             return
         start = time.perf_counter()
         status = {"code": 0}
+        request_id = _request_id(scope) if self.state.server.enable_request_id_headers else None
 
         async def send_and_note(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if request_id is not None:
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
             await send(message)
 
         try:
