@@ -239,9 +239,14 @@ def test_cors_methods_headers_and_credentials_as_configured():
 def test_docs_root_path_and_their_switch_off():
     """vLLM's --root-path (a proxy's path prefix: the /docs page links the schema under it) and
     --disable-fastapi-docs (no schema, /docs or /redoc)."""
-    http = TestClient(build_app(fake_state(root_path="/llm")))
+    from brisk.server.serve import http_config
+
+    state = fake_state(root_path="/llm")
+    config = http_config(build_app(state), state.server)  # the HTTP server puts it in every request's scope
+    http = TestClient(build_app(state), root_path=config.root_path)
     assert "/llm/openapi.json" in http.get("/docs").text and http.get("/openapi.json").status_code == 200
     assert "/llm/openapi.json" not in TestClient(build_app(fake_state())).get("/docs").text
+    assert http_config(build_app(state), fake_state().server).root_path == ""
     off = TestClient(build_app(fake_state(disable_fastapi_docs=True)))
     assert [off.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
     assert off.get("/version").status_code == 200

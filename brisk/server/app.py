@@ -56,7 +56,6 @@ def build_app(state: ServerState, extra_routers: tuple[APIRouter, ...] = ()) -> 
         title="brisk",
         version=brisk.__version__,
         lifespan=_static_heap,
-        root_path=server.root_path,
         openapi_url=None if off else "/openapi.json",
         docs_url=None if off else "/docs",
         redoc_url=None if off else "/redoc",

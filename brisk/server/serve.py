@@ -148,6 +148,28 @@ def announce_ready(plan: ServePlan, info: EngineInfo) -> None:
         print(ready, flush=True)
 
 
+def http_config(app: Any, server: ServerConfig) -> uvicorn.Config:
+    """The HTTP server's (uvicorn's) settings from the server options."""
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=server.uvicorn_log_level,
+        access_log=False,  # the guard middleware logs each request (method, path, status, time; never the body)
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+        root_path=server.root_path,
+        # HTTPS where a certificate is given: on the private socket too, where a sibling forwards to it
+        ssl_certfile=server.ssl_certfile,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_ca_certs=server.ssl_ca_certs,
+        ssl_cert_reqs=server.ssl_cert_reqs,
+        ssl_ciphers=server.ssl_ciphers,
+        # uvicorn annotates this int | None but only passes it to asyncio.wait_for, which takes a float
+        timeout_graceful_shutdown=ABORT_GRACE_S,  # type: ignore[arg-type]
+        log_config=None,  # uvicorn's records go through the root handler (text or JSON, --log-format)
+    )
+
+
 async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -> int:
     """Serve `config`'s model (MODEL as given: `model`, the default API name) as `server` says, in this process."""
     env = launcher_env()
@@ -209,25 +231,8 @@ async def serve_api(
         peers=peers,
     )
     app = build_app(state)
-    # access_log off: the guard middleware logs each request (method, path, status, time; never the body)
     http = DrainingServer(
-        uvicorn.Config(
-            with_server_send(app),
-            host=server.host,
-            port=server.port,
-            log_level=server.uvicorn_log_level,
-            access_log=False,
-            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
-            # HTTPS where a certificate is given: on the private socket too, where a sibling forwards to it
-            ssl_certfile=server.ssl_certfile,
-            ssl_keyfile=server.ssl_keyfile,
-            ssl_ca_certs=server.ssl_ca_certs,
-            ssl_cert_reqs=server.ssl_cert_reqs,
-            ssl_ciphers=server.ssl_ciphers,
-            # uvicorn annotates this int | None but only passes it to asyncio.wait_for, which takes a float
-            timeout_graceful_shutdown=ABORT_GRACE_S,  # type: ignore[arg-type]
-            log_config=None,  # uvicorn's records go through the root handler (text or JSON, --log-format)
-        ),
+        http_config(with_server_send(app), server),
         state,
         server.shutdown_timeout,
         on_listening=functools.partial(on_ready or functools.partial(announce_ready, plan), info),
