@@ -462,8 +462,10 @@ class EngineConfig(OptionModel):
             if "max_cudagraph_capture_size" in compilation:
                 graph["max_batch_size"] = compilation["max_cudagraph_capture_size"]
         sizes = cls._one_size_as_a_list(data.get("cuda_graph_sizes"))
-        if isinstance(sizes, list) and sizes:
-            graph["max_batch_size" if len(sizes) == 1 else "batch_sizes"] = sizes[0] if len(sizes) == 1 else sizes
+        if isinstance(sizes, list) and len(sizes) == 1:
+            graph["max_batch_size"] = sizes[0]
+        elif isinstance(sizes, list) and sizes:
+            graph["batch_sizes"] = sizes
         given = data.get("cuda_graph_config", {})
         if not graph or given is None:  # no sizes, or no graphs at all (enforce_eager wins, as in vLLM)
             return data
@@ -709,7 +711,7 @@ def compilation_config_note(compilation: dict[str, Any] | int | None, graphs: bo
 
 
 def _origins(text: str) -> list[str]:
-    """CORS origins: a JSON list (vLLM's form) or comma-separated."""
+    """A CORS list (origins, methods, headers): a JSON list (vLLM's form) or comma-separated."""
     if text.strip().startswith("["):
         value = json.loads(text)
         if not isinstance(value, list):

@@ -48,16 +48,16 @@ class Peers:
         return path if os.path.exists(path) else None
 
 
-async def forward(raw: Request, socket_path: str, tls: bool = False) -> StreamingResponse:
+async def forward(raw: Request, socket_path: str, scheme: str) -> StreamingResponse:
     """Send `raw` to the sibling listening on `socket_path`; its answer (a stream too) comes back as it is sent.
-    `tls`: the server serves HTTPS, so the sibling's private socket does too; its certificate is not checked (the
-    socket is found by path in the server's own private folder, which is what vouches for it)."""
-    transport = httpx.AsyncHTTPTransport(uds=socket_path, verify=not tls)
+    `scheme`: the server's; with https the sibling's private socket serves HTTPS too, and its certificate is not
+    checked (the socket is found by path in the server's own private folder, which is what vouches for it)."""
+    transport = httpx.AsyncHTTPTransport(uds=socket_path, verify=scheme == "http")
     client = httpx.AsyncClient(transport=transport, timeout=None)
     headers = {name: raw.headers[name] for name in FORWARDED_REQUEST_HEADERS if name in raw.headers}
     request = client.build_request(
         raw.method,
-        f"{'https' if tls else 'http'}://brisk{raw.url.path}",
+        f"{scheme}://brisk{raw.url.path}",
         params=str(raw.query_params),
         headers={**headers, FORWARDED_HEADER: "1"},
         content=await raw.body(),

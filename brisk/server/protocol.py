@@ -262,6 +262,7 @@ class _SamplingFields(_GenerationFields):
     logit_bias: LogitBias = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's on chat completions; vLLM's extension on completions
     # extensions
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     include_stop_str_in_output: bool = False
@@ -305,6 +306,10 @@ class _SamplingFields(_GenerationFields):
     stream_interval: Annotated[
         Any, refused("the streaming interval is the server's --stream-interval, not a request's.")
     ] = None
+
+    def _response_format_answer(self) -> StructuredOutputs | None:
+        """The answer constraint: response_format's (with structured_outputs' options), or structured_outputs'."""
+        return self._answer(self.response_format.spec() if self.response_format is not None else None)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
@@ -398,7 +403,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: false leaves reasoning_content out (the model still reasons)
@@ -443,7 +447,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.reasoning_logprobs and not self.include_reasoning:
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs include_reasoning: true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        answer = self._answer(self.response_format.spec() if self.response_format is not None else None)
+        answer = self._response_format_answer()
         offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
         tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]
         return self.sampling_params(
@@ -466,7 +470,6 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: Annotated[Any, refused("suffix (fill-in-the-middle) is not supported by brisk's models.")] = None
     # vLLM's extensions
-    response_format: ResponseFormat | None = None
     add_special_tokens: bool = True  # the tokenizer's BOS (where it has one) leads a text prompt
     prompt_embeds: Annotated[Any, refused("brisk takes prompts as text or token ids, not embeddings.")] = None
 
@@ -485,7 +488,7 @@ class CompletionRequest(_SamplingFields):
             self.logprobs,
             defaults,
             prompt_logprobs=prompt_logprobs,
-            structured_outputs=self._answer(self.response_format.spec() if self.response_format else None),
+            structured_outputs=self._response_format_answer(),
         )
 
 

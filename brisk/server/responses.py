@@ -193,7 +193,7 @@ async def get_response(
     owner, found = await _visible(state, raw, response_id)
     runner = _runner_socket(state, raw, found)
     if runner is not None:
-        return await forward(raw, runner, state.server.ssl_certfile is not None)
+        return await forward(raw, runner, state.server.scheme)
     if stream:
         if isinstance(found, ResponseRun):
             return EventStreamResponse(_sse(state.background_runs.follow(response_id, starting_after)))
@@ -255,7 +255,7 @@ async def delete_response(response_id: str, raw: Request, state: ServerState = D
     owner, found = await _visible(state, raw, response_id)
     runner = _runner_socket(state, raw, found)
     if runner is not None:
-        return await forward(raw, runner, state.server.ssl_certfile is not None)
+        return await forward(raw, runner, state.server.scheme)
     if isinstance(found, ResponseRun):
         state.background_runs.cancel(response_id)
         await state.background_runs.wait(response_id)
@@ -271,7 +271,7 @@ async def cancel_response(response_id: str, raw: Request, state: ServerState = D
     _, found = await _visible(state, raw, response_id)
     runner = _runner_socket(state, raw, found)
     if runner is not None:
-        return await forward(raw, runner, state.server.ssl_certfile is not None)
+        return await forward(raw, runner, state.server.scheme)
     if not isinstance(found, ResponseRun):
         if not found.body.get("background"):
             raise APIError(400, "Only a background response can be cancelled.", param="response_id")
