@@ -733,7 +733,9 @@ class ServerConfig(OptionModel):
         metavar="NAME",
     )
     api_key: str | None = option(
-        None, "require 'Authorization: Bearer KEY' on every route but /health (default: $BRISK_API_KEY)", vllm="api_key"
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health and /ping (default: $BRISK_API_KEY)",
+        vllm="api_key",
     )
     api_key_file: str | None = option(None, "read the API key from the first line of this file (keeps it out of `ps`)")
     max_request_body_size: int = option(8 << 20, "bytes; larger bodies get 413, chunked uploads included", ge=1)

@@ -130,7 +130,12 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk always reports usage.prompt_tokens_details.cached_tokens (the switch on is its behaviour)",
         ("true",),
     ),
-    *_switches("enable-per-request-metrics enable-server-load-tracking", _METRICS),
+    *_switches("enable-per-request-metrics", _METRICS),
+    *_switches(
+        "enable-server-load-tracking",
+        "brisk always counts its requests in flight and serves the count at GET /load (the switch on is its behaviour)",
+        ("true", "false"),
+    ),
     *_switches(
         "enable-force-include-usage",
         "a streamed response carries usage when the request asks for it (stream_options.include_usage)",

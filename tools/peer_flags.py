@@ -1,17 +1,22 @@
 """Write the flags of an installed vLLM's `vllm serve` to tests/data/peer_flags/vllm_serve.json, for
 tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
 with a reason: brisk/peer_options.py), and the fields of its chat, completion and Responses requests to
-tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each.
+tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each,
+and its HTTP routes to tests/data/peer_flags/vllm_routes.json, for tests/test_peer_routes.py's check that brisk
+serves each or answers it with a reason (brisk/server/peer_routes.py).
 
     python tools/peer_flags.py        # run with the Python of a venv where vLLM is installed
 
 trtllm-serve's flags (tests/data/peer_flags/trtllm_serve.txt) are copied by hand from the click options of
-tensorrt_llm/commands/serve.py: TensorRT-LLM does not install on a machine without a GPU.
+tensorrt_llm/commands/serve.py, its routes (trtllm_serve_routes.txt) from tensorrt_llm/serve/openai_server.py:
+TensorRT-LLM does not install on a machine without a GPU.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "peer_flags"
@@ -43,6 +48,29 @@ def main() -> None:
         "/v1/responses": list(ResponsesRequest.model_fields),
     }
     (DATA / "vllm_request_fields.json").write_text(json.dumps(fields, indent=1) + "\n")
+    write_routes(parser)
+
+
+def write_routes(parser) -> None:
+    """Every route `vllm serve` can have: the app built with its development, LoRA-updating, tokenizer-info,
+    profiler and fault-tolerance routes on, for generation and speech models, plus the pooling models' routers."""
+    import vllm
+    from vllm.entrypoints.launchers.app import build_app
+
+    os.environ.update(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    args = parser.parse_args(
+        ["--model", "m", "--enable-tokenizer-info-endpoint", "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp"}']
+    )
+    args.enable_fault_tolerance = True
+    app = build_app(args, ("generate", "transcription", "realtime"))
+    for name in ("pooling.pooling", "pooling.classify", "pooling.embed", "pooling.scoring"):
+        app.include_router(importlib.import_module(f"vllm.entrypoints.{name}.api_router").router)
+    routes: dict[str, set[str]] = {"/cohere/v2/chat": {"POST"}, "/cohere/v2/chat/render": {"POST"}}  # need its SDK
+    for route in app.routes:
+        methods = getattr(route, "methods", None) or {"GET"}  # a mount (/metrics) or a websocket (/v1/realtime)
+        routes.setdefault(route.path, set()).update(methods - {"HEAD"})
+    lines = ",\n".join(f"  {json.dumps([path, sorted(routes[path])])}" for path in sorted(routes))
+    (DATA / "vllm_routes.json").write_text(f'{{\n "vllm": "{vllm.__version__}",\n "routes": [\n{lines}\n ]\n}}\n')
 
 
 if __name__ == "__main__":

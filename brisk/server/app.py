@@ -22,7 +22,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import brisk
-from brisk.server import admin, chat, completions, profiling, responses
+from brisk.server import admin, chat, completions, peer_routes, profiling, responses
 from brisk.server.errors import APIError, error_response
 from brisk.server.middleware import GuardMiddleware
 from brisk.server.schemas import STREAM_MODELS
@@ -32,8 +32,16 @@ from brisk.server.tracing import install_observability
 
 logger = logging.getLogger("brisk.server")
 
-# profiling: POST /start_profile, /stop_profile (admin; left out of the OpenAPI schema)
-ROUTERS: tuple[APIRouter, ...] = (admin.router, chat.router, completions.router, responses.router, profiling.router)
+# profiling: POST /start_profile, /stop_profile; peer_routes: the other routes of vllm serve and trtllm-serve,
+# served or answered with a reason (both admin; left out of the OpenAPI schema)
+ROUTERS: tuple[APIRouter, ...] = (
+    admin.router,
+    chat.router,
+    completions.router,
+    responses.router,
+    profiling.router,
+    peer_routes.router,
+)
 
 
 @contextlib.asynccontextmanager

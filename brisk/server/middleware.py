@@ -28,8 +28,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
-QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by probes and scrapers: logged at debug level
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/ping"})  # /ping: vLLM's SageMaker health check
+# polled by probes and scrapers: logged at debug level
+QUIET_PATHS = frozenset({"/health", "/ping", "/metrics", "/prometheus/metrics"})
 
 
 def _request_id(scope: MutableMapping[str, Any]) -> bytes:

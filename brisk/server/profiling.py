@@ -1,7 +1,7 @@
 """POST /start_profile and /stop_profile (as vLLM and trtllm-serve offer): a torch profiler trace of the engine
 process, where the model runs, written as Chrome trace JSON (chrome://tracing, Perfetto) to `--profile-dir`.
 
-Off unless `--profile-dir` is set (404). Like every route but /health, both need the API key when one is set,
+Off unless `--profile-dir` is set (404). Like every route but /health and /ping, both need the API key when one is set,
 so only whoever holds the key can profile. A trace is for one server at a time: a second start is refused (409).
 """
 

@@ -112,6 +112,13 @@ class ServerState:
                 code="model_not_found",
             )
 
+    def load(self) -> int:
+        """Generation requests in flight, queued or running (with several API-server processes, all of theirs)."""
+        load = self.client.num_in_flight
+        if self.peers is not None:  # the engine's count holds the other API-server processes' requests too
+            load = max(load, self.client.engine_load())
+        return load
+
     def admit(self, num_requests: int = 1) -> None:
         """Refuse work the server cannot take now (429, retry) or ever (400), before doing any."""
         if self.client.dead:
@@ -119,10 +126,7 @@ class ServerState:
         capacity = self.config.max_batch_size + self.config.max_num_waiting
         if num_requests > capacity:
             raise APIError(400, f"A request may hold at most {capacity} prompts.", param="prompt")
-        load = self.client.num_in_flight
-        if self.peers is not None:  # the engine's count holds the other API-server processes' requests too
-            load = max(load, self.client.engine_load())
-        if load + num_requests > capacity:
+        if self.load() + num_requests > capacity:
             raise APIError(
                 429, "The server is at capacity; retry later.", code="queue_full", headers={"Retry-After": "1"}
             )

@@ -75,7 +75,7 @@ def install_observability(app: FastAPI, state: Observed) -> None:
             OpenTelemetryMiddleware,
             tracer_provider=config.tracer_provider,
             exclude_spans=["receive", "send"],
-            excluded_urls="health,metrics",
+            excluded_urls="health,ping,metrics",
         )
         listeners.append(RequestTracer(config.tracer_provider).record)
     if config.log_format == "json":
