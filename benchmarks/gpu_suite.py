@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import shlex
@@ -73,18 +74,20 @@ def phase_env() -> dict[str, str]:
 TITLES = dict(PHASES, **{step.name: step.title for step in suite_quick.STEPS})
 RUNNABLE = dict(BODIES, **{step.name: step.body for step in suite_quick.STEPS})  # what --run-phase runs
 LOG_SUFFIXES = (".log", ".json", ".jsonl")  # what logs.tar.gz keeps of the work folder (not the model folders)
-LOG_FILE_LIMIT = 8 << 20
+LOG_FILE_LIMIT = 8 << 20  # a larger log goes into logs.tar.gz as its last LOG_TAIL_BYTES, with a line saying so
+LOG_TAIL_BYTES = 1 << 20
 
 
 def run_phase(letter: str, out: Path, budget: float, smoke: bool) -> dict[str, Any]:
     """Run one phase or quick step in its own process group; kill the group when the budget is spent."""
+    start = time.monotonic()
     command = [sys.executable, str(Path(__file__)), "--run-phase", letter, "--out", str(out), "--budget", str(budget)]
+    command += ["--kill-at", repr(start + budget)]  # the step's one deadline, on the clock both processes share
     if smoke:
         command.append("--smoke")
     result_path = out / f"phase_{letter}.json"
     result_path.unlink(missing_ok=True)
     log_path = out / f"phase_{letter}.log"
-    start = time.monotonic()
     status = None
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=phase_env(), start_new_session=True)
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the pipeline, measures nothing")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every time budget (and the window)")
     p.add_argument("--budget", type=float, help=argparse.SUPPRESS)  # a phase's own budget (internal)
+    p.add_argument("--kill-at", type=float, help=argparse.SUPPRESS)  # when the suite stops it (time.monotonic())
     p.add_argument("--run-phase", choices=sorted(RUNNABLE), help=argparse.SUPPRESS)  # internal: run one here
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
@@ -171,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     for folder in {out, work}:
         folder.mkdir(parents=True, exist_ok=True)
     if args.run_phase:
-        return run_phase_body(args.run_phase, RUNNABLE[args.run_phase], out, args.smoke, args.budget or 60.0)
+        # its own SIGTERM handler (run_phase_body): the record saved as far as it got, then exit
+        return run_phase_body(
+            args.run_phase, RUNNABLE[args.run_phase], out, args.smoke, args.budget or 60.0, args.kill_at
+        )
     signal.signal(signal.SIGTERM, _stopped)  # `timeout` around the suite: end the running step, keep the report
 
     quick = bool(args.quick or args.steps) or (not args.phases and shutil.which("nvidia-smi") is not None)
@@ -274,13 +281,29 @@ def _save(out: Path, work: Path, report: dict[str, Any]) -> None:
     if work == out:
         return
     tmp = out / "logs.tar.gz.tmp"
+    cut = []
     with tarfile.open(tmp, "w:gz") as archive:
         for path in sorted(work.rglob("*")):
-            if "models" in path.relative_to(work).parts or path.suffix not in LOG_SUFFIXES:
+            if "models" in path.relative_to(work).parts or path.suffix not in LOG_SUFFIXES or not path.is_file():
                 continue
-            if path.is_file() and path.stat().st_size <= LOG_FILE_LIMIT:
-                archive.add(path, arcname=str(path.relative_to(work)))
+            name = str(path.relative_to(work))
+            size = path.stat().st_size
+            if size <= LOG_FILE_LIMIT:
+                archive.add(path, arcname=name)
+                continue
+            with open(path, "rb") as f:  # too large to keep whole: its last MB, after a line saying so
+                f.seek(size - LOG_TAIL_BYTES)
+                data = f.read(LOG_TAIL_BYTES)
+            head = f"[gpu_suite.py: {name} is {size} bytes; only its last {LOG_TAIL_BYTES} bytes are kept]\n"
+            data = head.encode() + data
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), int(path.stat().st_mtime)
+            archive.addfile(info, io.BytesIO(data))
+            cut.append(f"{name} ({size} bytes): its last {LOG_TAIL_BYTES} bytes")
     os.replace(tmp, out / "logs.tar.gz")
+    if cut:  # the report says which logs.tar.gz holds only in part
+        report.setdefault("suite", {})["logs_cut"] = cut
+        write_report(out, report)
 
 
 if __name__ == "__main__":

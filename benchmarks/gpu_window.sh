@@ -4,11 +4,19 @@
 # logs.tar.gz and console.log in $OUT (the device tool brings them back; report.* are rewritten after every step, so
 # a run cut short still returns what it measured). README, "On a GPU", says how to build the wheels and call it.
 #
-#   bash benchmarks/gpu_window.sh                          # the whole quick plan
-#   bash benchmarks/gpu_window.sh --steps e2e,served_120b  # a rerun of some steps (gpu_suite.py's arguments)
+#   BRISK_COMMIT=abc1234 bash benchmarks/gpu_window.sh                          # the whole quick plan
+#   BRISK_COMMIT=abc1234 bash benchmarks/gpu_window.sh --steps e2e,served_120b  # a rerun of some steps
+#
+# (arguments after the script's name are gpu_suite.py's). The caller writes its commit into the command
+# (BRISK_COMMIT=$(git rev-parse --short HEAD), expanded where the command is written): the copy on the lent machine
+# has no .git, and the env step reports BRISK_COMMIT instead.
 #
 # environment: OUT (where the four files go; default /tmp/brisk-gpu-window), WHEELS (default .whl: the wheelhouse
-# that `tools/wheelhouse.sh --have tools/gpu_image_packages.txt --out .whl` built and the device tool carried).
+# that `tools/wheelhouse.sh --have tools/gpu_image_packages.txt --out .whl` built and the device tool carried),
+# BRISK_COMMIT (the checkout's commit, for the report).
+#
+# Before the suite: the processes already holding GPU memory (a previous run's leftovers) are listed, and brisk's
+# own imports are checked against the installed packages; where one fails the script stops there (exit 3).
 set -uo pipefail
 
 start=$SECONDS
@@ -19,6 +27,8 @@ work=/tmp/brisk-suite  # models, logs and raw results: only logs.tar.gz of them 
 limit=540              # seconds for the suite: its window is 480; the device tool's command limit is 600
 
 window() {
+    echo "gpu_window.sh: processes on the GPU before the suite (a previous run's leftovers hold its memory):"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
     shopt -s nullglob
     local packages=("$wheels"/*.whl)
     if ((${#packages[@]})); then
@@ -29,6 +39,12 @@ window() {
         echo "gpu_window.sh: no wheels in $wheels: the image's packages alone (the env step lists what is missing)"
     fi
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    python3 -c "import pydantic, msgspec, zmq, fastapi, xgrammar, openai_harmony" || {
+        echo "gpu_window.sh: brisk's dependencies do not import (above): the suite would only fail; not run."
+        echo "gpu_window.sh: rebuild the wheelhouse (tools/wheelhouse.sh, README: On a GPU) and carry it as $wheels"
+        return 3
+    }
+    echo "gpu_window.sh: commit ${BRISK_COMMIT:-unknown (BRISK_COMMIT not set)}"
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
     # SIGTERM at the limit: the suite ends the running step's processes and keeps its report; SIGKILL 15 s later
     timeout --kill-after=15 "$limit" python3 benchmarks/gpu_suite.py --quick --out "$out" --work "$work" "$@"

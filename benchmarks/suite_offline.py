@@ -6,8 +6,9 @@ roofline, the transformers `generate` baseline, and where a decode step's time g
 
 Each run writes its JSON after every measurement, so a run stopped by its time budget keeps what it measured.
 --time-budget S (the quick plan's speed steps) fits the run to S seconds instead: latency batches are skipped once
-the throughput point needs the rest, and that point is cut (output tokens first, then sequences) to what the
-latency rows say fits, each with a note.
+the throughput point needs the rest (batch 1, a few seconds, always runs: its step time sizes the point), and that
+point is cut (output tokens first, then sequences) to what the latency rows say fits, or without any row to a
+quarter of its sequences and output tokens, each with a note.
 
 Cold start: python imports, then the runner's own stages (brisk/model_runner/startup.py: weights built and drawn on
 the device, set-up, KV sizing by profiling, KV allocation, CUDA graph capture), the rest of LLM(), and how many
@@ -236,7 +237,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
         return row
 
     for batch in args.batches:
-        if left() < reserve:
+        if left() < reserve and batch != 1:  # batch 1 always: a measured step time to size the throughput point
             res.note(f"latency at batch {batch} not run: the step's time was kept for the throughput point")
             continue
         res.add("latency", latency_row(batch, args.input_len, args.output_len))
@@ -294,10 +295,23 @@ def fit_throughput_point(
     """(sequences, output tokens, note) of a throughput point of `batch` x `length` in / `length` out that fits in
     `seconds`, estimated from the latency rows: prefill at their best tokens/s, decode steps at the largest batch's
     step time scaled by the bytes a step reads (the roofline's proportion). Output tokens are cut first (down to
-    128), then sequences (halved, down to 8). No latency rows or no limit: the point as asked."""
+    128), then sequences (halved, down to 8). No limit: the point as asked; no latency rows to estimate from: a
+    quarter of its sequences (down to 8) and of its output tokens (down to 128) rather than the whole point."""
     rows = [r for r in latency if r["total_s"] > r["prefill_s"] and r["prefill_s"] > 0]
-    if not rows or seconds == float("inf"):
+    if seconds == float("inf"):
         return batch, length, ""
+    if not rows:
+        b, out = max(min(batch, 8), batch // 4), max(min(length, 128), length // 4)
+        if (b, out) == (batch, length):
+            return batch, length, ""
+        return (
+            b,
+            out,
+            (
+                f"throughput point cut from {batch} x {length}/{length} to {b} sequences x {length} in / {out} out "
+                f"(a quarter of each): no latency row to estimate its time from, {max(seconds, 0):.0f} s left"
+            ),
+        )
     prefill_rate = max(r["batch"] * r["input_len"] / r["prefill_s"] for r in rows)  # tokens/s
     last = max(rows, key=lambda r: r["batch"])
     step_s = (last["total_s"] - last["prefill_s"]) / max(1, last["output_len"] - 1)

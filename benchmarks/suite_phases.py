@@ -11,6 +11,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -43,15 +44,26 @@ TARGETS = {
     ("gpt-oss-120b", "1k/1k tok/s/GPU"): {"H200": 7000},
     ("gpt-oss-20b", "1k/1k tok/s/GPU"): {"H100": 12000},
 }
+# What a step keeps at the end of its budget to write its record: its inner timeouts end this long before the suite's
+# kill (a fraction of it for a short step, whose record is quick to write).
+RECORD_RESERVE_S = 10.0
 
 
 class PhaseRecord:
     """A phase's result file: sections of tables, each with the command that produced its figures."""
 
-    def __init__(self, out: Path, letter: str) -> None:
+    def __init__(self, out: Path, letter: str, deadline: float | None = None) -> None:
         self.path = out / f"phase_{letter}.json"
         self.data: dict[str, Any] = {"status": "running", "sections": [], "notes": []}
+        # the step's one deadline (time.monotonic()): its inner timeouts end here, RECORD_RESERVE_S before its kill
+        self.deadline = time.monotonic() + 3600 if deadline is None else deadline
+        # what a SIGTERM at the step's budget still records (the running command's partial results), else None
+        self.on_stop: Callable[[], Any] | None = None
         self.save()
+
+    def left(self) -> float:
+        """Seconds to the step's deadline (at least 1: a command started now gets a moment before its timeout)."""
+        return max(1.0, self.deadline - time.monotonic())
 
     def section(self, title: str, command: str, rows: list[dict[str, Any]], note: str = "") -> None:
         self.data["sections"].append(dict(title=title, command=command, rows=rows, note=note))
@@ -218,13 +230,17 @@ def _version(name: str) -> str:
 
 
 def _git_commit() -> str:
+    """The checkout's commit; where it has no .git (a copy on a lent GPU), BRISK_COMMIT as the caller passed it."""
+    given = os.environ.get("BRISK_COMMIT", "").strip()
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown (no git)"
-    return out.stdout.strip() or "unknown (not a git checkout)"
+        return f"{given} (BRISK_COMMIT; no git)" if given else "unknown (no git)"
+    if out.stdout.strip():
+        return out.stdout.strip()
+    return f"{given} (BRISK_COMMIT; not a git checkout)" if given else "unknown (not a git checkout; no BRISK_COMMIT)"
 
 
 def _nvidia_smi(field: str) -> str:
@@ -249,16 +265,43 @@ def phase_b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 
 
 def run_tests(rec: PhaseRecord, targets: list[str], budget: float, **summary: str) -> int:
-    """pytest on `targets` (files, node ids, options) within the budget, one row per test as each ends; on a
-    timeout the tests that finished are reported and the node ids named in `targets` that never ran are listed."""
+    """pytest on `targets` (files, node ids, options) until the step's deadline, one row per test as each ends; on
+    a timeout the tests that finished are reported and the node ids named in `targets` that never ran are listed."""
     results = rec.path.parent / f"{rec.path.stem.removeprefix('phase_')}_results.jsonl"
     results.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "suite_pytest_plugin"]
     command += [f"--suite-results={results}", *targets]
+    shown = shlex.join(["python", *command[1:]]).replace(str(results), f"DIR/{results.name}")
+    cuda = False
+
+    def stopped() -> None:  # SIGTERM at the budget: the tests that finished so far (none before pytest started)
+        rec.data["notes"].append("pytest was stopped at the step's budget: the tests that finished are below")
+        _test_sections(rec, results, targets, shown, cuda, summary)
+
+    rec.on_stop = stopped
+    cuda = has_cuda()  # torch imported now, not after pytest: the time left after it is the record's
+    overran = False
     try:
-        run_logged(command, budget - 3)  # the rest: the time to write the report
+        run_logged(command, rec.left())  # until the deadline; the reserve after it: the time to write the report
     except subprocess.TimeoutExpired:
+        overran = True
         rec.data["notes"].append("pytest overran the step's budget: the tests that finished are below")
+    rec.on_stop = None
+    tests, counts, not_run = _test_sections(rec, results, targets, shown, cuda, summary)
+    failed = counts.get("failed", 0) + counts.get("error", 0)
+    if not tests:
+        return rec.finish(
+            "timeout: no test ended within the budget" if overran else "failed: no test results (see the log)"
+        )
+    if failed:
+        return rec.finish(f"failed: {failed} test(s) failed", counts=counts)
+    return rec.finish("ok" if not not_run else f"timeout: {len(not_run)} test(s) not run", counts=counts)
+
+
+def _test_sections(
+    rec: PhaseRecord, results: Path, targets: list[str], shown: str, cuda: bool, summary: dict[str, str]
+) -> tuple[list[dict[str, Any]], dict[str, int], list[str]]:
+    """The Summary and Per test sections from the plugin's results so far: (tests, counts, listed ids not run)."""
     tests = read_results(results)
     counts: dict[str, int] = {}
     for t in tests:
@@ -268,18 +311,10 @@ def run_tests(rec: PhaseRecord, targets: list[str], budget: float, **summary: st
     if not_run:
         counts["not run"] = len(not_run)
         rec.data["notes"].append("not run (no time left): " + ", ".join(not_run))
-    shown = shlex.join(["python", *command[1:]]).replace(str(results), f"DIR/{results.name}")
-    note = (
-        "" if has_cuda() else f"GPU-only tests: {NO_GPU} (CUDA is not available; the Triton tests' CPU runs are in CI)"
-    )
+    note = "" if cuda else f"GPU-only tests: {NO_GPU} (CUDA is not available; the Triton tests' CPU runs are in CI)"
     rec.section("Summary", shown, [dict(counts, **summary)], note)
     rec.section("Per test", shown, tests)
-    failed = counts.get("failed", 0) + counts.get("error", 0)
-    if not tests:
-        return rec.finish("failed: no test results (see the log)")
-    if failed:
-        return rec.finish(f"failed: {failed} test(s) failed", counts=counts)
-    return rec.finish("ok" if not not_run else f"timeout: {len(not_run)} test(s) not run", counts=counts)
+    return tests, counts, not_run
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
@@ -319,14 +354,14 @@ def phase_c(rec: PhaseRecord, smoke: bool, budget: float) -> int:
         return rec.finish(NO_GPU)
     ceil = ceilings(rec.path.parent)
     out = rec.path.parent
-    started = time.monotonic()
-    run_logged([sys.executable, "benchmarks/bench_attention.py", "--out", str(out / "c_attention.json")], budget * 0.5)
+    attention_cmd = [sys.executable, "benchmarks/bench_attention.py", "--out", str(out / "c_attention.json")]
+    run_logged(attention_cmd, min(rec.left(), budget * 0.5))
     shown = "python benchmarks/bench_attention.py --out DIR/c_attention.json"
     decode, prefill = attention_rows(json.loads((out / "c_attention.json").read_text()), ceil)
     rec.section("Paged decode attention (KV GB/s vs phase a's copy)", shown, decode)
     rec.section("Paged prefill attention (TFLOP/s vs phase a's matmul)", shown, prefill)
     moe_cmd = [sys.executable, "benchmarks/bench_moe.py", "--out", str(out / "c_moe.json")]
-    run_logged(moe_cmd, budget - (time.monotonic() - started) - 5)
+    run_logged(moe_cmd, rec.left())
     rows = moe_rows(json.loads((out / "c_moe.json").read_text()), ceil)
     rec.section(
         "Fused MXFP4 MoE, gpt-oss-120b layer shapes", "python benchmarks/bench_moe.py --out DIR/c_moe.json", rows
@@ -412,14 +447,13 @@ def phase_d(rec: PhaseRecord, smoke: bool, budget: float) -> int:
             ("hf", "gpt-oss-20b", [], 0.15),
             ("brisk", "gpt-oss-120b", [], 0.45),
         ]
-    started = time.monotonic()
     statuses = []
     for index, (engine, model, extra, share) in enumerate(items):
         path = out / f"d_{engine}_{model}.json"
         path.unlink(missing_ok=True)
         command = [sys.executable, "benchmarks/suite_offline.py", engine, "--model", model, "--out", str(path)]
         command += common + extra
-        left = budget - (time.monotonic() - started) - 5
+        left = rec.left()
         try:
             done = run_logged(command, left if index == len(items) - 1 else min(left, budget * share))
             statuses.append(f"{engine} {model}: " + ("ok" if done.returncode == 0 else f"exit code {done.returncode}"))
@@ -514,11 +548,9 @@ def phase_e(rec: PhaseRecord, smoke: bool, budget: float) -> int:
             ["--concurrency", "1,4", "--num-prompts", "8", *lengths],
             ["--concurrency", "16,64", "--num-prompts", "128", *lengths],
         ]
-    started = time.monotonic()
     bad = []
     for i, preset in enumerate(PRESETS):
-        left = budget - (time.monotonic() - started) - 10
-        share = left / (len(PRESETS) - i)
+        share = rec.left() / (len(PRESETS) - i)
         status = serve_and_bench(rec, preset, model, model_dir, loads, share)
         if status != "ok":
             bad.append(f"{preset}: {status}")
@@ -539,9 +571,12 @@ def serve_and_bench(
     shown = " && ".join(shlex.join(["brisk", *b[3:]]) for b in benches)
     shown = f"{shlex.join(['brisk', *serve[3:]])} & {shown}".replace(str(out), "DIR")
     started = time.monotonic()
+    end = started + budget  # the bench's and the server's shutdown's deadline
     print("$ " + shlex.join(serve), flush=True)
     server = subprocess.Popen(serve, cwd=REPO)
     status, note = "ok", ""
+    # SIGTERM at the step's budget: the points `brisk bench serve` wrote so far
+    rec.on_stop = lambda: _served_section(rec, preset, model, bench_dir, shown, "stopped at the step's budget")
     try:
         if not _wait_healthy(server, port, budget * 0.75):
             rec.section(f"Served, {preset}", shown, [], "the server did not become ready (see the log)")
@@ -556,15 +591,30 @@ def serve_and_bench(
         status, note = "timeout", "brisk bench serve overran its share of the budget: the points it finished"
     finally:
         server.terminate()
-        try:
-            server.wait(timeout=30)
+        try:  # within the step's time: what is left of this preset's share, a few seconds at least
+            server.wait(timeout=max(3.0, min(30.0, end - time.monotonic())))
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    points = [p for run in glob.glob(str(bench_dir / "*.json")) for p in json.loads(Path(run).read_text())["points"]]
+        rec.on_stop = None
+    points = _served_section(rec, preset, model, bench_dir, shown, note)
+    if not points:
+        return "no result" if status == "ok" else status
+    failed = sum(p["failed"] for p in points)
+    return status if failed == 0 else f"{failed} request(s) failed"
+
+
+def _served_section(rec: PhaseRecord, preset: str, model: str, bench_dir: Path, shown: str, note: str) -> list[dict]:
+    """The section of the points `brisk bench serve` wrote (each run's JSON at its end); the points."""
+    points = []
+    for run in glob.glob(str(bench_dir / "*.json")):
+        try:
+            points += json.loads(Path(run).read_text())["points"]
+        except (OSError, json.JSONDecodeError, KeyError):
+            continue  # a file cut short by a kill
     if not points:
         rec.section(f"Served, {preset}", shown, [], note or "brisk bench serve wrote no result")
-        return "no result" if status == "ok" else status
+        return points
     rows = []
     for point in sorted(points, key=lambda p: p["concurrency"] or 0):
         rows.append(
@@ -580,8 +630,7 @@ def serve_and_bench(
             )
         )
     rec.section(f"Served, {preset} (examples/{preset}.yaml), {model}", shown, rows, note)
-    failed = sum(p["failed"] for p in points)
-    return status if failed == 0 else f"{failed} request(s) failed"
+    return points
 
 
 def _r(value: float | None) -> float | None:
@@ -615,10 +664,20 @@ BODIES = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d, "e": phase_e}
 
 
 def run_phase_body(
-    name: str, body: Callable[[PhaseRecord, bool, float], int], out: Path, smoke: bool, budget: float
+    name: str,
+    body: Callable[[PhaseRecord, bool, float], int],
+    out: Path,
+    smoke: bool,
+    budget: float,
+    kill_at: float | None = None,
 ) -> int:
-    """One phase's (or quick step's) body in this process, its record DIR/phase_NAME.json; a crash is recorded."""
-    rec = PhaseRecord(out, name)
+    """One phase's (or quick step's) body in this process, its record DIR/phase_NAME.json; a crash is recorded.
+    `kill_at` (time.monotonic(), the suite's clock: the same on Linux) is when the suite stops this process; the
+    body's deadline is RECORD_RESERVE_S before it, and a SIGTERM saves what the record has before exiting."""
+    if kill_at is None:
+        kill_at = time.monotonic() + budget
+    rec = PhaseRecord(out, name, deadline=kill_at - min(RECORD_RESERVE_S, 0.15 * budget))
+    signal.signal(signal.SIGTERM, lambda signum, frame: _salvage(rec, signum))
     try:
         return body(rec, smoke, budget)
     except Exception as exc:  # the report says what broke; the traceback is in the phase's log
@@ -627,3 +686,21 @@ def run_phase_body(
         traceback.print_exc()
         rec.finish(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
         return 1
+
+
+def _salvage(rec: PhaseRecord, signum: int) -> None:
+    """SIGTERM (the suite stops the step at its budget): the running command's partial results where the body
+    said how (rec.on_stop), the record saved, and an exit at once (the suite ends the step's other processes)."""
+    print(f"stopped by signal {signum}: saving {rec.path.name}", flush=True)
+    stop, rec.on_stop = rec.on_stop, None
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # the record as it was is still saved below
+            import traceback
+
+            traceback.print_exc()
+    rec.data["notes"].append("stopped at the step's budget (SIGTERM): the sections it finished are below")
+    rec.data["status"] = "timeout: stopped at its budget"
+    rec.save()
+    os._exit(128 + signum)

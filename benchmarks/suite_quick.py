@@ -10,7 +10,7 @@ and then the headline figures, in one command of at most 8 minutes on one H100.
     speed_120b   200 s  dummy gpt-oss-120b in one process: cold start stage by stage, decode at batch 1, 8 and 64
                         (tok/s, fraction of the bandwidth roofline), one max-throughput point (~1k in / 1k out)
     served_120b  100 s  `brisk serve` dummy 120b with examples/low_latency.yaml, `brisk bench serve` at 1 and 16
-    speed_20b   the rest  dummy gpt-oss-20b as speed_120b, only where the window has time left (60 s at least)
+    speed_20b   the rest  dummy gpt-oss-20b as speed_120b, only where the window has time left (90 s at least)
 
 By name only (`--steps kv_fp8`, e.g. a window's second command after `env`, whose bandwidth gives the roofline):
     kv_fp8       420 s  dummy gpt-oss-120b with bf16 KV, then with FP8 KV (a process each, half the time each):
@@ -73,12 +73,12 @@ KERNEL_TESTS = (
 )
 E2E_TESTS = (
     "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[mxfp4]",
+    "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[bf16-experts]",
     "tests/test_gpu_e2e.py::test_cuda_graphs_generate_what_eager_steps_do[8]",
     "tests/test_gpu_e2e.py::test_cuda_graphs_generate_what_eager_steps_do[64]",
     "tests/test_gpu_e2e.py::test_cuda_graphs_replay_speculative_verify_steps[5]",
     "tests/test_gpu_e2e.py::test_overlap_and_graphs_generate_what_plain_eager_steps_do",
     "tests/test_gpu_e2e.py::test_structured_outputs_on_cuda_logits_hold_the_constraints",
-    "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[bf16-experts]",
     "tests/test_gpu_e2e.py::test_cuda_graphs_with_eagle3_generate_what_eager_steps_do",
 )
 # The speed steps' shapes on a GPU and, in --smoke or without CUDA, on the toy gpt-oss.
@@ -113,7 +113,7 @@ SMOKE_LOADS = [
     ["--concurrency", "1", "--num-prompts", "4", "--input-len", "32", "--output-len", "16"],
     ["--concurrency", "16", "--num-prompts", "16", "--input-len", "32", "--output-len", "16"],
 ]
-SPEED_MARGIN_S = 10  # a speed run's own time limit ends this long before its step's hard timeout
+SPEED_MARGIN_S = 10  # a speed run's own time limit ends this long before its step's deadline (its exit)
 
 
 @dataclass(frozen=True)
@@ -152,13 +152,13 @@ def step_speed_20b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 
 def offline_speed(rec: PhaseRecord, smoke: bool, budget: float, model: str) -> int:
     """benchmarks/suite_offline.py on one dummy model in one process (one load for every figure), its own time
-    limit a little inside the step's hard timeout."""
-    gpu = _on_gpu(rec, smoke, model)
+    limit a little inside the step's deadline."""
+    gpu = _on_gpu(rec, smoke, model)  # first: it imports torch
     name = model if gpu else TINY_NAME
     sizes = GPU_SPEED if gpu else SMOKE_SPEED
     path = rec.path.parent / f"{rec.path.stem.removeprefix('phase_')}.json"
     options = ["--graph-sizes", GRAPH_SIZES, "--profile", "short" if gpu else "always"]
-    return rec.finish(run_offline(rec, name, name, path, sizes, options, budget))
+    return rec.finish(run_offline(rec, name, name, path, sizes, options, rec.left()))
 
 
 def flags(options: dict) -> list[str]:
@@ -169,8 +169,9 @@ def flags(options: dict) -> list[str]:
 def run_offline(
     rec: PhaseRecord, model: str, label: str, path: Path, sizes: dict, options: list[str], budget: float
 ) -> str:
-    """One suite_offline.py run within `budget` seconds, its tables added to the step's record under `label`;
-    the status ("ok" or why not)."""
+    """One suite_offline.py run within `budget` seconds (at most the time to the step's deadline), its tables added
+    to the step's record under `label` (on a SIGTERM at the step's budget too: the rows it wrote so far); the status
+    ("ok" or why not)."""
     work = rec.path.parent
     path.unlink(missing_ok=True)
     command = [sys.executable, "benchmarks/suite_offline.py", "brisk", "--model", model, "--out", str(path)]
@@ -180,13 +181,15 @@ def run_offline(
     if bandwidth:
         command += ["--bandwidth-gbps", f"{bandwidth:.1f}"]
     status = "ok"
+    shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
+    rec.on_stop = lambda: _offline_sections(rec, path, "brisk", label, shown)
     try:
-        done = run_logged(command, budget - 3)
+        done = run_logged(command, min(budget, rec.left()))
         if done.returncode != 0:
             status = f"failed: exit code {done.returncode}"
     except subprocess.TimeoutExpired:
         status = "timeout: stopped at the step's budget (the rows it finished are below)"
-    shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
+    rec.on_stop = None
     if _offline_sections(rec, path, "brisk", label, shown):
         status = "failed: requests ended early (missing_tokens): the rates are not valid"
     return status
@@ -200,10 +203,9 @@ def step_kv_fp8(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     name = "gpt-oss-120b" if gpu else TINY_NAME
     sizes = KV_FP8_SPEED if gpu else KV_FP8_SMOKE
     options = ["--graph-sizes", KV_FP8_GRAPH_SIZES, "--profile", "never"]
-    started = time.monotonic()
     results, statuses = {}, []
     for i, dtype in enumerate(KV_DTYPES):
-        share = (budget - (time.monotonic() - started)) / (len(KV_DTYPES) - i)
+        share = rec.left() / (len(KV_DTYPES) - i)
         path = rec.path.parent / f"kv_fp8_{dtype}.json"
         status = run_offline(
             rec, name, f"{name}, KV {dtype}", path, sizes, [*options, "--kv-cache-dtype", dtype], share
@@ -232,11 +234,14 @@ def step_host_tier(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     command += flags(sizes) + ["--out", str(path)]
     shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
     title = f"Host KV tier, {name}"
+    rec.on_stop = lambda: rec.section(title, shown, [], "stopped at the step's budget")
     try:
-        done = run_logged(command, budget - 3)
+        done = run_logged(command, rec.left())
     except subprocess.TimeoutExpired:
+        rec.on_stop = None
         rec.section(title, shown, [], "stopped at the step's budget")
         return rec.finish("timeout: stopped at the step's budget")
+    rec.on_stop = None
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -304,7 +309,8 @@ def step_served(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     gpu = _on_gpu(rec, smoke, "gpt-oss-120b")
     model = "gpt-oss-120b" if gpu else TINY_NAME
     model_dir = write_model_dir(model, rec.path.parent / "models")
-    status = serve_and_bench(rec, SERVED_PRESET, model, model_dir, GPU_LOADS if gpu else SMOKE_LOADS, budget - 5)
+    loads = GPU_LOADS if gpu else SMOKE_LOADS
+    status = serve_and_bench(rec, SERVED_PRESET, model, model_dir, loads, rec.left())
     return rec.finish("ok" if status == "ok" else f"failed: {status}")
 
 
@@ -314,7 +320,7 @@ STEPS = (
     Step("e2e", "correctness: Triton vs torch end to end, CUDA graphs, overlap", 80, 16, (30, 8), step_e2e),
     Step("speed_120b", "speed: dummy gpt-oss-120b offline", 200, 25, (60, 15), step_speed_120b),
     Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 100, 32, (45, 15), step_served),
-    Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (60, 8), step_speed_20b),
+    Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (90, 8), step_speed_20b),
     Step("kv_fp8", "KV dtype: dummy gpt-oss-120b, bf16 vs FP8 KV (by name)", 420, 50, (120, 20), step_kv_fp8, False),
     Step(
         "host_tier", "host KV tier: dummy gpt-oss-20b, multi-turn (by name)", 150, 40, (60, 15), step_host_tier, False

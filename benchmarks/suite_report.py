@@ -28,6 +28,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- command: `{suite.get('command', '')}`",
         f"- started: {suite.get('started', '')} (UTC){'; --smoke: toy sizes on the CPU' if suite.get('smoke') else ''}",
         f"- device: {device}{window}",
+        *(f"- logs.tar.gz holds only the end of {x}" for x in suite.get("logs_cut", [])),
         "",
         "| phase | what | status | seconds | budget |",
         "|---|---|---|---|---|",

@@ -345,7 +345,75 @@ def test_throughput_point_is_cut_to_fit_the_time_left():
     assert (batch, out) == (256, 256) and "cut from 256 x 1024/1024" in note and "to 256 sequences" in note
     batch, out, note = offline.fit_throughput_point(config, latency, 256, 1024, 12.0)
     assert out == 128 and 8 <= batch < 256 and "to fit the 12 s" in note
-    assert offline.fit_throughput_point(config, [], 256, 1024, 1.0) == (256, 1024, "")  # nothing to estimate from
+    # nothing to estimate from: a quarter of the sequences and output tokens, not the whole point
+    batch, out, note = offline.fit_throughput_point(config, [], 256, 1024, 1.0)
+    assert (batch, out) == (64, 256) and "no latency row" in note
+    assert offline.fit_throughput_point(config, [], 16, 32, 1.0)[:2] == (8, 32)  # not below 8 x 128 (or the point)
+    assert offline.fit_throughput_point(config, [], 256, 1024, float("inf")) == (256, 1024, "")  # no limit
+
+
+SALVAGED_STEP = """
+import os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+import suite_phases
+
+def body(rec, smoke, budget):
+    rec.section("first", "cmd", [dict(row=1)])
+    rec.on_stop = lambda: rec.section("partial", "cmd", [dict(row=2)], "what the running command wrote so far")
+    assert 0 < rec.left() <= budget
+    os.kill(os.getpid(), signal.SIGTERM)  # as the suite's kill at the step's budget
+    time.sleep(60)  # interrupted: the handler exits
+    return rec.finish()
+
+sys.exit(suite_phases.run_phase_body("tiny", body, Path(sys.argv[2]), True, 30.0))
+"""
+
+
+def test_a_step_stopped_at_its_budget_saves_its_sections(tmp_path):
+    """The suite stops a step at its budget with SIGTERM: the step's handler saves the sections it finished and
+    what the running command wrote so far (rec.on_stop), marks the record, and exits at once."""
+    done = subprocess.run(
+        [sys.executable, "-c", SALVAGED_STEP, REPO, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
+    record = json.loads((tmp_path / "phase_tiny.json").read_text())
+    assert [s["title"] for s in record["sections"]] == ["first", "partial"]
+    assert record["status"].startswith("timeout") and any("SIGTERM" in n for n in record["notes"])
+
+
+def test_a_pytest_step_with_a_tiny_budget_still_reports_its_tests(tmp_path):
+    """e2e with 4 s (--budget-scale 0.25): pytest cannot finish (torch alone takes most of it); the step's record
+    still has its Summary, with the listed tests that never ran, whether pytest's timeout or the suite's kill
+    stopped it."""
+    out = tmp_path / "out"
+    done, report = run_suite("--smoke", "--steps", "e2e", "--out", str(out), "--budget-scale", "0.25")
+    e2e = report["phases"]["e2e"]
+    assert e2e["status"].startswith("timeout"), (e2e["status"], e2e.get("log_tail"))
+    summary = sections(e2e)["Summary"]["rows"][0]  # each listed test: its result, or "not run"
+    assert sum(summary.values()) == len(_suite_module("suite_quick").E2E_TESTS) and summary.get("not run"), summary
+    assert done.returncode == 1
+
+
+def test_a_log_too_large_for_the_archive_keeps_its_end(tmp_path, monkeypatch):
+    suite = _suite_module("gpu_suite")
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir(), work.mkdir()
+    (work / "small.log").write_text("small\n")
+    (work / "big.log").write_bytes(b"a" * 3000 + b"the end\n")
+    monkeypatch.setattr(suite, "LOG_FILE_LIMIT", 2048)
+    monkeypatch.setattr(suite, "LOG_TAIL_BYTES", 1024)
+    report = {"suite": {}, "phases": {}}
+    suite._save(out, work, report)
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        small = archive.extractfile("small.log").read()
+        big = archive.extractfile("big.log").read().decode()
+    assert small == b"small\n"
+    assert big.startswith("[gpu_suite.py: big.log is 3008 bytes; only its last 1024 bytes") and big.endswith(
+        "the end\n"
+    )
+    assert len(big.split("\n", 1)[1]) == 1024
+    assert json.loads((out / "report.json").read_text())["suite"]["logs_cut"][0].startswith("big.log (3008 bytes)")
 
 
 def _processes_naming(text: str) -> list[int]:
