@@ -75,7 +75,7 @@ def check_cpu_kernels_choice(choice: str, isas: tuple[str, ...] | None = None) -
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """The torch device a rank computes on: `device` 'auto' is CUDA where torch sees a GPU, else the CPU; on CUDA
-    the rank's GPU is cuda:LOCAL_RANK, made the current device."""
+    the rank's GPU (the one named, else cuda:LOCAL_RANK) is made the current device."""
     import torch
 
     if name == "auto":
@@ -83,7 +83,10 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     device = torch.device(name)
     if device.type != "cuda":
         return device
-    if device.index is not None:
+    if device.index is not None:  # an explicit GPU: made the current one too (unindexed CUDA calls go there)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name} does not exist: this node has {torch.cuda.device_count()} GPUs")
+        torch.cuda.set_device(device)
         return device
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(

@@ -40,6 +40,7 @@ from brisk.layers.moe_triton import TritonMoEBackend
 from brisk.model_runner import setup
 from brisk.model_runner.binding import Kernels
 from brisk.model_runner.cuda_graph import DecodeGraphs, aux_hidden_states
+from brisk.model_runner.step_output import HostRows
 from brisk.models.registry import BriskModel
 from tests.test_spec_graphs import record_static_steps
 from tests.tiny_models import make_tiny_model
@@ -249,3 +250,35 @@ def test_the_checks_see_what_the_backends_a_gpu_does_not_capture_do(tmp_path, mo
     assert any(name == "tolist" and file.endswith("moe.py") for name, file, _ in syncs)
     replayed, _, _, _ = _generate_on_the_gpu_path(path, kernels, monkeypatch)
     assert replayed != reference
+
+
+class _CopyInFlight:
+    """Stands in for the CUDA event behind a step's copy to the host: the copy lands in the buffer when the host
+    waits for it (`synchronize`), as a pinned buffer's rows are only valid after the event."""
+
+    def __init__(self, buffer: torch.Tensor, rows: torch.Tensor) -> None:
+        self.buffer, self.rows, self.waits = buffer, rows, 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.buffer.copy_(self.rows)
+
+
+def test_a_steps_host_rows_wait_for_its_own_copy_once():
+    """Overlap scheduling on a GPU: each step's packed rows go to a host buffer of their own behind an event, and
+    reading them waits for that event (this step's copy), once; a later step's copy never touches them."""
+    step_n, step_n1 = torch.tensor([[5, 0], [7, 1]]), torch.tensor([[9, 0]])
+    buffers = [torch.full_like(step_n, -1), torch.full_like(step_n1, -1)]
+    events = [_CopyInFlight(buffers[0], step_n), _CopyInFlight(buffers[1], step_n1)]
+    rows_n, rows_n1 = HostRows(buffers[0], events[0]), HostRows(buffers[1], events[1])  # N+1 launched before N read
+    assert rows_n.tolist() == [[5, 0], [7, 1]] and events[0].waits == 1 and events[1].waits == 0
+    assert rows_n.tolist() == [[5, 0], [7, 1]] and events[0].waits == 1  # read once
+    assert rows_n1.tolist() == [[9, 0]] and events[1].waits == 1
+
+
+def test_host_rows_on_the_cpu_are_the_packed_tensor_read_when_asked():
+    packed = torch.tensor([[3, 0], [4, 0]])
+    rows = HostRows.start(packed)  # no pinned buffer, no event: pinning needs CUDA
+    packed[1, 0] = 6
+    assert rows.tolist() == [[3, 0], [6, 0]]
+    assert HostRows.start(None).tolist() == []

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brisk.kernels.cpu_kernels import load_cpu_kernels
-from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch
+from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch, _token_occurrences
 from brisk.sampling_params import SamplingParams
 from tests.conftest import skip_unless_isa_under_test
 
@@ -386,3 +386,10 @@ def test_greedy_argmax_is_torch_max(shape, sampler_kind):
         finite = ~expected_values.isnan()
         assert torch.equal(values[finite], expected_values[finite])
         assert torch.equal(values[finite].signbit(), expected_values[finite].signbit())
+
+
+def test_token_occurrences_count_each_rows_tokens_and_keep_empty_rows() -> None:
+    counts = _token_occurrences([[1, 1, 3], [], [4]], 5, torch.device("cpu"))
+    expected = [[0, 2, 0, 1, 0], [0] * 5, [0, 0, 0, 0, 1]]
+    assert counts.dtype == torch.float32 and counts.tolist() == expected
+    assert _token_occurrences([[], []], 5, torch.device("cpu")).tolist() == [[0.0] * 5] * 2

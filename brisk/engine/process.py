@@ -94,7 +94,7 @@ def run_engine_process(config_json: bytes, endpoints: list[tuple[str, str]]) -> 
             torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
         try:
             core = EngineCore(config)
-        except (ConfigError, torch.OutOfMemoryError) as exc:
+        except (ConfigError, torch.cuda.OutOfMemoryError) as exc:
             message = str(exc) if isinstance(exc, ConfigError) else OUT_OF_MEMORY.format(config=config)
             logger.debug("engine start-up failed:\n%s", traceback.format_exc())
             for outbox in outboxes:

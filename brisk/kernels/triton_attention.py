@@ -796,7 +796,9 @@ def _decode_reduce_kernel(
     seq = tl.load(decode_seq_ptr + i)
     seq_len = tl.load(seq_lens_ptr + seq)
     kv_lo, kv_base = _decode_range(seq_len, window, BLOCK_N, HAS_WINDOW)
-    num_parts = tl.cdiv(seq_len - kv_base, partition_size)
+    # At most the partitions launched: a sequence longer than the host's bound must never read past its own
+    # [max_parts] slice (another head's or sequence's partials).
+    num_parts = tl.minimum(tl.cdiv(seq_len - kv_base, partition_size), max_parts)
 
     if HAS_SINKS:
         m = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from brisk.kernels.triton_attention import (
@@ -24,6 +25,7 @@ from brisk.kernels.triton_attention import (
 )
 from brisk.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
+from brisk.model_runner.input_batch import to_device
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
     decode_rows = [i for i, n in enumerate(n_new) if n == 1]
     prefill = [i for i, n in enumerate(n_new) if n > 1]  # n == 0: nothing to compute
     tile_seqs, tile_starts = prefill_tiles(qsl, lens, block_q, prefill)
-    # One host-to-device copy for everything, sliced into views.
-    flat = torch.tensor(qsl + lens + decode_rows + tile_seqs + tile_starts, dtype=torch.int32, device=device)
+    # One host-to-device copy for everything, sliced into views: pinned and asynchronous (a pageable copy would make
+    # the host wait for the step in flight at the first attention layer of every eager step).
+    flat = to_device(np.array(qsl + lens + decode_rows + tile_seqs + tile_starts, dtype=np.int32), device)
     cuts = [len(qsl), len(lens), len(decode_rows), len(tile_seqs), len(tile_starts)]
     cu, sl, dec, ts, tst = torch.split(flat, cuts)
     return _StepPlan(block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode_rows), default=0))

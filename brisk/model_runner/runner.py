@@ -32,7 +32,14 @@ from brisk.model_runner.prompt_logprobs import prompt_logprobs
 from brisk.model_runner.sampler import needs_history
 from brisk.model_runner.sampling_stage import SamplingStage
 from brisk.model_runner.startup import StartupTimes
-from brisk.model_runner.step_output import RankExtras, StepResult, last_tokens, rows_of_rank, share_packed
+from brisk.model_runner.step_output import (
+    HostRows,
+    RankExtras,
+    StepResult,
+    last_tokens,
+    rows_of_rank,
+    share_packed,
+)
 from brisk.models.registry import BriskModel
 from brisk.scheduler.output import SchedulerOutput
 from brisk.spec_decode.drafter import Drafter
@@ -173,16 +180,18 @@ class ModelRunner:
                 offset = sum(num_sampled_all[: p.dp_rank])
                 mine = packed[offset : offset + step.num_sampled]
             self.batch.last_sampled[step.sample_rows_tensor] = last_tokens(mine, self.k)
+        # The packed rows are final: on a GPU their copy to the host starts now, behind this step's kernels only.
+        rows = HostRows.start(packed)
         host, drafts = None, None
         if self.drafter is not None:
-            host = packed.tolist() if packed is not None else []  # the step's host sync: the drafter needs the tokens
+            host = rows.tolist()  # the step's host sync: the drafter needs the tokens
             mine_rows = rows_of_rank(host, scheds, p.dp_rank)
             drafts = []
             if mine_rows or self.drafter.needs_every_step:  # it records the tokens (history too) and rolls back
                 drafts = self.drafter.record_and_propose(step, hidden, sched.sampled_req_ids, mine_rows)
         extras = self._extras_of_every_rank(scheds, RankExtras(logprobs, drafts, mine_prompt_logprobs))
         result = StepResult(
-            scheds, packed, self.k, p.dp_rank, extras, self.states, host, self.batch.num_needs_history > 0
+            scheds, rows, self.k, p.dp_rank, extras, self.states, host, self.batch.num_needs_history > 0
         )
         self._previous = result
         return result

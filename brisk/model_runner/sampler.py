@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from brisk.kernels.cpu_kernels import CpuKernels
+from brisk.model_runner.input_batch import to_device
 from brisk.sampling_params import SamplingParams
 
 # Temperatures below this sample greedily (as in vLLM): dividing by them can overflow float32 logits.
@@ -130,11 +132,14 @@ class SamplingBatch:
             raise ValueError("params, prompt_ids, output_ids, generators and stop_ids must have the same length")
         device = torch.device(device)
 
-        def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def row_tensor(values: list, dtype: np.dtype | type) -> torch.Tensor:
+            # Pinned and asynchronous on a GPU: a pageable copy would make the host wait for the step in flight.
+            with np.errstate(over="ignore"):  # a float beyond float32 becomes inf, as torch.tensor makes it
+                array = np.array(values, dtype=dtype)
+            return to_device(array, device)
 
         def column(values: list[float]) -> torch.Tensor:
-            return row_tensor(values, torch.float32).unsqueeze(1)
+            return row_tensor(values, np.float32).unsqueeze(1)
 
         greedy = [p.greedy or p.temperature < MIN_SAMPLING_TEMPERATURE for p in params]
         sampled = [not g for g in greedy]
@@ -182,11 +187,11 @@ class SamplingBatch:
 
         logit_bias = None
         if bias_rows:
-            rows, token_ids = row_tensor(bias_rows, torch.int64), row_tensor(bias_token_ids, torch.int64)
-            logit_bias = LogitBias(rows, token_ids, row_tensor(bias_values, torch.float32))
+            rows, token_ids = row_tensor(bias_rows, np.int64), row_tensor(bias_token_ids, np.int64)
+            logit_bias = LogitBias(rows, token_ids, row_tensor(bias_values, np.float32))
         masked_stops = None
         if stop_rows:
-            masked_stops = MaskedStopTokens(row_tensor(stop_rows, torch.int64), row_tensor(stop_token_ids, torch.int64))
+            masked_stops = MaskedStopTokens(row_tensor(stop_rows, np.int64), row_tensor(stop_token_ids, np.int64))
         output_penalties = None
         if output_token_counts is not None:
             presence, frequency = column(presence_penalties), column(frequency_penalties)
@@ -197,11 +202,11 @@ class SamplingBatch:
             batch_size=batch_size,
             vocab_size=vocab_size,
             all_greedy=all_greedy,
-            greedy_rows=row_tensor(greedy, torch.bool) if any(greedy) and not all_greedy else None,
+            greedy_rows=row_tensor(greedy, np.bool_) if any(greedy) and not all_greedy else None,
             temperature=column(temperatures) if any(t != 1.0 for t in temperatures) else None,
-            top_k=row_tensor(top_ks, torch.int64) if enabled_top_ks else None,
+            top_k=row_tensor(top_ks, np.int64) if enabled_top_ks else None,
             max_top_k=max(enabled_top_ks, default=vocab_size),
-            top_p=row_tensor(top_ps, torch.float32) if any(p != float("inf") for p in top_ps) else None,
+            top_p=row_tensor(top_ps, np.float32) if any(p != float("inf") for p in top_ps) else None,
             min_p=column(min_ps) if any(min_ps) else None,
             logit_bias=logit_bias,
             masked_stops=masked_stops,
@@ -451,8 +456,11 @@ def _token_occurrences(rows: list[list[int]], vocab_size: int, device: torch.dev
     """[B, V] float32 count of each token id in each row, by scatter_add over a padded [B, L] id tensor."""
     width = max(map(len, rows), default=0)
     # Padding uses the extra column vocab_size, dropped at the end, so pads are counted nowhere.
-    padded = torch.tensor([row + [vocab_size] * (width - len(row)) for row in rows], dtype=torch.int64, device=device)
-    padded = padded.view(len(rows), width)  # keeps the shape [B, 0] when every row is empty
+    # Built on the host and copied pinned, asynchronously (a pageable copy would wait for the step in flight).
+    padded_host = np.full((len(rows), width), vocab_size, dtype=np.int64)  # keeps the shape [B, 0] when all are empty
+    for i, row in enumerate(rows):
+        padded_host[i, : len(row)] = row
+    padded = to_device(padded_host, torch.device(device))
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]

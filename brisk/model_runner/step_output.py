@@ -4,7 +4,8 @@ of `ModelRunnerOutput`s, for plain and speculative steps alike.
 Sharing (`share_packed`): under TP rank 0 sampled and broadcasts its rows; under attention DP every rank sampled
 its own and they gather them all. What rank 0 reports beyond the tokens (logprobs, drafts, prompt logprobs) comes
 as `RankExtras`, one per attention-DP rank. The tokens stay on the device until `StepResult.result()` (or, with
-speculation, the drafter) takes them to the host.
+speculation, the drafter) takes them to the host, through `HostRows` (on a GPU an asynchronous copy started when
+the step is launched, so the wait is for that step only).
 """
 
 from __future__ import annotations
@@ -74,6 +75,44 @@ def rows_of_rank(host: list[list[int]], scheds: list[SchedulerOutput], dp_rank: 
     return host[offset : offset + scheds[dp_rank].num_sampled_requests]
 
 
+class HostRows:
+    """The packed rows' one copy to the host, started where the packed tensor is final (after the runner's
+    last_sampled write). On a GPU the copy goes at once, asynchronously, into a pinned host buffer of its own (a fresh
+    one per step: the next step's copy can never overwrite this one's unread rows), an event behind it; `tolist()`
+    waits for that event alone, so the host waits for this step's kernels, not for those of the step launched after
+    it (a `.tolist()` of the device tensor would queue behind them all and undo overlap scheduling). On a CPU (or with
+    no rows) the tensor itself, read when asked."""
+
+    def __init__(self, source: torch.Tensor | None, event: torch.cuda.Event | None = None) -> None:
+        """source: the rows on the host, or being copied there until `event` (None: nothing to wait for)."""
+        self._source = source
+        self._event = event
+        self._rows: list[list[int]] | None = None
+
+    @classmethod
+    def start(cls, packed: torch.Tensor | None) -> HostRows:
+        """Start the copy of the final `packed` rows (on the device) to the host."""
+        if packed is None or not packed.is_cuda:
+            return cls(packed)  # a CPU: read when asked, nothing pinned (pinning needs CUDA)
+        buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        buffer.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()  # on the current stream: the one that computed `packed` and copies it
+        return cls(buffer, event)
+
+    def tolist(self) -> list[list[int]]:
+        """The rows on the host (waits for the copy, once)."""
+        if self._rows is None:
+            if self._source is None:
+                self._rows = []
+            else:
+                if self._event is not None:
+                    self._event.synchronize()
+                self._rows = self._source.tolist()
+                self._source = self._event = None  # the buffer goes back to the pinned allocator
+        return self._rows
+
+
 class StepResult:
     """A launched step (the runner's StepHandle). The packed rows of every DP rank (rank 0) or of this rank's part
     of the step; `to_host()` is the one device-to-host copy, made once, where a caller asks for it."""
@@ -81,7 +120,7 @@ class StepResult:
     def __init__(
         self,
         scheds: list[SchedulerOutput],
-        packed: torch.Tensor | None,
+        packed: HostRows,
         max_draft_len: int,
         dp_rank: int,
         extras: list[RankExtras] | None,
@@ -89,7 +128,8 @@ class StepResult:
         host: list[list[int]] | None = None,
         any_needs_history: bool = True,
     ) -> None:
-        """host: the packed rows already on the host (speculation: the drafter recorded them, history too).
+        """packed: the packed rows' copy to the host (started). host: the packed rows already on the host
+        (speculation: the drafter recorded them, history too).
         any_needs_history: False when no request of the batch samples with its history (nothing to record)."""
         self._scheds = scheds
         self._packed = packed
@@ -104,7 +144,7 @@ class StepResult:
     def to_host(self) -> list[list[int]]:
         """The packed rows on the host (the step's host synchronisation, done once)."""
         if self._host is None:
-            self._host = self._packed.tolist() if self._packed is not None else []
+            self._host = self._packed.tolist()
         return self._host
 
     def record_history(self) -> None:
