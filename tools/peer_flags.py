@@ -59,7 +59,13 @@ def write_routes(parser) -> None:
 
     os.environ.update(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
     args = parser.parse_args(
-        ["--model", "m", "--enable-tokenizer-info-endpoint", "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp"}']
+        [
+            "--model",
+            "m",
+            "--enable-tokenizer-info-endpoint",
+            "--profiler-config",
+            '{"profiler": "torch", "torch_profiler_dir": "/tmp"}',
+        ]
     )
     args.enable_fault_tolerance = True
     app = build_app(args, ("generate", "transcription", "realtime"))
