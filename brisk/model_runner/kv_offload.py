@@ -4,7 +4,9 @@ The scheduler's books (kv_cache/host_tier.py) decide the copies; each step's `Sc
 lists them in order, and the runner runs them before that step's forward. A block is its raw bytes in every KV
 tensor (each layer slot's K and V; whatever their dtype: an FP8 cache with static per-layer scales copies the
 same way). Host memory mirrors the device tensors' shapes with `num_host_blocks` blocks; pinned on a GPU, so the
-copies are DMA transfers.
+copies are DMA transfers. It is pinned by registering ordinary memory with CUDA (`cudaHostRegister`, as torch's
+checkpoint stager and SGLang's host KV pool do), not by `pin_memory=True`: torch's caching host allocator rounds every
+pinned allocation up to a power of two, which would lock up to twice `host_cache_size` of RAM.
 
 On a GPU the copies run on a copy stream: it waits for the work already queued (a block evicted now may still be
 written by the step in flight), copies, and the step's forward waits for it only when it starts, so the transfers
@@ -39,13 +41,29 @@ class HostKVCache:
     def __init__(self, device_tensors: list[torch.Tensor], num_host_blocks: int, device: torch.device) -> None:
         self.device_tensors = device_tensors
         self.num_blocks = num_host_blocks
-        pin = device.type == "cuda"
-        self.host_tensors = [
-            torch.empty((num_host_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
-            for t in device_tensors
-        ]
+        self.host_tensors = [torch.empty((num_host_blocks, *t.shape[1:]), dtype=t.dtype) for t in device_tensors]
+        self._registered: list[int] = []  # host tensors' addresses registered with CUDA (unregistered by close())
+        if device.type == "cuda":
+            cudart = torch.cuda.cudart()
+            for t in self.host_tensors:
+                status = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+                if status != 0:
+                    self.close()
+                    raise RuntimeError(f"pinning the host KV tier failed (cudaHostRegister error {status})")
+                self._registered.append(t.data_ptr())
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending = False
+
+    def close(self) -> None:
+        """Unpin the host tensors (before their memory is freed: an address left registered would make a later
+        registration of the same range fail)."""
+        if self._registered:
+            if self.stream is not None:
+                self.stream.synchronize()  # no copy in flight reads or writes them
+            cudart = torch.cuda.cudart()
+            for address in self._registered:
+                cudart.cudaHostUnregister(address)
+            self._registered = []
 
     @classmethod
     def for_layers(

@@ -285,3 +285,5 @@ class ModelRunner:
 
     def close(self) -> None:
         self.sampling.close()
+        if self.host_kv is not None:
+            self.host_kv.close()
