@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from brisk import LLM
+from brisk import LLM, SamplingParams
 from brisk.config import ConfigError, EngineConfig, ModelConfig
 from brisk.model_runner.interface import kv_groups_for
 from brisk.model_runner.memory import (
@@ -24,7 +24,8 @@ from brisk.model_runner.memory import (
     plan_kv_cache,
     profile_batch_shape,
 )
-from brisk.model_runner.setup import num_kv_blocks_by_profiling
+from brisk.model_runner.sampler import needs_history, samples_plain_greedy
+from brisk.model_runner.setup import num_kv_blocks_by_profiling, profile_sampling_params
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -188,6 +189,29 @@ def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path
     fake.activations = GIB  # a step that leaves nothing: the error names the setting
     with pytest.raises(InsufficientKVMemoryError, match="kv_cache_free_gpu_memory_fraction"):
         num_kv_blocks_by_profiling(runner)
+
+
+def test_the_profiling_step_samples_on_the_costliest_path(tmp_path, monkeypatch):
+    """Its sampling temporaries ([rows, vocabulary] sorts, softmaxes, logprobs) are part of the measured peak: it
+    samples with temperature, top-k, top-p, min-p, the penalties and the most logprobs a request may ask for."""
+    params = profile_sampling_params(20)
+    assert not samples_plain_greedy(params) and needs_history(params) and params.logprobs == 20
+    assert params.temperature > 0 and params.top_k > 0 and params.top_p < 1 and params.min_p > 0
+    params.validate()
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    llm = LLM(path, max_num_tokens=64, max_batch_size=8, max_seq_len=128, tokens_per_block=16, dtype="float32")
+    runner = llm.engine.executor.runner
+    seen: list[SamplingParams] = []
+    execute = runner.execute_model
+    monkeypatch.setattr(
+        runner,
+        "execute_model",
+        lambda scheds: (seen.extend(r.params for r in scheds[0].new_requests), execute(scheds))[1],
+    )
+    FakeCudaMemory(total=GIB, weights=100 << 20, activations=50 << 20, other=30 << 20).install(monkeypatch)
+    num_kv_blocks_by_profiling(runner)
+    assert len(seen) == 8 and all(p == profile_sampling_params(runner.config.max_logprobs) for p in seen)
 
 
 def test_a_profiling_step_that_runs_out_of_memory_is_a_start_up_error():

@@ -93,6 +93,23 @@ def load_model_runner(
     return runner
 
 
+def profile_sampling_params(max_logprobs: int) -> SamplingParams:
+    """The profiling step's sampling: the costliest path a full batch can take, so that its [rows, vocabulary]
+    temporaries are part of the measured peak (as vLLM's dummy sampler run): temperature with top-k, top-p and
+    min-p (sorts and softmaxes of the logits), the penalties, and the most logprobs a request may ask for."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=1.0,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        logprobs=max_logprobs,
+    )
+
+
 def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     """One forward pass at max_num_tokens on a temporary cache just big enough for it, measured; the pool gets
     kv_cache_free_gpu_memory_fraction of what is left (memory.py). Graph capture joins the profile once the
@@ -109,7 +126,7 @@ def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     runner.allocate_kv_cache(start)
     # A real step (the scheduler's message, the persistent batch, forward, logits, sampling) over dummy
     # prompts that fill max_num_tokens; their rows leave the batch afterwards.
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = profile_sampling_params(config.max_logprobs)
     vocab = runner.model_config.vocab_size
     groups = runner.kv_groups
     new = [
