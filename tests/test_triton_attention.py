@@ -22,6 +22,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from brisk.kernels.triton_attention import (  # noqa: E402
+    PARTIAL_BYTES_CAP,
+    bounded_partition_size,
+    default_partition_size,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv_cache,
@@ -320,3 +323,21 @@ def test_tiles_follow_the_query_dtype_unless_given() -> None:
     assert backend.tiles_for(torch.float32) == FP32_TILES != HALF_TILES
     overridden = TritonAttentionBackend(prefill_block_n=16).tiles_for(torch.float32)
     assert overridden == replace(FP32_TILES, prefill_block_n=16)
+
+
+def test_split_k_sized_from_a_bound_still_splits_usual_contexts():
+    """A CUDA graph knows its contexts only by max_seq_len: its split-K is sized for 8k-key contexts, never coarser
+    than sizing from the bound, with the bound's partial results under PARTIAL_BYTES_CAP."""
+    cpu = torch.device("cpu")  # default_partition_size's stand-in for a GPU of 8 SMs
+    heads, kv_heads, dim, bound = 64, 8, 64, 131072
+    for n in (1, 8, 64, 256, 1024, 4096):
+        size = bounded_partition_size(n, heads, kv_heads, dim, bound, 64, cpu)
+        assert size % 64 == 0 and size <= default_partition_size(n, kv_heads, bound, 64, cpu)
+        parts = -(-bound // size)
+        assert n * heads * parts * (dim + 2) * 4 <= PARTIAL_BYTES_CAP or parts == 1
+    assert bounded_partition_size(1, heads, kv_heads, dim, bound, 64, cpu) == default_partition_size(
+        1, kv_heads, 8192, 64, cpu
+    )
+    assert bounded_partition_size(1, heads, kv_heads, dim, bound, 64, cpu) < default_partition_size(
+        1, kv_heads, bound, 64, cpu
+    )

@@ -842,6 +842,24 @@ def default_partition_size(
     return block_n * _next_pow2(_cdiv(size, block_n))
 
 
+# A CUDA graph's decode attention knows its contexts only by a bound (max_seq_len, often 131,072): its split-K is
+# sized as for contexts of this many keys, so that usual contexts still spread over the GPU (sized from the bound, a
+# batch of 8 at an 8k context would run 64 programs on 132 SMs, one at 1k 8), longer ones taking more partitions; the
+# partial results of the bound's partitions stay under PARTIAL_BYTES_CAP (the partition size doubles until they do).
+BOUNDED_SIZING_KEYS = 8192
+PARTIAL_BYTES_CAP = 64 << 20
+
+
+def bounded_partition_size(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_kv: int, block_n: int, device: torch.device
+) -> int:
+    """Keys per split-K program for a launch whose contexts are bounded by `max_kv` but usually far shorter."""
+    size = default_partition_size(num_seqs, num_kv_heads, min(max_kv, BOUNDED_SIZING_KEYS), block_n, device)
+    while size < max_kv and num_seqs * num_heads * _cdiv(max_kv, size) * (head_dim + 2) * 4 > PARTIAL_BYTES_CAP:
+        size *= 2
+    return size
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -856,6 +874,7 @@ def paged_decode_attention(
     seq_ids: torch.Tensor | None = None,  # [N] int32 sequences to decode (default: all B)
     cu_seqlens_q: torch.Tensor | None = None,  # [B+1] int32; token of sequence s is cu_seqlens_q[s] (default s)
     max_seq_len: int | None = None,  # host bound on seq_lens[seq_ids]; read from the GPU if None
+    max_seq_len_is_bound: bool = False,  # max_seq_len is a bound (CUDA graphs), not the batch's longest context
     block_n: int = 64,
     partition_size: int | None = None,  # keys per split-K program, a multiple of block_n
     num_warps: int = 4,
@@ -883,7 +902,9 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens[seq_ids.long()].max())
     max_kv = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_n)
-    if partition_size is None:
+    if partition_size is None and max_seq_len_is_bound:
+        partition_size = bounded_partition_size(n, h, kvh, d, max_kv, block_n, q.device)
+    elif partition_size is None:
         partition_size = default_partition_size(n, kvh, max_kv, block_n, q.device)
     assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
     # A sequence visits at most max_kv keys: partitions start at the tile holding the window's first key.

@@ -58,6 +58,7 @@ class _StepPlan:
     tile_seqs: torch.Tensor  # [Nt] int32 prefill tiles (sequence, first new token)
     tile_starts: torch.Tensor
     max_decode_len: int  # bound on the longest context among decode sequences (split-K sizes)
+    max_decode_len_is_bound: bool = False  # a static-buffer step's bound (max_seq_len), not the batch's longest
 
 
 def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device) -> _StepPlan:
@@ -67,7 +68,16 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
         empty = torch.empty(0, dtype=torch.int32, device=device)
         decode = torch.arange(n, dtype=torch.int32, device=device)
         bound = meta.max_seq_len or max(meta.seq_lens, default=0)
-        return _StepPlan(block_q, meta.query_start_loc_tensor, meta.seq_lens_tensor, decode, empty, empty, bound)
+        return _StepPlan(
+            block_q,
+            meta.query_start_loc_tensor,
+            meta.seq_lens_tensor,
+            decode,
+            empty,
+            empty,
+            bound,
+            bool(meta.max_seq_len),
+        )
     if meta.static_query_len > 1 and meta.seq_lens_tensor is not None and meta.query_start_loc_tensor is not None:
         # A static-buffer verification step (k + 1 tokens per sequence): its tiles follow from the shape alone.
         n, per = meta.seq_lens_tensor.shape[0], -(-meta.static_query_len // block_q)
@@ -94,7 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
     the metadata lists and the prefill tile list) is built once per step, in `prepare`."""
 
     name = "triton"
-    graph_safe = True  # decode: static plan tensors, split-K sized from the max_seq_len bound
+    graph_safe = True  # decode: static plan tensors, split-K sized for usual contexts under the max_seq_len bound
 
     def __init__(
         self,
@@ -161,6 +171,7 @@ class TritonAttentionBackend(AttentionBackend):
                 seq_ids=plan.decode_seqs,
                 cu_seqlens_q=plan.cu_seqlens_q,
                 max_seq_len=plan.max_decode_len,
+                max_seq_len_is_bound=plan.max_decode_len_is_bound,
                 block_n=tiles.decode_block_n,
                 partition_size=self.decode_partition_size,
                 num_warps=tiles.decode_warps,
