@@ -377,6 +377,11 @@ def test_backend_choice(monkeypatch):
         TritonMoEBackend(torch_fallback=True).forward(layer, hidden, ids, weights),
         TorchMoEBackend().forward(layer, hidden, ids, weights),
     )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    layer = make_layer(4, 2, 32, 32, mxfp4=False).to(DEVICE)
+    layer.gate_up_halves = True  # as the CPU kernels' prepack leaves a bf16 layer: the kernels would misread it
+    with pytest.raises(RuntimeError, match="prepacked for the CPU kernels"):
+        TritonMoEBackend().forward(layer, hidden.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE))
 
 
 def test_default_config_block_m_follows_slots_per_expert():

@@ -41,6 +41,8 @@ class TritonMoEBackend(MoEBackend):
                 f"moe backend 'triton' needs CUDA tensors, got {hidden.device} "
                 "(set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
             )
+        if layer.gate_up_halves:  # the kernels read gate and up columns interleaved, as checkpoints store them
+            raise RuntimeError("moe backend 'triton' got a layer prepacked for the CPU kernels (gate_up as halves)")
         mxfp4 = layer.quantization == "mxfp4"
         return fused_experts(
             hidden,
