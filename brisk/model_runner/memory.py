@@ -1,13 +1,17 @@
 """Size the KV pool on a GPU from measured memory: weights, a profiling step's activations, graphs, the rest.
 
 At start-up, after the weights are loaded, the runner runs one forward pass of a dummy batch at `max_num_tokens`
-(spread over up to `max_batch_size` sequences, so that the logits of a full batch are part of the peak) on a
-temporary KV cache just large enough for it, then (once CUDA graphs exist) captures its graphs. What that costs is
-measured by torch's allocator (peak allocated bytes) and the driver (free bytes), not estimated. The KV pool then
-gets `kv_cache_free_gpu_memory_fraction` of what is left:
+(spread over up to `max_batch_size` sequences, so that the logits of a full batch, sampled on the costliest path:
+top-k / top-p / min-p, penalties, logprobs, are part of the peak) on a temporary KV cache just large enough for
+it. What that costs is measured by torch's allocator (peak allocated bytes) and the driver (free bytes), not
+estimated. The KV pool then gets `kv_cache_free_gpu_memory_fraction` of what is left:
 
     left = total - weights - activations - graphs - other      (other: CUDA context, cuBLAS/NCCL workspaces)
     KV   = left * fraction
+
+CUDA graphs are captured after the pool is allocated (a graph holds the pool's addresses), so their memory comes out
+of the share the fraction leaves: `graphs` is 0 in what start-up measures, and is there for plans made with a
+known figure (tests, estimates).
 
 Too little memory for one request of `max_seq_len` is a start-up error naming the settings to change, never an
 out-of-memory error in the middle of a request. The arithmetic (`plan_kv_cache`) is separate from the measuring
@@ -41,7 +45,7 @@ class MemoryMeasurement:
     total: int  # the device's memory
     weights: int  # allocated by the loaded model
     activations: int  # peak allocated during the profiling step, above what was allocated before it
-    graphs: int = 0  # taken by CUDA graph capture
+    graphs: int = 0  # CUDA graphs' memory where known beforehand (captured after the pool, start-up measures none)
     other: int = 0  # used outside torch's allocator: CUDA context, cuBLAS / NCCL workspaces
 
     @property
@@ -133,12 +137,11 @@ def measure_profile_run(
     device: Any,
     weights: int,
     profile_step: Callable[[], object],
-    capture_graphs: Callable[[], object] | None = None,
     *,
     cuda: Any = None,
 ) -> MemoryMeasurement:
-    """Run the profiling step (and graph capture), measuring what they take. `cuda` is torch.cuda unless a test
-    passes a stand-in with the same functions. Call it after the weights are loaded and before the KV cache is."""
+    """Run the profiling step, measuring what it takes. `cuda` is torch.cuda unless a test passes a stand-in with
+    the same functions. Call it after the weights are loaded and before the KV cache is."""
     if cuda is None:
         import torch
 
@@ -159,19 +162,12 @@ def measure_profile_run(
             f"or max_batch_size, or split the model over more GPUs (tp_size)"
         ) from exc
     activations = cuda.max_memory_allocated(device) - before
-    graphs = 0
-    if capture_graphs is not None:
-        cuda.empty_cache()
-        free_before, _ = cuda.mem_get_info(device)
-        capture_graphs()
-        cuda.synchronize(device)
-        graphs = max(0, free_before - cuda.mem_get_info(device)[0])
     cuda.empty_cache()
     free, total = cuda.mem_get_info(device)
     # Reserved bytes held by torch after empty_cache are the weights, graph pools and live tensors; the rest of
     # what the device has in use belongs to the CUDA context and libraries outside torch's allocator.
     other = max(0, (total - free) - cuda.memory_reserved(device))
-    return MemoryMeasurement(total=total, weights=weights, activations=activations, graphs=graphs, other=other)
+    return MemoryMeasurement(total=total, weights=weights, activations=activations, other=other)
 
 
 def available_host_memory() -> int:

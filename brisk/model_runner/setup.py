@@ -112,8 +112,8 @@ def profile_sampling_params(max_logprobs: int) -> SamplingParams:
 
 def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     """One forward pass at max_num_tokens on a temporary cache just big enough for it, measured; the pool gets
-    kv_cache_free_gpu_memory_fraction of what is left (memory.py). Graph capture joins the profile once the
-    runner captures graphs."""
+    kv_cache_free_gpu_memory_fraction of what is left (memory.py). CUDA graphs are captured after the pool
+    (they hold its addresses): their memory comes out of the share the fraction leaves."""
     config, device, block_size = runner.config, runner.device, runner.block_size
     weights = torch.cuda.memory_allocated(device)
     lengths = profile_batch_shape(config.max_num_tokens, config.max_batch_size)
