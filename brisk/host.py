@@ -1,6 +1,7 @@
 """Facts about the machine brisk runs on, each read in one place: the CPU's name and feature flags, the instruction
-sets brisk's C kernels are built for that this CPU runs, the torch device a rank computes on, the threads a CPU rank
-gets, the C heap's settings a CPU rank runs with, and the garbage collector's view of a long-lived engine process."""
+sets brisk's C kernels are built for that this CPU runs, the torch device a rank computes on (and `to_device`, the one
+way host arrays reach it), the threads a CPU rank gets, the C heap's settings a CPU rank runs with, and the garbage
+collector's view of a long-lived engine process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from brisk.errors import ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 # brisk's CPU kernels (brisk/kernels/cpu_kernels.c) are built for one of these instruction sets, best first, and
@@ -128,3 +130,14 @@ def freeze_startup_heap() -> None:
     is never collected)."""
     gc.collect()
     gc.freeze()
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. To a GPU through pinned memory, asynchronously: the host goes on preparing (the
+    pinned copy stays alive until the transfer is done) and never waits for the step in flight. On a CPU, no copy."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from brisk.host import to_device
 from brisk.kernels.triton_attention import (
     default_prefill_block_q,
     fp8_as_codes,
@@ -25,7 +26,6 @@ from brisk.kernels.triton_attention import (
 )
 from brisk.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
-from brisk.model_runner.input_batch import to_device
 
 
 @dataclass(frozen=True)

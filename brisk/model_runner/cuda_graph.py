@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from brisk.config import CudaGraphConfig, EngineConfig
+from brisk.host import to_device
 from brisk.layers.attention import AttentionBackend, AttentionMetadata
-from brisk.model_runner.input_batch import to_device
 from brisk.model_runner.layout import StepBatch
 from brisk.scheduler.output import SchedulerOutput
 

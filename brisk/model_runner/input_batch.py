@@ -22,15 +22,6 @@ import torch
 from brisk.sampling_params import SamplingParams
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`. To a GPU through pinned memory, asynchronously: the host goes on preparing (the
-    pinned copy stays alive until the transfer is done) and never waits for the step in flight. On a CPU, no copy."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 @dataclass
 class RequestState:
     """What the runner keeps of a request, also while it is preempted (its generator must go on where it was)."""

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from brisk.host import to_device
 from brisk.layers.attention import AttentionMetadata
-from brisk.model_runner.input_batch import InputBatch, to_device
+from brisk.model_runner.input_batch import InputBatch
 from brisk.scheduler.output import SchedulerOutput
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brisk.model_runner.input_batch import InputBatch, to_device
+from brisk.host import to_device
+from brisk.model_runner.input_batch import InputBatch
 from brisk.model_runner.layout import StepBatch
 from brisk.models.registry import BriskModel
 from brisk.scheduler.output import PromptLogprobs

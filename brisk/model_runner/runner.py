@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.host import to_device
 from brisk.kv_cache.manager import cdiv
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.model_runner.binding import Kernels
 from brisk.model_runner.cuda_graph import DecodeGraphs
-from brisk.model_runner.input_batch import InputBatch, RequestState, to_device
+from brisk.model_runner.input_batch import InputBatch, RequestState
 from brisk.model_runner.interface import KVCacheSpec, kv_groups_for
 from brisk.model_runner.kv_offload import HostKVCache
 from brisk.model_runner.kv_tensors import KVTensorLayout, allocate_kv_cache, kv_group_dtypes, release_kv_cache

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from brisk.host import to_device
 from brisk.kernels.cpu_kernels import CpuKernels
-from brisk.model_runner.input_batch import to_device
 from brisk.sampling_params import SamplingParams
 
 # Temperatures below this sample greedily (as in vLLM): dividing by them can overflow float32 logits.

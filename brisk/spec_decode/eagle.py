@@ -24,10 +24,10 @@ import torch
 
 from brisk.config import EngineConfig, ModelConfig
 from brisk.errors import ConfigError
+from brisk.host import to_device
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.linear import prepack_weights
 from brisk.model_runner.binding import UsesCpuKernels
-from brisk.model_runner.input_batch import to_device
 from brisk.models.eagle3 import Eagle3CheckpointError, Eagle3DraftModel, load_eagle3_head
 from brisk.models.llama import CausalLM
 from brisk.spec_decode.proposer import DraftProposal, ProposeInputs
