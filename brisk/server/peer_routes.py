@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from brisk.peer_options import _LORA, _SLEEP  # the reasons the peers' LoRA and sleep options are refused with
 from brisk.sampling_params import SamplingParams
 from brisk.server import admin, chat, completions
 from brisk.server.errors import APIError
@@ -32,8 +34,6 @@ Body = TypeVar("Body", bound=BaseModel)
 _POOLING = "brisk serves generative models: embedding, pooling, classification, scoring and reranking are not served"
 _OTHER_API = "brisk serves OpenAI's APIs (/v1/chat/completions, /v1/completions, /v1/responses); {} is not served"
 _AUDIO = "brisk serves text models: speech-to-text is not served"
-_LORA = "brisk serves no LoRA adapters: merge an adapter into the weights and serve the merged model"
-_SLEEP = "brisk has no sleep mode: its weights and KV cache stay on the device for the life of the server"
 _WEIGHTS = "brisk takes no weight updates while serving (reinforcement-learning endpoints): restart it on new weights"
 _DISAGGREGATION = (
     "prefill/decode disaggregation is not available in brisk: a request is rendered, prefilled and decoded by one "
@@ -149,13 +149,11 @@ async def invocations(raw: Request, state: ServerState = Depends(server_state)):
 
 
 def _parse(schema: type[Body], body: dict) -> Body:
-    """The body as the route's request schema; invalid, a 400 naming the first field at fault."""
+    """The body as the route's request schema; invalid, the 400 the route itself answers (app.py's handler)."""
     try:
         return schema.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
+        raise RequestValidationError(exc.errors()) from None
 
 
 @router.get("/load")
