@@ -8,6 +8,8 @@ For each batch size T: random router logits -> top-k routing (outside the timing
     weight GB/s   bytes of the experts actually touched (packed blocks + scales + biases) / time. Each touched
                   expert's weights must be read once, so at decode this is the number to hold against copy GB/s.
     TFLOP/s       2 * T * k * (2I*H + H*I) / time (the useful matmul work).
+    align us      the alignment alone (slots grouped by expert; one program up to 1024 slots, three launches past
+                  that): its share of a layer at prefill sizes.
     copy GB/s     a device-to-device copy of a large buffer, (read + write bytes) / time: the practical ceiling.
 Weights of --layers distinct layers are cycled through so each call finds its experts cold in L2, as in a real
 forward pass. Timing replays a CUDA graph of all the layers (no launch overhead) unless --eager.
@@ -51,7 +53,7 @@ def expert_bytes(layer: dict[str, torch.Tensor | None]) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 512])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 512, 8192])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--hidden", type=int, default=2880)
@@ -71,7 +73,7 @@ def main() -> int:
         )
         return 2
 
-    from brisk.kernels.triton_moe import default_config, fused_experts
+    from brisk.kernels.triton_moe import default_config, fused_experts, moe_align_block_size
     from brisk.layers.moe import select_experts
 
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
@@ -84,7 +86,10 @@ def main() -> int:
         f"{device}: E={e} top-{k} H={h} I={i} {'bf16' if args.bf16_weights else 'MXFP4'} weights, "
         f"{per_expert / 1e6:.1f} MB per expert, copy {peak:.0f} GB/s, {'eager' if args.eager else 'CUDA graph'}"
     )
-    print(f"{'T':>5} {'experts':>7} {'block_m':>7} {'us/layer':>9} {'weight GB/s':>11} {'% copy':>7} {'TFLOP/s':>8}")
+    print(
+        f"{'T':>5} {'experts':>7} {'block_m':>7} {'us/layer':>9} {'weight GB/s':>11} {'% copy':>7} {'TFLOP/s':>8} "
+        f"{'align us':>8}"
+    )
 
     rows = []
     for t in args.batch:
@@ -101,6 +106,9 @@ def main() -> int:
         gbps = touched * per_expert / ms / 1e6
         tflops = 2 * t * k * (2 * i * h + h * i) / ms / 1e9
         cfg = default_config(t, k, e, 2 * i, h, mxfp4=not args.bf16_weights)
+        align_ms = time_ms(
+            lambda ids=topk_ids, m=cfg.block_m: moe_align_block_size(ids, m, e), args.iters, graph=not args.eager
+        )
         rows.append(
             dict(
                 batch=t,
@@ -110,11 +118,12 @@ def main() -> int:
                 fraction_of_copy=gbps / peak,
                 tflops=tflops,
                 block_m=cfg.block_m,
+                align_us=align_ms * 1e3,
             )
         )
         print(
             f"{t:>5} {touched:>7} {cfg.block_m:>7} {ms * 1e3:>9.1f} {gbps:>11.0f} {100 * gbps / peak:>6.1f}% "
-            f"{tflops:>8.1f}"
+            f"{tflops:>8.1f} {align_ms * 1e3:>8.1f}"
         )
 
     if args.out:

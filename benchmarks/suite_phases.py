@@ -408,6 +408,7 @@ def moe_rows(data: dict[str, Any], ceil: dict[str, float]) -> list[dict]:
             pct_of_copy=_pct(r["weight_gbps"], copy),
             tflops=round(r["tflops"], 1),
             pct_of_matmul=_pct(r["tflops"], matmul),
+            align_us=round(r["align_us"], 1),
         )
         for r in data["results"]
     ]

@@ -141,3 +141,37 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors' one copy to the host, started where they are final. On a GPU the copies go at once,
+    asynchronously, into pinned host buffers of their own (fresh each time: a later step's copy can never overwrite
+    unread ones), an event behind them; `get()` waits for that event alone, so the host waits for the kernels that
+    computed these tensors, not for those of a step launched after them (a `.tolist()` of a device tensor would
+    queue behind them all and undo overlap scheduling). On a CPU, the tensors themselves, read when asked."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], event: torch.cuda.Event | None = None) -> None:
+        """tensors: on the host, or being copied there until `event` (None: nothing to wait for)."""
+        self._tensors = tensors
+        self._event = event
+
+    @classmethod
+    def start(cls, *tensors: torch.Tensor) -> HostCopy:
+        import torch
+
+        if not any(t.is_cuda for t in tensors):
+            return cls(tensors)  # a CPU: nothing pinned (pinning needs CUDA)
+        buffers = []
+        for t in tensors:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buffers.append(buffer.copy_(t, non_blocking=True))
+        event = torch.cuda.Event()
+        event.record()  # on the current stream: the one that computed the tensors and copies them
+        return cls(tuple(buffers), event)
+
+    def get(self) -> tuple[torch.Tensor, ...]:
+        """The tensors on the host (waits for the copy, the first time)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._tensors

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 import brisk
 from brisk import LLM, SamplingParams
+from brisk.host import HostCopy
 from brisk.layers.attention import TorchAttentionBackend
 from brisk.layers.attention_triton import TritonAttentionBackend
 from brisk.layers.moe import TorchMoEBackend
@@ -270,7 +271,8 @@ def test_a_steps_host_rows_wait_for_its_own_copy_once():
     step_n, step_n1 = torch.tensor([[5, 0], [7, 1]]), torch.tensor([[9, 0]])
     buffers = [torch.full_like(step_n, -1), torch.full_like(step_n1, -1)]
     events = [_CopyInFlight(buffers[0], step_n), _CopyInFlight(buffers[1], step_n1)]
-    rows_n, rows_n1 = HostRows(buffers[0], events[0]), HostRows(buffers[1], events[1])  # N+1 launched before N read
+    # N+1 launched before N is read
+    rows_n, rows_n1 = HostRows(HostCopy((buffers[0],), events[0])), HostRows(HostCopy((buffers[1],), events[1]))
     assert rows_n.tolist() == [[5, 0], [7, 1]] and events[0].waits == 1 and events[1].waits == 0
     assert rows_n.tolist() == [[5, 0], [7, 1]] and events[0].waits == 1  # read once
     assert rows_n1.tolist() == [[9, 0]] and events[1].waits == 1

@@ -145,7 +145,13 @@ def test_gpu_tables_read_the_benchmarks_json_and_hold_the_targets(tmp_path):
     decode, prefill = phases.attention_rows(attention, ceil)
     assert decode[0]["pct_of_copy"] == "80%" and decode[1]["window"] == 128
     assert prefill[0]["pct_of_matmul"] == "50%"
-    moe = {"results": [dict(batch=1, experts_touched=4, us_per_layer=40.0, weight_gbps=1500.0, tflops=1.2, block_m=16)]}
+    moe = {
+        "results": [
+            dict(
+                batch=1, experts_touched=4, us_per_layer=40.0, weight_gbps=1500.0, tflops=1.2, block_m=16, align_us=3.0
+            )
+        ]
+    }
     assert phases.moe_rows(moe, {})[0]["pct_of_copy"] == "n/a (no phase a)"
     assert phases.moe_rows(moe, ceil)[0]["pct_of_copy"] == "50%"
 

@@ -72,3 +72,21 @@ def test_fp8_kv_compiles_for_an_a100_as_codes(tmp_path) -> None:
     report = compile_report(tmp_path / "sm80.json", "--quick", "--arch", "80", "--only", "float8_e4m3fn")
     assert report["failures"] == [] and report["case_errors"] == {}
     assert {v["kernel"] for v in report["variants"]} >= {"_store_kv_kernel", "_decode_kernel", "_prefill_kernel"}
+
+
+def test_batch_shapes_do_not_compile_variants_of_their_own(report) -> None:
+    # Token counts, partition counts and block-table widths change with every batch: a kernel specialized on them
+    # (a value of 1, a multiple of 16) would compile anew in the middle of serving. One split-K decode variant and
+    # one reduce variant per attention case, whatever its batches; MoE at 1 and 16 tokens (one tile tier) share.
+    by_case: dict[tuple[str, str], int] = {}
+    for v in report["variants"]:
+        for case in v["cases"]:
+            by_case[v["kernel"], case] = by_case.get((v["kernel"], case), 0) + 1
+    attention = [case for kernel, case in by_case if kernel == "_decode_reduce_kernel"]
+    assert attention and all(by_case["_decode_reduce_kernel", case] == 1 for case in attention)
+    assert all(by_case["_decode_kernel", case] == 2 for case in attention)  # split-K and one partition
+    for kernel in ("_moe_align_kernel", "_moe_gemm_kernel"):
+        for v in report["variants"]:
+            if v["kernel"] == kernel:
+                tokens = {case.rsplit("tokens=", 1)[1] for case in v["cases"]}
+                assert ("1" in tokens) == ("16" in tokens), (kernel, v["cases"])

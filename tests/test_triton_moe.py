@@ -121,8 +121,8 @@ def test_mxfp4_nibble_order_low_first():
 # ---------------------------------------------------------------- alignment
 
 
-def check_alignment(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
-    align = moe_align_block_size(topk_ids.to(DEVICE), block_m, num_experts)
+def check_alignment(topk_ids: torch.Tensor, block_m: int, num_experts: int, one_program_max_slots: int = 1024) -> None:
+    align = moe_align_block_size(topk_ids.to(DEVICE), block_m, num_experts, one_program_max_slots)
     flat = topk_ids.reshape(-1).cpu()
     num_slots = flat.numel()
     sorted_ids = align.sorted_token_ids.cpu()
@@ -148,9 +148,25 @@ def check_alignment(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> N
 @pytest.mark.parametrize(
     "t,k,e,block_m", [(1, 4, 8, 16), (3, 2, 4, 16), (17, 4, 8, 16), (17, 1, 4, 4), (40, 2, 130, 16), (5, 3, 6, 2)]
 )
-def test_moe_align_block_size(t, k, e, block_m):
+@pytest.mark.parametrize("one_program_max_slots", [1024, 0])  # 0: over programs (count, runs, scatter)
+def test_moe_align_block_size(t, k, e, block_m, one_program_max_slots):
     ids, _ = routing(t, e, k, seed=t * e + k)
-    check_alignment(ids, block_m, e)
+    check_alignment(ids, block_m, e, one_program_max_slots)
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(700, 4, 8, 16), (300, 4, 128, 64), (50, 3, 6, 2)])
+def test_moe_align_over_programs_equals_one_program(t, k, e, block_m):
+    # Several chunks (E = 8: 1024 slots a chunk; E = 128: 64), a partial last one and EP's -1 ids: every output
+    # buffer, padding included, is the one program's.
+    ids, _ = routing(t, e, k, seed=t)
+    ids[::7, 0] = -1  # slots of another EP rank's experts
+    one = moe_align_block_size(ids.to(DEVICE), block_m, e)
+    many = moe_align_block_size(ids.to(DEVICE), block_m, e, one_program_max_slots=0)
+    for a, b in zip(
+        (one.sorted_token_ids, one.expert_ids, one.num_tokens_post_padded),
+        (many.sorted_token_ids, many.expert_ids, many.num_tokens_post_padded),
+    ):
+        assert torch.equal(a.cpu(), b.cpu())
 
 
 def test_moe_align_all_tokens_to_one_expert_and_idle_experts():
@@ -164,7 +180,7 @@ def test_moe_align_all_tokens_to_one_expert_and_idle_experts():
 def test_moe_align_property(t, e, block_m, data):
     k = data.draw(st.integers(1, e))
     rows = [data.draw(st.permutations(range(e)))[:k] for _ in range(t)]
-    check_alignment(torch.tensor(rows), block_m, e)
+    check_alignment(torch.tensor(rows), block_m, e, data.draw(st.sampled_from([1024, 0])))
 
 
 def test_route_topk_matches_select_experts():
@@ -415,4 +431,5 @@ def test_gpt_oss_120b_shapes_on_gpu(t, mxfp4):
 @needs_cuda
 def test_alignment_at_prefill_size_on_gpu():
     ids, _ = routing(4096, 128, 4, seed=0)
-    check_alignment(ids, 64, 128)
+    check_alignment(ids, 64, 128)  # over programs
+    check_alignment(ids, 64, 128, one_program_max_slots=1 << 20)  # one program

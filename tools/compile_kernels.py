@@ -167,8 +167,9 @@ def _attention_case(
         fp8 = kv_dtype == torch.float8_e4m3fn
         k_scale, v_scale = (torch.ones(hd.kv_heads), torch.ones(hd.kv_heads)) if fp8 else (None, None)
         sinks = torch.zeros(hd.heads, dtype=torch.float32) if hd.sinks else None
-        # Decode: 64 sequences; split-K (long contexts over few sequences) and one partition (many short ones).
-        for b, ctx, partition in ((64, 8192, 512), (64, 64, None)):
+        # Decode: 64 sequences; split-K (long contexts over few sequences) and one partition (many short ones);
+        # then split-K again at another batch (its partition count and block-table width are not specialized on).
+        for b, ctx, partition in ((64, 8192, 512), (64, 64, None), (48, 4000, 512)):
             q = torch.empty((b, hd.heads, hd.head_dim), dtype=q_dtype)
             table = torch.zeros((b, -(-ctx // page)), dtype=torch.int32)
             lens = torch.full((b,), ctx, dtype=torch.int32)
@@ -213,7 +214,7 @@ EXPERTS = [
     _gpt_oss_experts("gpt-oss-20b", 32, 1),
     *(_gpt_oss_experts("gpt-oss-120b", 128, tp) for tp in (2, 4, 8)),
 ]
-BATCHES = (1, 64, 256, 640, 2048, 8192)  # decode to a prefill chunk: every tile tier of default_config
+BATCHES = (1, 16, 64, 256, 640, 2048, 8192)  # decode to a prefill chunk: every tile tier of default_config
 
 
 def _moe_cases(full: bool) -> list[tuple[str, Callable[[], None]]]:
@@ -222,7 +223,7 @@ def _moe_cases(full: bool) -> list[tuple[str, Callable[[], None]]]:
     cases: list[tuple[str, Callable[[], None]]] = []
     for ex in EXPERTS if full else EXPERTS[:1]:
         for mxfp4 in (True, False):
-            for t in BATCHES if full else (1, 640):
+            for t in BATCHES if full else (1, 16, 640):  # 1 and 16: one tile tier, other token counts
                 label = f"moe {ex.name} {'mxfp4' if mxfp4 else 'bf16'} tokens={t}"
                 cases.append((label, _moe_case(tm, ex, mxfp4, t)))
     cases.append(("mxfp4 dequantize gpt-oss", lambda: tm.mxfp4_dequantize(

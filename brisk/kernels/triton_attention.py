@@ -44,6 +44,9 @@ from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 
 LOG2E = 1.4426950408889634
 TRITON_FP8_MIN_CAPABILITY = (8, 9)  # Triton's E4M3 type (fp8e4nv) exists from sm_89 (Ada, Hopper, Blackwell) on
+# Integer arguments that change with the batch (its longest context, its block tables' width) are marked
+# do_not_specialize: Triton would otherwise compile a variant for a value of 1 and for a multiple of 16, so a new
+# batch shape in an eager step could stall serving for a compile.
 
 
 def _next_pow2(n: int) -> int:
@@ -116,8 +119,10 @@ def _store_kv_kernel(
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr + h, mask=mask, other=1.0)
         v_scale = tl.load(v_scale_ptr + h, mask=mask, other=1.0)
-        k = _round_to_e4m3(k.to(tl.float32) / k_scale)
-        v = _round_to_e4m3(v.to(tl.float32) / v_scale)
+        # Correctly rounded division (the GPU's `/` on fp32 is an approximate one): the stored codes are the torch
+        # reference's bit for bit, also for a value on a rounding boundary of E4M3's grid.
+        k = _round_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
+        v = _round_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
         if FP8_CODES:
             k = _e4m3_encode(k)
             v = _e4m3_encode(v)
@@ -337,7 +342,7 @@ def _init_state(sinks_ptr, head, row_valid, BLOCK_M: tl.constexpr, HAS_SINKS: tl
 # ---------------------------------------------------------------------------------------------------
 # Prefill / extend
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -645,7 +650,7 @@ def _decode_range(seq_len, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constex
     return kv_lo, (kv_lo // BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "max_parts", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -768,7 +773,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "max_parts"])
 def _decode_reduce_kernel(
     out_ptr,
     sinks_ptr,
@@ -978,7 +983,7 @@ def paged_decode_attention(
             NUM_HEADS=h,
             HEAD_DIM=d,
             BLOCK_N=block_n,
-            PART_CHUNK=min(16, _next_pow2(max_parts)),
+            PART_CHUNK=16,  # one variant whatever the partition count (masked lanes cost nothing here)
             HAS_SINKS=sinks is not None,
             HAS_WINDOW=sliding_window is not None,
             num_warps=1 if d <= 64 else 2,

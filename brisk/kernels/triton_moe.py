@@ -36,6 +36,9 @@ from brisk.kernels import interpreting
 
 MXFP4_GROUP = 32  # values sharing one E8M0 scale; also the K granularity of the MXFP4 kernels
 _GROUP: tl.constexpr = tl.constexpr(MXFP4_GROUP)  # the same, readable from inside @triton.jit code
+# The token counts (num_slots, num_m_blocks, max_blocks, num_chunks) change with every batch: marked
+# do_not_specialize, so a count of 1 or a multiple of 16 does not compile a variant of its own in the middle of
+# serving.
 
 
 # ---------------------------------------------------------------- routing
@@ -67,7 +70,68 @@ class MoEAlignment:
     num_slots: int
 
 
+# At most this many slots (tokens x top_k) are aligned by one program (decode, small prefills: one launch); more
+# are split over programs of ALIGN_CHUNK_ELEMS one-hot elements each (a long prefill: 32k slots at 8k tokens would
+# be a serial loop of a millisecond or more a layer on one SM).
+ONE_PROGRAM_MAX_SLOTS = 1024
+ALIGN_CHUNK_ELEMS = 8192  # slots x experts of one one-hot tile: keeps registers in check at E = 128 (64 slots)
+
+
 @triton.jit
+def _expert_onehot(topk_ids_ptr, offs, num_slots, num_experts, E_P2: tl.constexpr):
+    """[len(offs), E_P2] one-hot of the slots' experts; -1 (another EP rank's expert) and out-of-range ids and
+    slots past the end match no expert. Also the ids, -1 where none."""
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+    ids = tl.where(ids < num_experts, ids, -1)
+    return (ids[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32), ids
+
+
+@triton.jit
+def _write_runs(
+    counts,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_slots,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """From the slots per expert: each expert owns a run of sorted_token_ids padded to a multiple of BLOCK_M (an
+    empty expert's run is empty, so it gets no blocks); writes the used length, each block's expert and padding
+    everywhere in sorted_token_ids. Returns the runs' starts."""
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
+    # The expert of block b is the one whose run contains b * BLOCK_M, i.e. the number of runs that end at or
+    # before it (empty runs before it are counted too, which keeps the index right). Past the end: all runs.
+    for b0 in range(0, max_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+    # Every slot of the buffer starts as padding; the scatter then overwrites the real ones.
+    total_len = max_blocks * BLOCK_M
+    for p0 in range(0, total_len, FILL):
+        offs = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_slots, mask=offs < total_len)
+    return ends - padded
+
+
+@triton.jit
+def _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, offs, first, num_slots, num_experts, E_P2: tl.constexpr):
+    """Slot s of the chunk goes to `first` of its expert + the number of the chunk's earlier slots with the same
+    expert (stable order). Returns the chunk's slots per expert."""
+    onehot, ids = _expert_onehot(topk_ids_ptr, offs, num_slots, num_experts, E_P2)
+    before = tl.cumsum(onehot, axis=0) - onehot + first[None, :]
+    dest = tl.sum(onehot * before, axis=1)
+    tl.store(sorted_ids_ptr + dest, offs, mask=(offs < num_slots) & (ids >= 0))
+    return tl.sum(onehot, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_slots", "max_blocks"])
 def _moe_align_kernel(
     topk_ids_ptr,
     sorted_ids_ptr,
@@ -81,53 +145,80 @@ def _moe_align_kernel(
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    # A single program: at decode the whole job is a few hundred integer ops, and one launch beats a
-    # histogram/scan/scatter kernel chain. The work is O(num_slots * E) on one SM, tens of microseconds for a
-    # few thousand tokens at E = 128; a multi-program variant is the fix if long prefills show it in profiles.
-    experts = tl.arange(0, E_P2)
-
-    # 1. Slots per expert: one-hot rows summed over each chunk (deterministic, no atomics).
+    # A single program (up to ONE_PROGRAM_MAX_SLOTS): at decode the whole job is a few hundred integer ops, and
+    # one launch beats a count/offsets/scatter chain. One-hot rows summed over each chunk: deterministic, no atomics.
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for start in range(0, num_slots, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
-        ids = tl.where(ids < num_experts, ids, -1)  # -1 (another EP rank's expert) and out-of-range ids match no expert
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-
-    # 2. Each expert owns a run of sorted_token_ids padded to a multiple of BLOCK_M; an empty expert's run is
-    #    empty, so it gets no blocks.
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
-
-    # The expert of block b is the one whose run contains b * BLOCK_M, i.e. the number of runs that end at or
-    # before it (empty runs before it are counted too, which keeps the index right). Past the end: all runs.
-    for b0 in range(0, max_blocks, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
-
-    # 3. Every slot of the buffer starts as padding; step 4 overwrites the real ones.
-    total_len = max_blocks * BLOCK_M
-    for p0 in range(0, total_len, FILL):
-        offs = p0 + tl.arange(0, FILL)
-        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_slots, mask=offs < total_len)
-    tl.debug_barrier()  # step 4 rewrites some of those addresses from other threads of this program
-
-    # 4. Slot s goes to its expert's start + the number of earlier slots with the same expert (stable order).
+        onehot, _ = _expert_onehot(topk_ids_ptr, start + tl.arange(0, CHUNK), num_slots, num_experts, E_P2)
+        counts += tl.sum(onehot, axis=0)
+    starts = _write_runs(
+        counts, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, num_slots, num_experts, max_blocks,
+        BLOCK_M, CHUNK, FILL,
+    )  # fmt: skip
+    tl.debug_barrier()  # the scatter rewrites some of the padding's addresses from other threads of this program
     seen = tl.zeros([E_P2], dtype=tl.int32)
     for start in range(0, num_slots, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        valid = offs < num_slots
-        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-        ids = tl.where(ids < num_experts, ids, -1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot + (starts + seen)[None, :]
-        dest = tl.sum(onehot * before, axis=1)
-        tl.store(sorted_ids_ptr + dest, offs, mask=valid & (ids >= 0))
-        seen += tl.sum(onehot, axis=0)
+        seen += _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, offs, starts + seen, num_slots, num_experts, E_P2)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _moe_count_kernel(topk_ids_ptr, chunk_counts_ptr, num_slots, num_experts, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    # Program c: the slots per expert of chunk c, a row of chunk_counts [num_chunks, E_P2].
+    c = tl.program_id(0)
+    onehot, _ = _expert_onehot(topk_ids_ptr, c * CHUNK + tl.arange(0, CHUNK), num_slots, num_experts, E_P2)
+    tl.store(chunk_counts_ptr + c * E_P2 + tl.arange(0, E_P2), tl.sum(onehot, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_slots", "max_blocks", "num_chunks"])
+def _moe_runs_kernel(
+    chunk_counts_ptr,
+    chunk_first_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_slots,
+    num_experts,
+    max_blocks,
+    num_chunks,
+    BLOCK_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    # One program: the experts' runs from the chunks' counts, and chunk_first [num_chunks, E_P2], where each
+    # chunk's slots of each expert begin (the run's start + the earlier chunks' slots of that expert).
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for r0 in range(0, num_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        tile = tl.load(
+            chunk_counts_ptr + rows[:, None] * E_P2 + experts[None, :], mask=rows[:, None] < num_chunks, other=0
+        )
+        counts += tl.sum(tile, axis=0)
+    running = _write_runs(
+        counts, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, num_slots, num_experts, max_blocks,
+        BLOCK_M, CHUNK, FILL,
+    )  # fmt: skip
+    for r0 in range(0, num_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        at = rows[:, None] * E_P2 + experts[None, :]
+        tile = tl.load(chunk_counts_ptr + at, mask=rows[:, None] < num_chunks, other=0)
+        tl.store(
+            chunk_first_ptr + at, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=rows[:, None] < num_chunks
+        )
+        running += tl.sum(tile, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _moe_scatter_kernel(
+    topk_ids_ptr, chunk_first_ptr, sorted_ids_ptr, num_slots, num_experts, E_P2: tl.constexpr, CHUNK: tl.constexpr
+):
+    # Program c: chunk c's slots to their places (after _moe_runs_kernel wrote the padding: stream order).
+    c = tl.program_id(0)
+    first = tl.load(chunk_first_ptr + c * E_P2 + tl.arange(0, E_P2))
+    _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, c * CHUNK + tl.arange(0, CHUNK), first, num_slots, num_experts, E_P2)
 
 
 def max_num_blocks(num_slots: int, block_m: int, num_experts: int) -> int:
@@ -135,8 +226,11 @@ def max_num_blocks(num_slots: int, block_m: int, num_experts: int) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> MoEAlignment:
-    """Group the slots of topk_ids [T, k] by expert, padded per expert to block_m (see MoEAlignment)."""
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, one_program_max_slots: int = ONE_PROGRAM_MAX_SLOTS
+) -> MoEAlignment:
+    """Group the slots of topk_ids [T, k] by expert, padded per expert to block_m (see MoEAlignment).
+    Up to one_program_max_slots slots in one launch, more over programs of a chunk each (three launches)."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -146,22 +240,24 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     num_post_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     e_p2 = triton.next_power_of_2(num_experts)
-    # ~8K one-hot elements per step keeps registers in check at E = 128 (64 slots per step).
-    chunk = max(16, min(8192 // e_p2, triton.next_power_of_2(max(num_slots, max_blocks))))
-    _moe_align_kernel[(1,)](
-        ids,
-        sorted_ids,
-        expert_ids,
-        num_post_padded,
-        num_slots,
-        num_experts,
-        max_blocks,
-        BLOCK_M=block_m,
-        E_P2=e_p2,
-        CHUNK=chunk,
-        FILL=1024,
-        num_warps=4,
-    )
+    # One chunk size per expert count whatever the batch (a batch-dependent constexpr would compile per batch).
+    chunk = max(16, ALIGN_CHUNK_ELEMS // e_p2)
+    runs = (sorted_ids, expert_ids, num_post_padded)
+    if num_slots <= one_program_max_slots:
+        _moe_align_kernel[(1,)](
+            ids, *runs, num_slots, num_experts, max_blocks, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, FILL=1024,
+            num_warps=4,
+        )  # fmt: skip
+    else:
+        num_chunks = triton.cdiv(num_slots, chunk)
+        chunk_counts = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=ids.device)
+        chunk_first = torch.empty_like(chunk_counts)
+        _moe_count_kernel[(num_chunks,)](ids, chunk_counts, num_slots, num_experts, E_P2=e_p2, CHUNK=chunk)
+        _moe_runs_kernel[(1,)](
+            chunk_counts, chunk_first, *runs, num_slots, num_experts, max_blocks, num_chunks, BLOCK_M=block_m,
+            E_P2=e_p2, CHUNK=chunk, ROWS=max(1, ALIGN_CHUNK_ELEMS // e_p2 // 4), FILL=1024, num_warps=4,
+        )  # fmt: skip
+        _moe_scatter_kernel[(num_chunks,)](ids, chunk_first, sorted_ids, num_slots, num_experts, E_P2=e_p2, CHUNK=chunk)
     return MoEAlignment(sorted_ids, expert_ids, num_post_padded, block_m, num_slots)
 
 
@@ -249,7 +345,7 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 # ---------------------------------------------------------------- grouped GEMM
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,

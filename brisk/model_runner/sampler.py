@@ -244,7 +244,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled token ids [B] int64, left on the logits' device (no host synchronisation), and the raw
-        logprobs [B, V] when some row asked for them (`logprobs_output` turns them into host lists)."""
+        logprobs [B, V] when some row asked for them (LogprobTensors, then `logprobs_output` on the host)."""
         if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
             raise ValueError(
                 f"logits must have shape ({batch.batch_size}, {batch.vocab_size}), got {tuple(logits.shape)}"
@@ -267,10 +267,6 @@ class Sampler:
             if greedy_rows is not None and greedy_token_ids is not None:
                 token_ids = torch.where(greedy_rows, greedy_token_ids, token_ids)
         return token_ids, raw_logprobs
-
-    @staticmethod
-    def logprobs_output(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        return _with_logprobs(token_ids, raw_logprobs, batch)
 
 
 def _processes_logits(batch: SamplingBatch) -> bool:
@@ -435,21 +431,43 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in range(batch.batch_size)]
-    if batch.max_num_logprobs:
+@dataclass
+class LogprobTensors:
+    """Each row's raw logprob of its sampled token and its best alternatives, on the logits' device (copied to the
+    host where the step's outputs are built: no host synchronisation in the step)."""
+
+    sampled: torch.Tensor  # [B] float32
+    top_values: torch.Tensor | None  # [B, max_num_logprobs] best first; None when no row asked for alternatives
+    top_token_ids: torch.Tensor | None  # [B, max_num_logprobs]
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (self.sampled,) if self.top_values is None else (self.sampled, self.top_values, self.top_token_ids)
+
+    @classmethod
+    def of(cls, token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> LogprobTensors:
+        sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if not batch.max_num_logprobs:
+            return cls(sampled, None, None)
         top_values, top_token_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)  # sorted, best first
-        rows = zip(top_token_ids.tolist(), top_values.tolist(), batch.num_logprobs)
+        return cls(sampled, top_values, top_token_ids)
+
+
+def logprobs_output(
+    token_ids: list[int], host: tuple[torch.Tensor, ...], num_logprobs: list[int | None]
+) -> SamplerOutput:
+    """A SamplerOutput from the tokens and LogprobTensors.as_tuple() on the host."""
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    if len(host) == 3:
+        rows = zip(host[2].tolist(), host[1].tolist(), num_logprobs)
         for row, (token_ids_by_rank, values, count) in enumerate(rows):
             if count:
                 top_logprobs[row] = list(zip(token_ids_by_rank[:count], values[:count]))
-    return SamplerOutput(
-        token_ids=token_ids.tolist(),
-        logprobs=sampled_logprobs.tolist(),
-        top_logprobs=top_logprobs,
-        num_logprobs=batch.num_logprobs,
-    )
+    return SamplerOutput(token_ids, host[0].tolist(), top_logprobs, num_logprobs)
+
+
+def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    tensors = LogprobTensors.of(token_ids, raw_logprobs, batch)
+    return logprobs_output(token_ids.tolist(), tuple(t.cpu() for t in tensors.as_tuple()), batch.num_logprobs)
 
 
 def _token_occurrences(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

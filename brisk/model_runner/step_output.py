@@ -3,9 +3,9 @@ of `ModelRunnerOutput`s, for plain and speculative steps alike.
 
 Sharing (`share_packed`): under TP rank 0 sampled and broadcasts its rows; under attention DP every rank sampled
 its own and they gather them all. What rank 0 reports beyond the tokens (logprobs, drafts, prompt logprobs) comes
-as `RankExtras`, one per attention-DP rank. The tokens stay on the device until `StepResult.result()` (or, with
-speculation, the drafter) takes them to the host, through `HostRows` (on a GPU an asynchronous copy started when
-the step is launched, so the wait is for that step only).
+as `RankExtras`, one per attention-DP rank. The tokens (and a sampling step's logprobs) stay on the device until
+`StepResult.result()` (or, with speculation, the drafter) takes them to the host, through `HostRows` (on a GPU an
+asynchronous copy started when the step is launched, so the wait is for that step only).
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import torch.distributed as dist
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows
+from brisk.host import HostCopy
 from brisk.model_runner.input_batch import RequestState
-from brisk.model_runner.sampling_stage import RowLogprobs
+from brisk.model_runner.sampling_stage import PendingLogprobs, RowLogprobs, logprob_rows
 from brisk.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 
 
 class RankExtras(NamedTuple):
     """What one attention-DP rank reports of a step beside its packed rows."""
 
-    logprobs: list[RowLogprobs] | None  # per sampled request, when some asked
+    logprobs: list[RowLogprobs] | PendingLogprobs | None  # per sampled request, when some asked
     drafts: list[list[int]] | None  # speculation: per sampled request, its drafts for the next step
     prompt_logprobs: dict[str, PromptLogprobs] | None
 
@@ -76,40 +77,24 @@ def rows_of_rank(host: list[list[int]], scheds: list[SchedulerOutput], dp_rank: 
 
 
 class HostRows:
-    """The packed rows' one copy to the host, started where the packed tensor is final (after the runner's
-    last_sampled write). On a GPU the copy goes at once, asynchronously, into a pinned host buffer of its own (a fresh
-    one per step: the next step's copy can never overwrite this one's unread rows), an event behind it; `tolist()`
-    waits for that event alone, so the host waits for this step's kernels, not for those of the step launched after
-    it (a `.tolist()` of the device tensor would queue behind them all and undo overlap scheduling). On a CPU (or with
-    no rows) the tensor itself, read when asked."""
+    """The packed rows' one copy to the host (brisk.host.HostCopy), started where the packed tensor is final
+    (after the runner's last_sampled write); read as lists once."""
 
-    def __init__(self, source: torch.Tensor | None, event: torch.cuda.Event | None = None) -> None:
-        """source: the rows on the host, or being copied there until `event` (None: nothing to wait for)."""
-        self._source = source
-        self._event = event
+    def __init__(self, copy: HostCopy | None) -> None:
+        """copy: the rows' copy to the host (None: no rows)."""
+        self._copy = copy
         self._rows: list[list[int]] | None = None
 
     @classmethod
     def start(cls, packed: torch.Tensor | None) -> HostRows:
-        """Start the copy of the final `packed` rows (on the device) to the host."""
-        if packed is None or not packed.is_cuda:
-            return cls(packed)  # a CPU: read when asked, nothing pinned (pinning needs CUDA)
-        buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        buffer.copy_(packed, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()  # on the current stream: the one that computed `packed` and copies it
-        return cls(buffer, event)
+        """Start the copy of the final `packed` rows to the host."""
+        return cls(None if packed is None else HostCopy.start(packed))
 
     def tolist(self) -> list[list[int]]:
         """The rows on the host (waits for the copy, once)."""
         if self._rows is None:
-            if self._source is None:
-                self._rows = []
-            else:
-                if self._event is not None:
-                    self._event.synchronize()
-                self._rows = self._source.tolist()
-                self._source = self._event = None  # the buffer goes back to the pinned allocator
+            self._rows = [] if self._copy is None else self._copy.get()[0].tolist()
+            self._copy = None  # the buffer goes back to the pinned allocator
         return self._rows
 
 
@@ -184,6 +169,7 @@ def runner_output(
     """One DP rank's ModelRunnerOutput from its packed rows (in sampled order) and extras."""
     k = max_draft_len
     logprobs, drafts, prompt_logprobs = extras
+    logprobs = logprob_rows(logprobs)
     prompt = prompt_logprobs or None
     if logprobs is None and not any([row[-1] for row in rows]):  # the common step: no failure, no logprobs
         tokens = [[row[0]] for row in rows] if k == 0 else [row[: row[k + 1]] for row in rows]
