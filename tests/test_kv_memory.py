@@ -21,6 +21,7 @@ from brisk.model_runner.memory import (
     available_host_memory,
     blocks_for_one_request,
     measure_profile_run,
+    out_of_memory_as,
     plan_kv_cache,
     profile_batch_shape,
 )
@@ -271,3 +272,16 @@ def test_most_useful_blocks_holds_a_full_batch_and_counts_sliding_windows_once(b
     assert sliding <= full + batch
     if (batch, max_num_tokens, max_seq_len) == (4, 8192, 4096):
         assert (full, sliding) == (512, 280)  # gpt-oss-20b served at batch 4: 232 blocks (0.18 GB) fewer
+
+
+def test_a_graph_capture_that_runs_out_of_memory_is_a_start_up_error():
+    class OutOfMemoryError(RuntimeError):  # what torch.cuda raises, by name
+        pass
+
+    with pytest.raises(InsufficientKVMemoryError, match="kv_cache_free_gpu_memory_fraction") as err:
+        with out_of_memory_as(lambda: "capturing CUDA graphs ran out: lower kv_cache_free_gpu_memory_fraction"):
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+    assert isinstance(err.value.__cause__, OutOfMemoryError)
+    with pytest.raises(KeyError):  # any other error passes unchanged
+        with out_of_memory_as(lambda: "advice"):
+            raise KeyError("bug")

@@ -39,6 +39,7 @@ from brisk.config import CudaGraphConfig, EngineConfig
 from brisk.host import to_device
 from brisk.layers.attention import AttentionBackend, AttentionMetadata
 from brisk.model_runner.layout import StepBatch
+from brisk.model_runner.memory import out_of_memory_as
 from brisk.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -263,18 +264,25 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         shapes = self.graph_shapes()
-        for size, t in shapes:
-            args = self.capture_args(size, t)
-            meta = args[2]
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: autotuning, lazy allocations, workspace sizes
-                    model(*args)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                hidden = model(*args)
-            self.captured[size, t] = CapturedGraph(graph, hidden, aux_hidden_states(model), meta)
+        advice = (
+            f"capturing CUDA graphs of batch sizes {self.sizes} ran out of GPU memory left beside the KV pool "
+            f"({free_before / 2**30:.2f} GiB free before the first capture): lower kv_cache_free_gpu_memory_fraction "
+            "(vLLM: --gpu-memory-utilization), capture fewer or smaller sizes (cuda_graph_config.batch_sizes, "
+            "max_batch_size), or run without graphs (cuda_graph_config: null; vLLM: --enforce-eager)"
+        )
+        with out_of_memory_as(lambda: advice):
+            for size, t in shapes:
+                args = self.capture_args(size, t)
+                meta = args[2]
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up: autotuning, lazy allocations, workspace sizes
+                        model(*args)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    hidden = model(*args)
+                self.captured[size, t] = CapturedGraph(graph, hidden, aux_hidden_states(model), meta)
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
         logger.info(

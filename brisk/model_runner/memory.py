@@ -11,7 +11,8 @@ estimated. The KV pool then gets `kv_cache_free_gpu_memory_fraction` of what is 
 
 CUDA graphs are captured after the pool is allocated (a graph holds the pool's addresses), so their memory comes out
 of the share the fraction leaves: `graphs` is 0 in what start-up measures, and is there for plans made with a
-known figure (tests, estimates).
+known figure (tests, estimates). A capture that finds too little left is a start-up error naming the settings to
+change (cuda_graph.py), and the memory the graphs took is logged.
 
 Too little memory for one request of `max_seq_len` is a start-up error naming the settings to change, never an
 out-of-memory error in the middle of a request. The arithmetic (`plan_kv_cache`) is separate from the measuring
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +135,18 @@ def plan_kv_cache(
     return KVCachePlan(measured, fraction, kv_bytes, bytes_per_block, block_size, num_blocks, tuple(groups))
 
 
+@contextmanager
+def out_of_memory_as(advice: Callable[[], str]) -> Iterator[None]:
+    """A CUDA out-of-memory error in the block becomes a start-up error saying what to change (`advice()`, asked
+    then); any other error passes unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, by name: no torch import here
+            raise
+        raise InsufficientKVMemoryError(advice()) from exc
+
+
 def measure_profile_run(
     device: Any,
     weights: int,
@@ -149,18 +163,18 @@ def measure_profile_run(
     cuda.synchronize(device)
     cuda.reset_peak_memory_stats(device)
     before = cuda.memory_allocated(device)
-    try:
-        profile_step()
-        cuda.synchronize(device)
-    except Exception as exc:
-        if type(exc).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
-            raise
-        _, total = cuda.mem_get_info(device)
-        raise InsufficientKVMemoryError(
+
+    def advice() -> str:
+        total = cuda.mem_get_info(device)[1]
+        return (
             f"the profiling step (one forward pass of max_num_tokens tokens over up to max_batch_size sequences) ran "
             f"out of GPU memory: the weights take {weights / GIB:.2f} of {total / GIB:.2f} GiB. Lower max_num_tokens "
             f"or max_batch_size, or split the model over more GPUs (tp_size)"
-        ) from exc
+        )
+
+    with out_of_memory_as(advice):
+        profile_step()
+        cuda.synchronize(device)
     activations = cuda.max_memory_allocated(device) - before
     cuda.empty_cache()
     free, total = cuda.mem_get_info(device)
