@@ -441,7 +441,9 @@ class LogprobTensors:
     top_token_ids: torch.Tensor | None  # [B, max_num_logprobs]
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (self.sampled,) if self.top_values is None else (self.sampled, self.top_values, self.top_token_ids)
+        if self.top_values is None or self.top_token_ids is None:
+            return (self.sampled,)
+        return (self.sampled, self.top_values, self.top_token_ids)
 
     @classmethod
     def of(cls, token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: SamplingBatch) -> LogprobTensors:
