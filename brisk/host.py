@@ -9,14 +9,17 @@ import ctypes
 import gc
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from brisk.errors import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+T = TypeVar("T")
 
 # brisk's CPU kernels (brisk/kernels/cpu_kernels.c) are built for one of these instruction sets, best first, and
 # need these /proc/cpuinfo flags for it; on any other CPU (or with no C compiler) the PyTorch ops run.
@@ -175,3 +178,20 @@ class HostCopy:
             self._event.synchronize()
             self._event = None
         return self._tensors
+
+
+class HostResult(Generic[T]):
+    """Something a step reports that is built on the host from device tensors (a step's logprobs): their copy
+    (HostCopy) started in the step, the build done where the step's outputs are read, once. On a GPU the step
+    never waits for its own kernels, so overlap scheduling holds."""
+
+    def __init__(self, copy: HostCopy, build: Callable[..., T]) -> None:
+        """build: called with the copied tensors, on the host."""
+        self._copy = copy
+        self._build = build
+        self._built: tuple[T] | None = None
+
+    def get(self) -> T:
+        if self._built is None:
+            self._built = (self._build(*self._copy.get()),)
+        return self._built[0]

@@ -179,21 +179,26 @@ def test_padding_rows_never_write_a_requests_blocks(model):
         torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=1e-5)
 
 
-def test_overlap_reads_a_steps_logprobs_after_launching_the_next(model, monkeypatch):
-    # A sampling step's logprobs come to the host by their own copy, read where the step's outputs are built: with
-    # overlap that is after the next step is launched (on a GPU, reading them inside the step would make the host
-    # wait for it before queuing the next one).
+@pytest.mark.parametrize("asked", ["logprobs", "prompt_logprobs"])
+def test_overlap_reads_a_steps_logprobs_after_launching_the_next(model, monkeypatch, asked):
+    # A step's logprobs (and prompt logprobs) come to the host by their own copy, read where the step's outputs are
+    # built: with overlap that is after the next step is launched (on a GPU, reading them inside the step would make
+    # the host wait for it before queuing the next one).
+    from brisk.host import HostResult
     from brisk.model_runner.runner import ModelRunner
-    from brisk.model_runner.sampling_stage import PendingLogprobs
 
     events: list[str] = []
-    launch, read = ModelRunner.execute_model, PendingLogprobs.rows
+    launch, read = ModelRunner.execute_model, HostResult.get
     monkeypatch.setattr(ModelRunner, "execute_model", lambda self, s: (events.append("launch"), launch(self, s))[1])
-    monkeypatch.setattr(PendingLogprobs, "rows", lambda self: (events.append("read"), read(self))[1])
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    monkeypatch.setattr(HostResult, "get", lambda self: (events.append("read"), read(self))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, **{asked: 2})
     with LLM(model, **_options(model, True, None)) as llm:
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)[0].outputs[0]
-    assert len(out.logprobs) == 6 and events.count("read") == 6
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)[0]
+    if asked == "logprobs":
+        assert len(out.outputs[0].logprobs) == 6 and events.count("read") == 6
+    else:  # the one prefill step's: three prompt tokens after the first, each with its top 2
+        assert len(out.prompt_logprobs) == 4 and all(len(lp) >= 2 for lp in out.prompt_logprobs[1:])
+        assert events.count("read") == 1
     reads = [i for i, e in enumerate(events) if e == "read"]
-    for n, at in enumerate(reads[:-1]):  # step n's logprobs (n from 0) after step n + 1 was launched
-        assert events[:at].count("launch") >= n + 2, events
+    for n, at in enumerate(reads[:-1] if asked == "logprobs" else reads):
+        assert events[:at].count("launch") >= n + 2, events  # step n's (from 0) after step n + 1 was launched

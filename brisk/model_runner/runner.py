@@ -31,7 +31,7 @@ from brisk.model_runner.kv_tensors import KVTensorLayout, allocate_kv_cache, kv_
 from brisk.model_runner.layout import StepBatch, lay_out_step
 from brisk.model_runner.prompt_logprobs import prompt_logprobs
 from brisk.model_runner.sampler import needs_history
-from brisk.model_runner.sampling_stage import SamplingStage, logprob_rows
+from brisk.model_runner.sampling_stage import SamplingStage
 from brisk.model_runner.startup import StartupTimes
 from brisk.model_runner.step_output import (
     HostRows,
@@ -205,7 +205,7 @@ class ModelRunner:
         if self.drafter is None and not any(s.needs_logprobs or s.needs_prompt_logprobs for s in scheds):
             return [RankExtras(None, None, None)] * p.dp_size if p.rank == 0 else None
         gathered: list | None = [None] * p.dp_size if p.rank == 0 else None
-        mine = mine._replace(logprobs=logprob_rows(mine.logprobs))  # objects gathered are host lists
+        mine = RankExtras(*mine.on_host())  # objects gathered are host objects
         dist.gather_object(mine, gathered, dst=0, group=self.cpu_group)
         return [RankExtras(*e) for e in gathered] if gathered is not None else None
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from brisk.host import HostCopy
+from brisk.host import HostCopy, HostResult
 from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.model_runner.input_batch import InputBatch, RequestState
 from brisk.model_runner.layout import StepBatch
@@ -40,32 +40,13 @@ from brisk.structured.matcher import GrammarBitmaskApplier
 RowLogprobs = list[TokenLogprobs] | None  # a sampled request's logprobs, one per output token (None: not asked)
 
 
-class PendingLogprobs:
-    """A sampling step's logprobs, their copy to the host started in the step (on a GPU asynchronously: reading
-    them waits for this step's kernels only, and overlap scheduling holds); per-request lists when read."""
-
-    def __init__(self, copy: HostCopy, num_logprobs: list[int | None]) -> None:
-        """copy: HostCopy of the sampled tokens and LogprobTensors.as_tuple()."""
-        self._copy = copy
-        self._num_logprobs = num_logprobs
-
-    def rows(self) -> list[RowLogprobs]:
-        token_ids, *host = self._copy.get()
-        return _per_request(logprobs_output(token_ids.tolist(), tuple(host), self._num_logprobs))
-
-
-def logprob_rows(logprobs: list[RowLogprobs] | PendingLogprobs | None) -> list[RowLogprobs] | None:
-    """Per-request logprobs on the host (a pending copy waited for)."""
-    return logprobs.rows() if isinstance(logprobs, PendingLogprobs) else logprobs
-
-
 @dataclass
 class Picked:
     """What this rank's sampled requests produced (in the scheduler's sampled order)."""
 
     packed: torch.Tensor  # [n, k + 3] int64, on the device: see the module's docstring
     # per request, when some asked for logprobs: pending (a sampling step) or on the host (a verification)
-    logprobs: list[RowLogprobs] | PendingLogprobs | None
+    logprobs: list[RowLogprobs] | HostResult[list[RowLogprobs]] | None
 
 
 class SamplingStage:
@@ -130,7 +111,12 @@ class SamplingStage:
         if raw_logprobs is None:
             return Picked(packed, None)
         tensors = LogprobTensors.of(token_ids, raw_logprobs, sampling)
-        return Picked(packed, PendingLogprobs(HostCopy.start(token_ids, *tensors.as_tuple()), sampling.num_logprobs))
+        num_logprobs = sampling.num_logprobs
+
+        def rows(token_ids: torch.Tensor, *host: torch.Tensor) -> list[RowLogprobs]:
+            return _per_request(logprobs_output(token_ids.tolist(), host, num_logprobs))
+
+        return Picked(packed, HostResult(HostCopy.start(token_ids, *tensors.as_tuple()), rows))
 
     def _sampling_batch(self, step: StepBatch, batch: InputBatch, vocab_size: int) -> SamplingBatch:
         """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order

@@ -3,7 +3,7 @@ of `ModelRunnerOutput`s, for plain and speculative steps alike.
 
 Sharing (`share_packed`): under TP rank 0 sampled and broadcasts its rows; under attention DP every rank sampled
 its own and they gather them all. What rank 0 reports beyond the tokens (logprobs, drafts, prompt logprobs) comes
-as `RankExtras`, one per attention-DP rank. The tokens (and a sampling step's logprobs) stay on the device until
+as `RankExtras`, one per attention-DP rank. The tokens (and the logprobs of a sampling step, prompt logprobs) stay on the device until
 `StepResult.result()` (or, with speculation, the drafter) takes them to the host, through `HostRows` (on a GPU an
 asynchronous copy started when the step is launched, so the wait is for that step only).
 """
@@ -17,18 +17,30 @@ import torch.distributed as dist
 
 from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows
-from brisk.host import HostCopy
+from brisk.host import HostCopy, HostResult
 from brisk.model_runner.input_batch import RequestState
-from brisk.model_runner.sampling_stage import PendingLogprobs, RowLogprobs, logprob_rows
+from brisk.model_runner.sampling_stage import RowLogprobs
 from brisk.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 
 
 class RankExtras(NamedTuple):
     """What one attention-DP rank reports of a step beside its packed rows."""
 
-    logprobs: list[RowLogprobs] | PendingLogprobs | None  # per sampled request, when some asked
+    # Logprobs and prompt logprobs: on the host, or their copy there started in the step (HostResult)
+    logprobs: list[RowLogprobs] | HostResult[list[RowLogprobs]] | None  # per sampled request, when some asked
     drafts: list[list[int]] | None  # speculation: per sampled request, its drafts for the next step
-    prompt_logprobs: dict[str, PromptLogprobs] | None
+    prompt_logprobs: dict[str, PromptLogprobs] | HostResult[dict[str, PromptLogprobs]] | None
+
+    def on_host(
+        self,
+    ) -> tuple[list[RowLogprobs] | None, list[list[int]] | None, dict[str, PromptLogprobs] | None]:
+        """The same parts, each on the host (waits for the copies)."""
+        logprobs, prompt = self.logprobs, self.prompt_logprobs
+        return (
+            logprobs.get() if isinstance(logprobs, HostResult) else logprobs,
+            self.drafts,
+            prompt.get() if isinstance(prompt, HostResult) else prompt,
+        )
 
 
 def share_packed(
@@ -168,8 +180,7 @@ def runner_output(
 ) -> ModelRunnerOutput:
     """One DP rank's ModelRunnerOutput from its packed rows (in sampled order) and extras."""
     k = max_draft_len
-    logprobs, drafts, prompt_logprobs = extras
-    logprobs = logprob_rows(logprobs)
+    logprobs, drafts, prompt_logprobs = extras.on_host()
     prompt = prompt_logprobs or None
     if logprobs is None and not any([row[-1] for row in rows]):  # the common step: no failure, no logprobs
         tokens = [[row[0]] for row in rows] if k == 0 else [row[: row[k + 1]] for row in rows]
