@@ -81,21 +81,33 @@ def test_overlap_and_graphs_generate_what_plain_eager_steps_do(tmp_path):
     rng = random.Random(11)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(8)]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(8)]
+    # Logprobs and prompt logprobs come to the host by their own copy, read after the next step is launched.
+    params[1] = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2)
+    params[2] = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
     runs = {
         "plain": dict(disable_overlap_scheduler=True, cuda_graph_config=None),
         "overlap": dict(disable_overlap_scheduler=False, cuda_graph_config=None),
         "overlap+graphs": dict(disable_overlap_scheduler=False, cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}),
     }
-    outputs = {}
+    outputs, logprobs = {}, {}
     for name, options in runs.items():
         llm = LLM(path, device="cuda", dtype="float32", max_batch_size=8, **options)
-        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        results = llm.generate(prompts, params)
+        outputs[name] = [o.outputs[0].token_ids for o in results]
+        sampled = [(t, d[t]) for t, d in zip(results[1].outputs[0].token_ids, results[1].outputs[0].logprobs or [])]
+        prompt = [(t, d[t].logprob) for t, d in zip(prompts[2]["prompt_token_ids"][1:], results[2].prompt_logprobs[1:])]
+        logprobs[name] = sampled + prompt
         assert llm.engine.kv.pool.num_used == 0
         del llm
         torch.cuda.empty_cache()
     assert [len(t) for t in outputs["plain"]] == [4 + 3 * i for i in range(8)]
     assert outputs["overlap"] == outputs["plain"]
     assert outputs["overlap+graphs"] == outputs["plain"]
+    n = 7 + len(prompts[2]["prompt_token_ids"]) - 1
+    for name in ("overlap", "overlap+graphs"):  # the same tokens; values to fp32 rounding (other batch shapes)
+        assert len(logprobs[name]) == len(logprobs["plain"]) == n
+        assert [t for t, _ in logprobs[name]] == [t for t, _ in logprobs["plain"]]
+        assert [v for _, v in logprobs[name]] == pytest.approx([v for _, v in logprobs["plain"]], abs=1e-4)
 
 
 def test_structured_outputs_on_cuda_logits_hold_the_constraints(tmp_path):
