@@ -181,17 +181,16 @@ class HostCopy:
 
 
 class HostResult(Generic[T]):
-    """Something a step reports that is built on the host from device tensors (a step's logprobs): their copy
-    (HostCopy) started in the step, the build done where the step's outputs are read, once. On a GPU the step
+    """Something a step reports that is built on the host from device tensors (its packed rows, logprobs): their
+    copy (HostCopy) started in the step, the build done where the step's outputs are read, once. On a GPU the step
     never waits for its own kernels, so overlap scheduling holds."""
 
     def __init__(self, copy: HostCopy, build: Callable[..., T]) -> None:
         """build: called with the copied tensors, on the host."""
-        self._copy = copy
+        self._state: HostCopy | tuple[T] = copy  # the copy until built, then the value (the buffers released)
         self._build = build
-        self._built: tuple[T] | None = None
 
     def get(self) -> T:
-        if self._built is None:
-            self._built = (self._build(*self._copy.get()),)
-        return self._built[0]
+        if isinstance(self._state, HostCopy):
+            self._state = (self._build(*self._state.get()),)
+        return self._state[0]

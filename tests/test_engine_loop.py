@@ -186,11 +186,18 @@ def test_overlap_reads_a_steps_logprobs_after_launching_the_next(model, monkeypa
     # the host wait for it before queuing the next one).
     from brisk.host import HostResult
     from brisk.model_runner.runner import ModelRunner
+    from brisk.model_runner.step_output import packed_rows
 
     events: list[str] = []
     launch, read = ModelRunner.execute_model, HostResult.get
     monkeypatch.setattr(ModelRunner, "execute_model", lambda self, s: (events.append("launch"), launch(self, s))[1])
-    monkeypatch.setattr(HostResult, "get", lambda self: (events.append("read"), read(self))[1])
+
+    def get(self):  # reads of logprobs, not of the packed rows (built by packed_rows)
+        if self._build is not packed_rows:
+            events.append("read")
+        return read(self)
+
+    monkeypatch.setattr(HostResult, "get", get)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, **{asked: 2})
     with LLM(model, **_options(model, True, None)) as llm:
         out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)[0]

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 import brisk
 from brisk import LLM, SamplingParams
-from brisk.host import HostCopy
+from brisk.host import HostCopy, HostResult
 from brisk.layers.attention import TorchAttentionBackend
 from brisk.layers.attention_triton import TritonAttentionBackend
 from brisk.layers.moe import TorchMoEBackend
@@ -41,7 +41,7 @@ from brisk.layers.moe_triton import TritonMoEBackend
 from brisk.model_runner import setup
 from brisk.model_runner.binding import Kernels
 from brisk.model_runner.cuda_graph import DecodeGraphs, aux_hidden_states
-from brisk.model_runner.step_output import HostRows
+from brisk.model_runner.step_output import host_rows, packed_rows
 from brisk.models.registry import BriskModel
 from tests.test_spec_graphs import record_static_steps
 from tests.tiny_models import make_tiny_model
@@ -272,15 +272,16 @@ def test_a_steps_host_rows_wait_for_its_own_copy_once():
     buffers = [torch.full_like(step_n, -1), torch.full_like(step_n1, -1)]
     events = [_CopyInFlight(buffers[0], step_n), _CopyInFlight(buffers[1], step_n1)]
     # N+1 launched before N is read
-    rows_n, rows_n1 = HostRows(HostCopy((buffers[0],), events[0])), HostRows(HostCopy((buffers[1],), events[1]))
-    assert rows_n.tolist() == [[5, 0], [7, 1]] and events[0].waits == 1 and events[1].waits == 0
-    assert rows_n.tolist() == [[5, 0], [7, 1]] and events[0].waits == 1  # read once
-    assert rows_n1.tolist() == [[9, 0]] and events[1].waits == 1
+    rows_n = HostResult(HostCopy((buffers[0],), events[0]), packed_rows)
+    rows_n1 = HostResult(HostCopy((buffers[1],), events[1]), packed_rows)
+    assert rows_n.get() == [[5, 0], [7, 1]] and events[0].waits == 1 and events[1].waits == 0
+    assert rows_n.get() == [[5, 0], [7, 1]] and events[0].waits == 1  # read once
+    assert rows_n1.get() == [[9, 0]] and events[1].waits == 1
 
 
 def test_host_rows_on_the_cpu_are_the_packed_tensor_read_when_asked():
     packed = torch.tensor([[3, 0], [4, 0]])
-    rows = HostRows.start(packed)  # no pinned buffer, no event: pinning needs CUDA
+    rows = host_rows(packed)  # no pinned buffer, no event: pinning needs CUDA
     packed[1, 0] = 6
-    assert rows.tolist() == [[3, 0], [6, 0]]
-    assert HostRows.start(None).tolist() == []
+    assert rows.get() == [[3, 0], [6, 0]]
+    assert host_rows(None).get() == []

@@ -34,9 +34,9 @@ from brisk.model_runner.sampler import needs_history
 from brisk.model_runner.sampling_stage import SamplingStage
 from brisk.model_runner.startup import StartupTimes
 from brisk.model_runner.step_output import (
-    HostRows,
     RankExtras,
     StepResult,
+    host_rows,
     last_tokens,
     rows_of_rank,
     share_packed,
@@ -182,10 +182,10 @@ class ModelRunner:
                 mine = packed[offset : offset + step.num_sampled]
             self.batch.last_sampled[step.sample_rows_tensor] = last_tokens(mine, self.k)
         # The packed rows are final: on a GPU their copy to the host starts now, behind this step's kernels only.
-        rows = HostRows.start(packed)
+        rows = host_rows(packed)
         host, drafts = None, None
         if self.drafter is not None:
-            host = rows.tolist()  # the step's host sync: the drafter needs the tokens
+            host = rows.get()  # the step's host sync: the drafter needs the tokens
             mine_rows = rows_of_rank(host, scheds, p.dp_rank)
             drafts = []
             if mine_rows or self.drafter.needs_every_step:  # it records the tokens (history too) and rolls back

@@ -3,9 +3,10 @@ of `ModelRunnerOutput`s, for plain and speculative steps alike.
 
 Sharing (`share_packed`): under TP rank 0 sampled and broadcasts its rows; under attention DP every rank sampled
 its own and they gather them all. What rank 0 reports beyond the tokens (logprobs, drafts, prompt logprobs) comes
-as `RankExtras`, one per attention-DP rank. The tokens (and the logprobs of a sampling step, prompt logprobs) stay on the device until
-`StepResult.result()` (or, with speculation, the drafter) takes them to the host, through `HostRows` (on a GPU an
-asynchronous copy started when the step is launched, so the wait is for that step only).
+as `RankExtras`, one per attention-DP rank. The tokens (and a sampling step's logprobs, prompt logprobs) stay on
+the device until `StepResult.result()` (or, with speculation, the drafter) takes them to the host, through
+`host_rows` (brisk.host.HostResult: on a GPU an asynchronous copy started when the step is launched, so the wait is
+for that step only).
 """
 
 from __future__ import annotations
@@ -88,26 +89,15 @@ def rows_of_rank(host: list[list[int]], scheds: list[SchedulerOutput], dp_rank: 
     return host[offset : offset + scheds[dp_rank].num_sampled_requests]
 
 
-class HostRows:
-    """The packed rows' one copy to the host (brisk.host.HostCopy), started where the packed tensor is final
-    (after the runner's last_sampled write); read as lists once."""
+def packed_rows(*packed: torch.Tensor) -> list[list[int]]:
+    """The packed rows as host lists (no tensor: no rows)."""
+    return packed[0].tolist() if packed else []
 
-    def __init__(self, copy: HostCopy | None) -> None:
-        """copy: the rows' copy to the host (None: no rows)."""
-        self._copy = copy
-        self._rows: list[list[int]] | None = None
 
-    @classmethod
-    def start(cls, packed: torch.Tensor | None) -> HostRows:
-        """Start the copy of the final `packed` rows to the host."""
-        return cls(None if packed is None else HostCopy.start(packed))
-
-    def tolist(self) -> list[list[int]]:
-        """The rows on the host (waits for the copy, once)."""
-        if self._rows is None:
-            self._rows = [] if self._copy is None else self._copy.get()[0].tolist()
-            self._copy = None  # the buffer goes back to the pinned allocator
-        return self._rows
+def host_rows(packed: torch.Tensor | None) -> HostResult[list[list[int]]]:
+    """The packed rows' one copy to the host, started where the packed tensor is final (after the runner's
+    last_sampled write); read as lists once."""
+    return HostResult(HostCopy.start(*(() if packed is None else (packed,))), packed_rows)
 
 
 class StepResult:
@@ -117,7 +107,7 @@ class StepResult:
     def __init__(
         self,
         scheds: list[SchedulerOutput],
-        packed: HostRows,
+        packed: HostResult[list[list[int]]],
         max_draft_len: int,
         dp_rank: int,
         extras: list[RankExtras] | None,
@@ -141,7 +131,7 @@ class StepResult:
     def to_host(self) -> list[list[int]]:
         """The packed rows on the host (the step's host synchronisation, done once)."""
         if self._host is None:
-            self._host = self._packed.tolist()
+            self._host = self._packed.get()
         return self._host
 
     def record_history(self) -> None:
