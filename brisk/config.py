@@ -15,15 +15,15 @@ import argparse
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator, model_validator
 
 from brisk.errors import ConfigError
-from brisk.host import check_cpu_kernels_choice, cpu_has_native_bf16
+from brisk.host import check_cpu_kernels_choice
 from brisk.kv_cache.config import DEFAULT_RETENTION_PRIORITY, KvCacheConfig
+from brisk.model_config import ModelConfig, read_generation_config, sampling_defaults
 from brisk.options import Alias, OptionError, OptionModel, OptionTable, human_int, only_values, option, parse_human_int
 from brisk.peer_options import PEER_OPTIONS
 from brisk.spec_decode.config import SpeculativeConfig
@@ -1150,7 +1150,7 @@ def generation_defaults(config: EngineConfig, model_config: ModelConfig) -> dict
         return {}
     if not os.path.isfile(os.path.join(config.generation_config, "generation_config.json")):
         raise ConfigError(f"--generation-config {config.generation_config}: no generation_config.json there")
-    return _generation_defaults(_read_generation_config(config.generation_config))
+    return sampling_defaults(read_generation_config(config.generation_config))
 
 
 def load_chat_template(config: EngineConfig) -> str | None:
@@ -1207,151 +1207,6 @@ def load_yaml_options(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"options file {path} must hold a mapping of option names to values")
     return data
-
-
-@dataclass
-class ModelConfig:
-    """What the engine needs to know about a model, read from its HF `config.json`."""
-
-    path: str
-    hf_config: Any  # transformers.PretrainedConfig
-    architecture: str
-    dtype: Any  # torch.dtype
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    layer_types: list[str]  # "full_attention" | "sliding_attention" per layer
-    sliding_window: int | None
-    eos_token_ids: list[int]
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def text_config(self) -> Any:
-        return hf_text_config(self.hf_config)
-
-    @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "auto", device_type: str = "cpu") -> ModelConfig:
-        import torch
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(path)
-        archs = getattr(hf, "architectures", None) or []
-        if not archs:
-            raise ConfigError(f"{path}/config.json names no 'architectures'")
-        text = hf_text_config(hf)
-        n_layers = text.num_hidden_layers
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        window = getattr(text, "sliding_window", None)
-        layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * n_layers)
-        if window is None:
-            layer_types = ["full_attention"] * n_layers
-        gen = _read_generation_config(path)
-        eos = gen.get("eos_token_id", getattr(text, "eos_token_id", None))
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(
-            path=path,
-            hf_config=hf,
-            architecture=archs[0],
-            dtype=_resolve_dtype(dtype, hf, device_type, torch),
-            num_layers=n_layers,
-            hidden_size=text.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            vocab_size=text.vocab_size,
-            max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
-            layer_types=layer_types,
-            sliding_window=window if "sliding_attention" in layer_types else None,
-            eos_token_ids=eos_ids,
-            generation_defaults=_generation_defaults(gen),
-        )
-
-
-def hf_text_config(hf: Any) -> Any:
-    """The text model's part of a Hugging Face config (a multimodal config nests it; a text-only one is it)."""
-    get_text_config = getattr(hf, "get_text_config", None)
-    return get_text_config() if get_text_config is not None else hf
-
-
-def _read_generation_config(path: str) -> dict[str, Any]:
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(file):
-        return {}
-    with open(file) as f:
-        return json.load(f)
-
-
-def _generation_defaults(gen: dict[str, Any]) -> dict[str, Any]:
-    return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
-
-
-CPU_BF16_MIN_HIDDEN_SIZE = 128
-
-
-def _resolve_dtype(dtype: str, hf: Any, device_type: str, torch: Any) -> Any:
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    declared = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared, None)
-    if device_type == "cpu":
-        # As on GPUs (and in vLLM), an fp32 or bf16 checkpoint computes in bf16, where the CPU multiplies bf16
-        # natively and the matrices are big enough for it to pay: half the weight and KV bytes per token (with
-        # brisk's CPU kernels, the demo model at hidden size 128: level at batch 1 and 8, 1.18x at 32;
-        # docs/performance.md). Otherwise fp32, the reference path; `dtype: float32` keeps it everywhere.
-        text = hf_text_config(hf)
-        big_enough = getattr(text, "hidden_size", 0) >= CPU_BF16_MIN_HIDDEN_SIZE
-        low_precision = declared in (torch.float32, torch.bfloat16, None) and big_enough and cpu_has_native_bf16()
-        return torch.bfloat16 if low_precision else torch.float32
-    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """This process's place in the parallel layout; layers shard their weights by it.
-
-    A job is one world of tp_size ranks (trtllm-serve's meaning of --tp_size). Attention and dense layers
-    are split tp_size ways, or, with attention data parallel, replicated on every rank (tp_size 1 here)
-    while each rank (dp_rank) runs its own batch. MoE experts are split ep_size ways by expert (ep_rank)
-    and moe_tp_size ways by intermediate size (moe_tp_rank), ep_size * moe_tp_size being the world, so
-    every MoE layer ends with one reduction over the whole world.
-    """
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    ep_rank: int = 0
-    ep_size: int = 1
-    moe_tp_rank: int = 0
-    moe_tp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.dp_size
-
-    @property
-    def rank(self) -> int:
-        return self.dp_rank * self.tp_size + self.tp_rank
-
-    @classmethod
-    def for_rank(cls, rank: int, world_size: int, ep_size: int = 1, attention_dp: bool = False) -> ParallelConfig:
-        moe_tp_size = world_size // ep_size
-        return cls(
-            tp_rank=0 if attention_dp else rank,
-            tp_size=1 if attention_dp else world_size,
-            ep_rank=rank // moe_tp_size,
-            ep_size=ep_size,
-            moe_tp_rank=rank % moe_tp_size,
-            moe_tp_size=moe_tp_size,
-            dp_rank=rank if attention_dp else 0,
-            dp_size=world_size if attention_dp else 1,
-        )
 
 
 def load_model_config(

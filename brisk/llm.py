@@ -12,19 +12,13 @@ import msgspec
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from brisk.config import (
-    EngineConfig,
-    ModelConfig,
-    check_fits_machine,
-    generation_defaults,
-    load_chat_template,
-    resolve_model,
-)
+from brisk.config import EngineConfig, check_fits_machine, generation_defaults, load_chat_template, resolve_model
 from brisk.distributed.launch import launcher_env
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
 from brisk.engine.output_processor import OutputProcessor
 from brisk.harmony.chat import is_harmony_model, render_chat
+from brisk.model_config import ModelConfig
 from brisk.outputs import RequestOutput
 from brisk.sampling_params import SamplingParams
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from brisk.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from brisk.config import ConfigError, EngineConfig
+from brisk.model_config import ModelConfig, ParallelConfig
 
 
 def _write(tmp_path, text):
@@ -134,9 +135,9 @@ def test_gpt_oss_config_layer_types():
 def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, native_bf16):
     import torch
 
-    import brisk.config
+    import brisk.model_config
 
-    monkeypatch.setattr(brisk.config, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(brisk.model_config, "cpu_has_native_bf16", lambda: native_bf16)
     for declared, hidden, expected in (
         ("bfloat16", 512, torch.bfloat16 if native_bf16 else torch.float32),
         ("bfloat16", 64, torch.float32),  # too small for bf16 to pay on CPU

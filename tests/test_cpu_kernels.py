@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from brisk.config import ConfigError, EngineConfig, ParallelConfig
+from brisk.config import ConfigError, EngineConfig
 from brisk.kernels import cpu_kernels
 from brisk.layers.attention import TorchAttentionBackend
 from brisk.layers.attention_cpu import CpuAttentionBackend
@@ -38,6 +38,7 @@ from brisk.layers.linear import (
 from brisk.layers.moe import FusedMoE, clamped_swiglu, select_experts
 from brisk.layers.mxfp4 import dequantize_mxfp4
 from brisk.layers.norm import RMSNorm
+from brisk.model_config import ParallelConfig
 from tests.conftest import skip_unless_isa_under_test
 from tests.paged_cases import TINY, Shape, assert_close, make_case
 

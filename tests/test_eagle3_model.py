@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from brisk.config import ModelConfig
 from brisk.layers.attention import AttentionMetadata, TorchAttentionBackend
 from brisk.layers.embedding import VocabParallelEmbedding
+from brisk.model_config import ModelConfig
 from brisk.model_runner.loader import load_model
 from brisk.models.eagle3 import Eagle3CheckpointError, load_eagle3_head
 from tests.tiny_models import make_tiny_model

@@ -25,7 +25,7 @@ K = 3
 @pytest.fixture(scope="module", params=["llama", "gpt_oss"])
 def tiny(request, tmp_path_factory):
     """A tiny target and a random EAGLE3 head for it (public layout), built once per architecture."""
-    from brisk.config import ModelConfig
+    from brisk.model_config import ModelConfig
 
     root = tmp_path_factory.mktemp(request.param)
     path = make_tiny_model(request.param, root / "target", seed=0)

@@ -16,11 +16,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import EngineConfig
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
 from brisk.kv_cache.block_pool import NULL_BLOCK
 from brisk.layers.attention import Attention
+from brisk.model_config import ModelConfig
 from brisk.models.null import BriskNullForCausalLM
 from brisk.sampling_params import SamplingParams
 

@@ -17,8 +17,8 @@ import gc
 import pytest
 import torch
 
-from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import load_cpu_kernels
+from brisk.model_config import ModelConfig
 from brisk.model_runner.loader import checkpoint_files, load_model
 from tests.gpt_oss_checkpoint import write_gpt_oss_checkpoint
 from tests.harmony_tokenizer import TIKTOKEN_FILE

@@ -182,7 +182,7 @@ def test_cuda_graphs_replay_speculative_verify_steps(tmp_path, batch):
 def test_cuda_graphs_with_eagle3_generate_what_eager_steps_do(tmp_path):
     """EAGLE3 (a random head) with the target's steps replayed from CUDA graphs: the same greedy tokens as eager
     decoding without speculation (the aux hidden states come out of the graphs)."""
-    from brisk.config import ModelConfig
+    from brisk.model_config import ModelConfig
     from tests.test_eagle3_model import head_config, head_weights, write_head
 
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)

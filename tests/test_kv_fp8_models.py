@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 import brisk
 from brisk import LLM, SamplingParams
-from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.kv_cache.manager import KVGroupSpec
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
+from brisk.model_config import ModelConfig
 from brisk.model_runner.kv_tensors import KVTensorLayout
 from brisk.model_runner.loader import load_model
 from tests.conftest import skip_unless_isa_under_test

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from brisk import LLM, SamplingParams
-from brisk.config import ConfigError, EngineConfig, ModelConfig
+from brisk.config import ConfigError, EngineConfig
+from brisk.model_config import ModelConfig
 from brisk.model_runner.interface import kv_groups_for
 from brisk.model_runner.memory import (
     GIB,
@@ -103,7 +104,7 @@ def _bytes_of_gpt_oss(name: str) -> tuple[int, int, ModelConfig]:
         from memory_per_rank import rank_bytes
     finally:
         sys.path.pop(0)
-    from brisk.config import ParallelConfig
+    from brisk.model_config import ParallelConfig
 
     mc = ModelConfig.from_pretrained(os.path.join(MODELS, name), "auto", "cuda")
     weights, kv_per_token = rank_bytes(mc, ParallelConfig())

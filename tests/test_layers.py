@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.layers.attention import Attention
 from brisk.layers.backends import make_attention_backend, make_moe_backend
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -26,6 +25,7 @@ from brisk.layers.moe import FusedMoE, clamped_swiglu, select_experts
 from brisk.layers.mxfp4 import dequantize_mxfp4
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.binding import Kernels, bind
 from brisk.model_runner.loader import load_model
 from brisk.models.registry import get_model_class

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from brisk.config import ModelConfig
 from brisk.hub import ModelNotAvailableError, resolve_model_path
 from brisk.layers.attention import Attention
+from brisk.model_config import ModelConfig
 from brisk.model_runner.loader import (
     DUMMY_MXFP4_SCALE_RANGE,
     DUMMY_STD,

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from brisk.config import ModelConfig
 from brisk.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.backends import make_attention_backend
+from brisk.model_config import ModelConfig
 from brisk.model_runner import loader
 from brisk.model_runner.loader import load_model
 from tests.conftest import skip_unless_isa_under_test

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from brisk import LLM, SamplingParams
-from brisk.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from brisk.config import ConfigError, EngineConfig
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.loader import load_model
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer

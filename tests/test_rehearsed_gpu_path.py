@@ -144,7 +144,7 @@ def _prompts() -> list[dict]:
 
 
 def _eagle3_head(target_path: str, root: Path) -> dict:
-    from brisk.config import ModelConfig
+    from brisk.model_config import ModelConfig
     from tests.test_eagle3_model import head_config, head_weights, write_head
 
     target = ModelConfig.from_pretrained(target_path, dtype="float32")

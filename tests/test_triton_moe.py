@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brisk.config import ParallelConfig
 from brisk.kernels.triton_moe import (
     MoEConfig,
     default_config,
@@ -33,6 +32,7 @@ from brisk.layers.backends import make_moe_backend
 from brisk.layers.moe import FusedMoE, TorchMoEBackend, clamped_swiglu, select_experts
 from brisk.layers.moe_triton import TritonMoEBackend
 from brisk.layers.mxfp4 import dequantize_mxfp4
+from brisk.model_config import ParallelConfig
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from brisk.config import ModelConfig, ParallelConfig
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.interface import kv_groups_for
 from brisk.model_runner.loader import load_model
 

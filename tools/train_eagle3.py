@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from brisk.bench.workload import WORDS
-from brisk.config import ModelConfig
+from brisk.model_config import ModelConfig
 from brisk.model_runner.loader import initialize_dummy_weights
 from brisk.models.eagle3 import Eagle3Config, Eagle3DraftModel, default_aux_layer_ids
 

@@ -22,10 +22,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import EngineConfig
 from brisk.distributed.launch import rank0_place
 from brisk.distributed.worker import WorkerSpec, join_world
 from brisk.host import resolve_device
+from brisk.model_config import ModelConfig
 from brisk.model_runner.cuda_graph import effective_graph_config
 from brisk.model_runner.interface import KVCacheSpec, ModelRunnerInterface, StepHandle
 from brisk.model_runner.setup import load_model_runner

@@ -16,10 +16,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig, ParallelConfig, load_model_config
+from brisk.config import EngineConfig, load_model_config
 from brisk.distributed.channel import StepChannel
 from brisk.distributed.launch import WorldPlace, init_distributed
 from brisk.host import cpu_threads_per_rank, freeze_startup_heap, resolve_device
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.interface import ModelRunnerInterface
 from brisk.model_runner.setup import load_model_runner
 from brisk.scheduler.output import SchedulerOutput

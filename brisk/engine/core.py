@@ -16,13 +16,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from brisk.config import EngineConfig, ModelConfig, load_model_config
+from brisk.config import EngineConfig, load_model_config
 from brisk.distributed.executor import make_executor
 from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
 from brisk.errors import InvalidRequest
 from brisk.host import resolve_device
 from brisk.kv_cache.host_tier import HostTier
 from brisk.kv_cache.manager import KVCacheManager
+from brisk.model_config import ModelConfig
 from brisk.model_runner.interface import StepHandle
 from brisk.scheduler.output import FinishReason, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from brisk.scheduler.request import Request

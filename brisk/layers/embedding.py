@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_last_dim
 from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.linear import all_reduce_across_tp, copy_checked, linear, prepack_cpu_weight, set_weight_loader
+from brisk.model_config import ParallelConfig
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_reduce
 from brisk.kernels.cpu_kernels import CpuKernels
+from brisk.model_config import ParallelConfig
 
 
 class WeightLoader(Protocol):

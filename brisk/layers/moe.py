@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows, all_reduce, reduce_scatter_rows
 from brisk.kernels.cpu_kernels import MXFP4_DIRECT_MAX_ROWS, CpuKernels
 from brisk.layers.linear import copy_checked, linear, prepack_cpu_weight, set_weight_loader
 from brisk.layers.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
+from brisk.model_config import ParallelConfig
 
 # Rows of an MXFP4 projection the torch ops dequantize at once into a buffer (FusedMoE._dequantized).
 DEQUANTIZE_ROWS = 256

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.kv_cache.manager import KVGroupSpec
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 

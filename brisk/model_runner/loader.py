@@ -15,9 +15,9 @@ from glob import glob
 import torch
 from torch import nn
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.layers.attention import Attention
 from brisk.layers.kv_fp8 import split_kv_scales
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.models.registry import BriskModel, get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.config import EngineConfig
 from brisk.host import to_device
 from brisk.kv_cache.manager import cdiv
 from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.binding import Kernels
 from brisk.model_runner.cuda_graph import DecodeGraphs
 from brisk.model_runner.input_batch import InputBatch, RequestState

@@ -15,9 +15,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from brisk.config import EngineConfig, ModelConfig, ParallelConfig
+from brisk.config import EngineConfig
 from brisk.distributed.comm import agree_min
 from brisk.kv_cache.manager import cdiv
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.binding import bind, make_kernels, prepare_for_cpu
 from brisk.model_runner.cuda_graph import DecodeGraphs, GraphedModel, effective_graph_config, graph_batch_sizes
 from brisk.model_runner.kv_tensors import num_kv_blocks_in_budget

@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from brisk.config import ParallelConfig
 from brisk.distributed.comm import all_gather_rows
 from brisk.host import HostCopy, HostResult
+from brisk.model_config import ParallelConfig
 from brisk.model_runner.input_batch import RequestState
 from brisk.model_runner.sampling_stage import RowLogprobs
 from brisk.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput

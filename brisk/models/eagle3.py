@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from brisk.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, get_weight_loader
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.models.llama import CausalLM, LlamaMLP, fully_loaded, fused_target
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")

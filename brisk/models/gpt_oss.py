@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.layers.attention import AttentionMetadata
 from brisk.layers.linear import ReplicatedLinear
 from brisk.layers.moe import FusedMoE
 from brisk.layers.rotary import RotaryEmbedding
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.models.llama import CausalLM, DecoderAttention, DecoderLayer, text_config
 
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -28,6 +27,7 @@ from brisk.layers.linear import (
 )
 from brisk.layers.norm import RMSNorm
 from brisk.layers.rotary import RotaryEmbedding
+from brisk.model_config import ModelConfig, ParallelConfig
 
 
 def text_config(model_config: ModelConfig):

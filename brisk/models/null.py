@@ -18,8 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from brisk.config import ModelConfig, ParallelConfig
 from brisk.layers.attention import Attention, AttentionMetadata
+from brisk.model_config import ModelConfig, ParallelConfig
 
 DEFAULT_LOGITS_SEED = 0
 # Extra pool rows beyond the largest batch seen, so that the random offset varies the rows each call returns.

@@ -22,7 +22,6 @@ from brisk.config import (
     OPTIONS,
     ConfigError,
     EngineConfig,
-    ModelConfig,
     ServerConfig,
     check_fits_machine,
     generation_defaults,
@@ -33,6 +32,7 @@ from brisk.distributed.worker import run_worker
 from brisk.engine.client import AsyncEngineClient, EngineDeadError, EngineLink
 from brisk.engine.messages import EngineInfo
 from brisk.harmony.chat import is_harmony_model
+from brisk.model_config import ModelConfig
 from brisk.server.app import build_app
 from brisk.server.peers import Peers
 from brisk.server.response_store import ResponseStore

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brisk.config import ParallelConfig
 from brisk.kv_cache.manager import cdiv
+from brisk.model_config import ParallelConfig
 from brisk.model_runner.input_batch import InputBatch
 from brisk.model_runner.layout import StepBatch
 from brisk.scheduler.output import roll_back_drafts

@@ -22,11 +22,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import EngineConfig
 from brisk.errors import ConfigError
 from brisk.host import to_device
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.layers.linear import prepack_weights
+from brisk.model_config import ModelConfig
 from brisk.model_runner.binding import UsesCpuKernels
 from brisk.models.eagle3 import Eagle3CheckpointError, Eagle3DraftModel, load_eagle3_head
 from brisk.models.llama import CausalLM

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from brisk.config import EngineConfig, ModelConfig
+from brisk.config import EngineConfig
+from brisk.model_config import ModelConfig
 from brisk.spec_decode.eagle import make_eagle_proposer
 from brisk.spec_decode.ngram import NgramProposer
 from brisk.spec_decode.proposer import Proposer
