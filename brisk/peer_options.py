@@ -34,8 +34,9 @@ _LORA = (
 _MULTIMODAL = "brisk serves text-only models: there is no image, audio or video input to configure"
 _MAMBA = "brisk serves attention models only (no Mamba / SSM layers)"
 _ONE_NODE = (
-    "brisk runs all its ranks on one node (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel); "
-    "multi-node deployments are not available"
+    "brisk starts its ranks itself on one node, and on several through torchrun or mpirun running `brisk serve` "
+    "with the same arguments on every rank (docs/parallelism.md); vLLM's and trtllm's own multi-node launchers "
+    "(headless nodes, Ray, data-parallel RPC) are not available"
 )
 _NO_PLUGINS = (
     "brisk loads no code named on its command line (plugins, custom classes, middleware); its own implementation serves"
@@ -473,7 +474,7 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk splits the MoE by expert (--ep_size) and by intermediate size (tp_size / ep_size) only",
         ("null", "1"),
     ),
-    *_values("gpus_per_node", "no effect: brisk uses the GPUs it sees on its one node", ANY),
+    *_values("gpus_per_node", "no effect: each rank uses the GPU of its LOCAL_RANK, as its launcher (torchrun / mpirun) sets it", ANY),
     *_values("metadata_server_config_file server_role disagg_cluster_uri", _DISAGGREGATION),
     *_switches(
         "fail_fast_on_attention_window_too_large",
