@@ -474,7 +474,11 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk splits the MoE by expert (--ep_size) and by intermediate size (tp_size / ep_size) only",
         ("null", "1"),
     ),
-    *_values("gpus_per_node", "no effect: each rank uses the GPU of its LOCAL_RANK, as its launcher (torchrun / mpirun) sets it", ANY),
+    *_values(
+        "gpus_per_node",
+        "no effect: each rank uses the GPU of its LOCAL_RANK, as its launcher (torchrun / mpirun) sets it",
+        ANY,
+    ),
     *_values("metadata_server_config_file server_role disagg_cluster_uri", _DISAGGREGATION),
     *_switches(
         "fail_fast_on_attention_window_too_large",

@@ -79,3 +79,23 @@ def test_greedy_rows_accept_exactly_the_argmax():
     verified = verify(logits, _batch(params, 6), np.ones(3, dtype=np.int64), drafts, 1)
     assert verified.num_tokens.tolist() == [2, 1, 2]
     assert verified.token_ids[:, :2].tolist() == [[0, 0], [0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))],
+)
+def test_a_request_fails_when_any_of_its_verify_rows_is_non_finite(device):
+    """A speculative step's failure flag per request: any of its rows non-finite, not only its last (on CUDA a
+    bool index_add_ stores instead of or-ing; the counts cross 16 rows, where its threads would race)."""
+    from brisk.model_runner.sampling_stage import requests_with_a_bad_row
+
+    counts = np.array([3, 1, 4, 2, 5, 3, 4], dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    bad_at = {0: 0, 2: 1, 4: 4, 6: 2}  # request -> which of its rows is non-finite (first, middle, last...)
+    row_bad = torch.zeros(int(counts.sum()), dtype=torch.bool)
+    for request, row in bad_at.items():
+        row_bad[first[request] + row] = True
+    flags = requests_with_a_bad_row(row_bad.to(device), counts)
+    assert flags.device.type == device
+    assert flags.cpu().tolist() == [i in bad_at for i in range(len(counts))]

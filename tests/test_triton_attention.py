@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 CUDA = torch.cuda.is_available()
@@ -29,7 +30,7 @@ from brisk.kernels.triton_attention import (  # noqa: E402
     paged_prefill_attention,
     store_kv_cache,
 )
-from brisk.layers.attention import Attention, TorchAttentionBackend, store_kv  # noqa: E402
+from brisk.layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, store_kv  # noqa: E402
 from brisk.layers.attention_triton import FP32_TILES, HALF_TILES, TritonAttentionBackend  # noqa: E402
 from tests import paged_cases  # noqa: E402
 from tests.paged_cases import REAL, TINY, Case, Shape, assert_close  # noqa: E402
@@ -341,3 +342,30 @@ def test_split_k_sized_from_a_bound_still_splits_usual_contexts():
     assert bounded_partition_size(1, heads, kv_heads, dim, bound, 64, cpu) < default_partition_size(
         1, kv_heads, bound, 64, cpu
     )
+
+
+@pytest.mark.parametrize(
+    "num_decodes, prompt_lens",
+    [(d, p) for d in (0, 1, 3, 4, 7, 8) for p in ((), (5,), (17, 40), (3, 9, 130)) if d or p],
+)
+def test_step_plan_views_start_16_byte_aligned(num_decodes: int, prompt_lens: tuple[int, ...]) -> None:
+    # Triton specialises a pointer argument on 16-byte alignment: plan tensors at offsets that follow the batch
+    # would compile kernel variants of their own in the middle of serving (the interpreter never shows it).
+    from brisk.layers.attention_triton import build_step_plan
+
+    new_tokens = [1] * num_decodes + list(prompt_lens)
+    qsl = [0, *np.cumsum(new_tokens).tolist()]
+    lens = [n + 10 for n in new_tokens]
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, block_tables=[], slot_mappings=[], block_size=16)
+    plan = build_step_plan(meta, block_q=16, device=torch.device("cpu"))
+    views = {
+        "cu_seqlens_q": plan.cu_seqlens_q,
+        "seq_lens": plan.seq_lens,
+        "decode_seqs": plan.decode_seqs,
+        "tile_seqs": plan.tile_seqs,
+        "tile_starts": plan.tile_starts,
+    }
+    assert plan.cu_seqlens_q.tolist() == qsl and plan.seq_lens.tolist() == lens
+    assert plan.decode_seqs.tolist() == list(range(num_decodes))
+    for name, view in views.items():
+        assert view.dtype == torch.int32 and view.storage_offset() * 4 % 16 == 0, (name, view.storage_offset())

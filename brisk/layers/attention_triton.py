@@ -93,10 +93,26 @@ def build_step_plan(meta: AttentionMetadata, block_q: int, device: torch.device)
     tile_seqs, tile_starts = prefill_tiles(qsl, lens, block_q, prefill)
     # One host-to-device copy for everything, sliced into views: pinned and asynchronous (a pageable copy would make
     # the host wait for the step in flight at the first attention layer of every eager step).
-    flat = to_device(np.array(qsl + lens + decode_rows + tile_seqs + tile_starts, dtype=np.int32), device)
-    cuts = [len(qsl), len(lens), len(decode_rows), len(tile_seqs), len(tile_starts)]
-    cu, sl, dec, ts, tst = torch.split(flat, cuts)
+    cu, sl, dec, ts, tst = packed_on_device([qsl, lens, decode_rows, tile_seqs, tile_starts], device)
     return _StepPlan(block_q, cu, sl, dec, ts, tst, max((lens[i] for i in decode_rows), default=0))
+
+
+ALIGN_INT32S = 4  # 16 bytes: the alignment Triton specialises a pointer argument on
+
+
+def packed_on_device(segments: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int32 lists on the device by one copy, as views of one tensor, each starting 16-byte aligned: Triton
+    compiles a kernel variant per pointer alignment, so views at batch-dependent offsets would compile new variants
+    in the middle of serving (the interpreter never compiles, so CI cannot see it; tests check the offsets)."""
+    starts, at = [], 0
+    for seg in segments:
+        starts.append(at)
+        at += -(-len(seg) // ALIGN_INT32S) * ALIGN_INT32S
+    flat = np.zeros(at, dtype=np.int32)
+    for start, seg in zip(starts, segments):
+        flat[start : start + len(seg)] = seg
+    on_device = to_device(flat, device)
+    return [on_device[start : start + len(seg)] for start, seg in zip(starts, segments)]
 
 
 class TritonAttentionBackend(AttentionBackend):

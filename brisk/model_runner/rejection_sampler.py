@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from brisk.host import to_device
 from brisk.model_runner.sampler import SamplingBatch, exponential_race, verification_logits
 
 
@@ -52,8 +53,9 @@ def verify(
     total = int(num_drafts.sum())
     req_of_draft = np.repeat(np.arange(n), num_drafts)
     pos_of_draft = np.arange(total) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
-    draft_rows = torch.from_numpy(first_row[req_of_draft] + pos_of_draft).to(dev)
-    drafts = torch.from_numpy(draft_token_ids.astype(np.int64)).to(dev)
+    draft_rows_host = first_row[req_of_draft] + pos_of_draft
+    draft_rows = to_device(draft_rows_host, dev)
+    drafts = to_device(draft_token_ids.astype(np.int64), dev)
 
     greedy_ids, final_logits = verification_logits(logits, batch)
     accept = greedy_ids[draft_rows] == drafts
@@ -70,21 +72,23 @@ def verify(
                 if q is not None and m:
                     q_of_draft[at : at + m] = q[:m].to(dev, probs.dtype).gather(1, drafts[at : at + m, None])[:, 0]
                 at += m
-        uniforms = _uniforms([batch.generators[r] for r in draft_rows.tolist()], dev)
+        uniforms = _uniforms([batch.generators[r] for r in draft_rows_host.tolist()], dev)
         # u < p / q, written without the division (q(d) > 0: the drafter drew d)
         accept = torch.where(is_greedy[draft_rows], accept, uniforms * q_of_draft < p_of_draft)
 
     accepted = torch.zeros(n, k + 1, dtype=torch.int64, device=dev)  # column k stays 0: stops the count
     token_ids = torch.zeros(n, k + 1, dtype=torch.int64, device=dev)
     if total:
-        req_t, pos_t = torch.from_numpy(req_of_draft).to(dev), torch.from_numpy(pos_of_draft).to(dev)
+        req_t, pos_t = to_device(req_of_draft, dev), to_device(pos_of_draft, dev)
         accepted[req_t, pos_t] = accept.to(torch.int64)
         token_ids[req_t, pos_t] = drafts
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)
-    final_rows = torch.from_numpy(first_row).to(dev) + num_accepted
+    final_rows = to_device(first_row, dev) + num_accepted
     final = greedy_ids[final_rows]
     if probs is not None:
-        final = _resample(final, probs, final_rows, num_accepted, num_drafts, token_ids, draft_probs, batch)
+        # A request's rows share its generator (the expanded batch repeats it): its first row's, read on the host.
+        generators = [batch.generators[r] for r in first_row.tolist()]
+        final = _resample(final, probs, final_rows, num_accepted, num_drafts, token_ids, draft_probs, batch, generators)
     token_ids.scatter_(1, num_accepted[:, None], final[:, None])
     return Verified(token_ids, num_accepted + 1)
 
@@ -98,13 +102,14 @@ def _resample(
     token_ids: torch.Tensor,
     draft_probs: list[torch.Tensor | None] | None,
     batch: SamplingBatch,
+    generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """The sampled requests' token after their accepted drafts: from the residual max(0, p - q) at a rejected
-    draft, from p after all of them."""
+    draft, from p after all of them. generators: each request's."""
     dev = probs.device
     is_greedy = _greedy_rows(batch, dev)[final_rows]
     dist = probs[final_rows]  # [n, V], a copy
-    k_t = torch.from_numpy(num_drafts).to(dev)
+    k_t = to_device(num_drafts, dev)
     rejected = (num_accepted < k_t) & ~is_greedy
     if bool(rejected.any()):
         rej = torch.nonzero(rejected)[:, 0]
@@ -128,7 +133,6 @@ def _resample(
         empty = rej[dist[rej].sum(dim=1) <= 0]
         if len(empty):
             dist[empty] = probs[final_rows[empty]]
-    generators = [batch.generators[r] for r in final_rows.tolist()]
     sampled = exponential_race(dist, generators)
     return torch.where(is_greedy, final, sampled)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from brisk.host import HostCopy, HostResult
+from brisk.host import HostCopy, HostResult, to_device
 from brisk.kernels.cpu_kernels import CpuKernels
 from brisk.model_runner.input_batch import InputBatch, RequestState
 from brisk.model_runner.layout import StepBatch
@@ -163,8 +163,7 @@ class SamplingStage:
         logits = torch.where(row_bad[:, None], 0.0, logits)
         first = np.zeros(n, dtype=np.int64)
         np.cumsum(counts[:-1], out=first[1:])
-        bad = torch.zeros(n, dtype=torch.bool, device=logits.device)
-        bad.index_add_(0, torch.from_numpy(np.repeat(np.arange(n), counts)).to(logits.device), row_bad.to(torch.bool))
+        bad = requests_with_a_bad_row(row_bad, counts)
         flat = np.fromiter((t for d in draft_lists for t in d), dtype=np.int64, count=int(num_drafts.sum()))
         verified = verify(logits, sampling, num_drafts, flat, k, draft_probs)
         packed = torch.zeros(n, self.width, dtype=torch.int64, device=logits.device)
@@ -216,6 +215,16 @@ class SamplingStage:
         return SamplingBatch.build(params, prompts, outputs, generators, stops, vocab_size, self.device)
 
 
+def requests_with_a_bad_row(row_bad: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """Per request, whether any of its rows (counts[i] consecutive rows each) is non-finite. Counted in int32:
+    a bool index_add_ on CUDA stores each row's flag in turn (its atomic "add" of bools is a plain store), so a
+    request would be flagged by its last row alone."""
+    n = len(counts)
+    request_of_row = to_device(np.repeat(np.arange(n), counts), row_bad.device)
+    bad_rows = torch.zeros(n, dtype=torch.int32, device=row_bad.device)
+    return bad_rows.index_add_(0, request_of_row, row_bad.to(torch.int32)) > 0
+
+
 def _per_request(out: SamplerOutput) -> list[RowLogprobs]:
     return [
         None if num is None else [TokenLogprobs(lp, top)]
@@ -226,24 +235,28 @@ def _per_request(out: SamplerOutput) -> list[RowLogprobs]:
 def _verified_logprobs(
     logits: torch.Tensor, batch: SamplingBatch, verified: Verified, first: np.ndarray, states: list[RequestState]
 ) -> list[RowLogprobs]:
-    """The target's raw logprob (and top alternatives) of each output token, at the position that produced it."""
+    """The target's raw logprob (and top alternatives) of each output token, at the position that produced it:
+    gathered for all requests at once (a verification step is read on the host at once anyway)."""
     raw = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    counts = verified.num_tokens.tolist()
-    tokens = verified.token_ids.tolist()
-    out: list[RowLogprobs] = []
-    width = batch.max_num_logprobs or 0
-    for i, state in enumerate(states):
-        num = state.params.logprobs
-        if num is None:
-            out.append(None)
-            continue
-        rows = torch.arange(int(first[i]), int(first[i]) + counts[i], device=logits.device)
-        toks = torch.tensor(tokens[i][: counts[i]], device=logits.device)
-        lps = raw[rows, toks].tolist()
-        if width and num:
-            values, ids = raw[rows].topk(num, dim=-1)
-            tops = [list(zip(a, b)) for a, b in zip(ids.tolist(), values.tolist())]
-        else:
-            tops = [[] for _ in lps]
-        out.append([TokenLogprobs(lp, top) for lp, top in zip(lps, tops)])
+    counts_and_tokens = torch.cat((verified.num_tokens[:, None], verified.token_ids), dim=1).tolist()
+    asking = [i for i, state in enumerate(states) if state.params.logprobs is not None]
+    rows = [int(first[i]) + j for i in asking for j in range(counts_and_tokens[i][0])]
+    tokens = [t for i in asking for t in counts_and_tokens[i][1 : 1 + counts_and_tokens[i][0]]]
+    rows_t = to_device(np.array(rows, dtype=np.int64), logits.device)
+    lps = raw[rows_t, to_device(np.array(tokens, dtype=np.int64), logits.device)].tolist()
+    width = max((states[i].params.logprobs or 0 for i in asking), default=0) if batch.max_num_logprobs else 0
+    top_ids, top_values = [], []
+    if width:
+        values, ids = raw[rows_t].topk(width, dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    out: list[RowLogprobs] = [None] * len(states)
+    at = 0
+    for i in asking:
+        num, count = states[i].params.logprobs, counts_and_tokens[i][0]
+        entries = []
+        for r in range(at, at + count):
+            top = list(zip(top_ids[r][:num], top_values[r][:num])) if width and num else []
+            entries.append(TokenLogprobs(lps[r], top))
+        out[i] = entries
+        at += count
     return out
