@@ -485,6 +485,15 @@ class EngineConfig(OptionModel):
         return [value] if isinstance(value, int) and not isinstance(value, bool) else value  # YAML: 2048
 
     @model_validator(mode="after")
+    def _one_gpu_named_for_one_rank(self) -> EngineConfig:
+        if self.tp_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"{self.device} names one GPU, but tp_size {self.tp_size} ranks need one each (rank r takes GPU "
+                "LOCAL_RANK r): give cuda or auto, and choose the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _host_tier_needs_prefix_caching(self) -> EngineConfig:
         kv = self.kv_cache_config
         if self.kv_offloading_size is not None and "host_cache_size" in kv.model_fields_set:

@@ -80,7 +80,8 @@ def check_cpu_kernels_choice(choice: str, isas: tuple[str, ...] | None = None) -
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """The torch device a rank computes on: `device` 'auto' is CUDA where torch sees a GPU, else the CPU; on CUDA
-    the rank's GPU (the one named, else cuda:LOCAL_RANK) is made the current device."""
+    the rank's GPU (the one named, else cuda:LOCAL_RANK, or the one GPU a launcher left this process) is made the
+    current device."""
     import torch
 
     if name == "auto":
@@ -93,13 +94,16 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
             raise ConfigError(f"device {name} does not exist: this node has {torch.cuda.device_count()} GPUs")
         torch.cuda.set_device(device)
         return device
-    if local_rank >= torch.cuda.device_count():
+    count = torch.cuda.device_count()
+    # One GPU seen: a launcher gave this process its own (SLURM's --gpus-per-task, CUDA_VISIBLE_DEVICES per task).
+    index = 0 if count == 1 else local_rank
+    if index >= count:
         raise ConfigError(
-            f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has "
-            f"{torch.cuda.device_count()}; lower tp_size or add nodes"
+            f"rank with LOCAL_RANK {local_rank} needs GPU {local_rank}, but this node has {count}; lower tp_size or "
+            "add nodes"
         )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def cpu_threads_per_rank(tp_size: int, num_cpu_threads: int | None = None) -> int:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from brisk import host
+from brisk.config import ConfigError, EngineConfig
 from brisk.host import (
     check_cpu_kernels_choice,
     cpu_has_native_bf16,
@@ -62,6 +63,24 @@ def test_one_device_resolution_for_every_rank():
     assert resolve_device("cpu") == resolve_device("cpu", local_rank=1) == torch.device("cpu")
     expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert resolve_device("auto") == expected
+
+
+@pytest.mark.parametrize("count, local_rank, expected", [(8, 3, 3), (1, 3, 0), (1, 0, 0), (2, 3, None)])
+def test_each_rank_takes_its_local_gpu_or_the_one_it_was_given(monkeypatch, count, local_rank, expected):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    if expected is None:
+        with pytest.raises(ConfigError, match="LOCAL_RANK 3 needs GPU 3, but this node has 2"):
+            resolve_device("cuda", local_rank)
+        return
+    assert resolve_device("cuda", local_rank) == torch.device("cuda", expected) and chosen == [expected]
+
+
+def test_one_named_gpu_for_several_ranks_is_refused():
+    with pytest.raises(ConfigError, match="cuda:1 names one GPU, but tp_size 2 ranks need one each"):
+        EngineConfig.build("m", device="cuda:1", tp_size=2)
+    assert EngineConfig.build("m", device="cuda:1").device == "cuda:1"
 
 
 def test_cpu_threads_leave_one_core_to_the_api_server(monkeypatch):

@@ -126,6 +126,9 @@ def _codes_round_trip_kernel(x_ptr, codes_ptr, decoded_ptr, N: tl.constexpr):
     tl.store(decoded_ptr + i, _e4m3_decode(tl.load(codes_ptr + i)))
 
 
+# NaN inputs: the rounding's magic number overflows to inf and the subnormal branch casts NaN, both discarded by the
+# kernel's selects (IEEE on a GPU); numpy, running the interpreter, warns about them.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_e4m3_codes_by_integer_ops_are_torchs_for_every_value():
     """The conversions the Triton kernels use where the GPU has no E4M3 type: every finite code decodes to torch's
     value and encodes back to itself, and any fp32 encodes to the code torch's saturating cast gives. Except -0: the
@@ -146,6 +149,26 @@ def test_e4m3_codes_by_integer_ops_are_torchs_for_every_value():
     assert torch.equal(out_codes[:254][~zero[:254]], codes[finite][~zero[:254]])  # every nonzero code to itself
     assert torch.equal(decoded, expected.float())
     assert zero.sum() >= 3 and (~zero).sum() > 3000  # both kinds well represented
+    # NaN: stored as torch's cast stores it (sign | 0x7F, not saturated), read back as NaN
+    nans = torch.tensor([float("nan"), -float("nan"), float("nan"), 1.0])
+    out_codes, decoded = torch.empty(4, dtype=torch.uint8, device=DEVICE), torch.empty(4, device=DEVICE)
+    _codes_round_trip_kernel[(1,)](nans.to(DEVICE), out_codes, decoded, N=4)
+    assert out_codes.cpu().tolist() == nans.to(FP8_KV_DTYPE).view(torch.uint8).tolist() == [0x7F, 0xFF, 0x7F, 0x38]
+    assert decoded.cpu()[:3].isnan().all() and decoded.cpu()[3] == 1.0
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter's own fp32 -> fp8 cast turns NaN into a number (0x7C)")
+def test_the_native_fp8_store_keeps_nan():
+    """A NaN key or value is stored as NaN, as the torch store does (a GPU's min / max would saturate it at
+    +-448 unless told to propagate it), so what attends to it is NaN too and the non-finite guard fails it."""
+    if not NATIVE_FP8:
+        pytest.skip("Triton has no E4M3 type before sm_89: this GPU stores codes (tested above)")
+    k = torch.tensor([[[float("nan"), -float("nan"), 1.0, 500.0]]], device=DEVICE)
+    caches = [torch.zeros(1, 4, 1, 4, dtype=FP8_KV_DTYPE, device=DEVICE) for _ in range(2)]
+    scale = torch.ones(1, device=DEVICE)
+    store_kv_cache(k, k, caches[0], caches[1], torch.zeros(1, dtype=torch.int64, device=DEVICE), scale, scale)
+    stored = caches[0].view(-1, 4)[0].cpu()
+    assert stored.float()[:2].isnan().all() and stored.float()[2:].tolist() == [1.0, 448.0]
 
 
 def _backend(path: str, request) -> object:

@@ -131,6 +131,38 @@ def test_attention_dp_reports_every_ranks_logprobs(models):
             assert all(abs(lp[t] - ref[t]) < 1e-4 for t in ref)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_attention_dp_penalties_see_every_ranks_history(models, overlap):
+    """Penalties and min_tokens read a request's past outputs, which each attention-DP rank keeps for its own rows
+    (no result() is read on ranks > 0): the same tokens as one rank, with and without overlap scheduling."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, repetition_penalty=1.5, frequency_penalty=0.7, min_tokens=6, ignore_eos=True
+    )
+    results = []
+    for options in ({}, dict(tp_size=2, enable_attention_dp=True, disable_overlap_scheduler=not overlap)):
+        with LLM(models["llama"], **ENGINE_OPTIONS, **options) as llm:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(models["llama"], **ENGINE_OPTIONS) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, plain)] != results[0]  # the penalties act
+    assert results[1] == results[0]
+
+
+def test_seed_sets_every_attention_dp_ranks_draws(models):
+    """--seed is what requests without a seed of their own draw from, on every attention-DP rank: a run repeats
+    with the same seed, every request's sample changes with another (requests go to both ranks)."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for seed in (1, 1, 2):
+        with LLM(models["llama"], **ENGINE_OPTIONS, tp_size=2, enable_attention_dp=True, seed=seed) as llm:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            assert all(kv.prefix_queries > 0 for kv in llm.engine.kv_managers)  # both ranks served requests
+    assert outputs[0] == outputs[1]
+    assert all(a != b for a, b in zip(outputs[0], outputs[2])), outputs
+
+
 # ---------------------------------------------------------------- what each rank holds
 
 

@@ -315,6 +315,24 @@ def test_backend_clamp_active_and_extreme_scales():
     compare_backends(layer, hidden, *routing(t, e, k, seed=23))
 
 
+@pytest.mark.parametrize("mxfp4", [True, False])
+def test_backend_keeps_a_nan_row_nan(mxfp4):
+    """A token whose hidden state is NaN comes out NaN, as from the torch reference, and only that token: the clamp of
+    the SwiGLU epilogue propagates it (a GPU's min / max would turn it into the limit and hide it from the
+    non-finite guard; the interpreter's numpy propagates either way, so this test bites on a GPU)."""
+    e, k, h, i, t = 8, 2, 64, 96, 5
+    layer = make_layer(e, k, h, i, mxfp4=mxfp4, seed=41, swiglu_limit=7.0)
+    hidden = torch.randn(t, h, generator=torch.Generator().manual_seed(42))
+    hidden[2] = float("nan")
+    ids, weights = routing(t, e, k, seed=43)
+    out = TritonMoEBackend().forward(layer, hidden.to(DEVICE), ids, weights).cpu()
+    ref = TorchMoEBackend().forward(layer, hidden.to(DEVICE), ids, weights).cpu()
+    assert out[2].isnan().all() and ref[2].isnan().all()
+    rows = [0, 1, 3, 4]
+    assert torch.isfinite(out[rows]).all()
+    torch.testing.assert_close(out[rows], ref[rows], rtol=1e-4, atol=1e-4)
+
+
 def test_backend_idle_experts_and_one_hot_expert():
     e, k, h, i = 8, 2, 64, 64
     layer = make_layer(e, k, h, i, mxfp4=True, seed=31)

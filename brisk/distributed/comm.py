@@ -19,11 +19,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def gathers_into_one_tensor() -> bool:
+    """Whether the backend gathers and reduce-scatters into one flat tensor (NCCL: no per-rank buffers to allocate
+    and concatenate afterwards); gloo takes the list forms, which every torch version brisk supports has for it."""
+    return dist.get_backend() != "gloo"
+
+
 def all_gather_last_dim(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """Concatenate every rank's x along the last dim (vocab-parallel logits)."""
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    if not gathers_into_one_tensor():
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)
+    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))  # ranks one after another along dim 0
+    dist.all_gather_into_tensor(out, x)
+    return out.view(world_size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world_size * x.shape[-1])
 
 
 def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -34,10 +45,17 @@ def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     if x.shape[0] != width:
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(parts, padded.contiguous())
+    padded = padded.contiguous()
+    if gathers_into_one_tensor():
+        out = padded.new_empty((len(counts) * width, *padded.shape[1:]))
+        dist.all_gather_into_tensor(out, padded)
+        parts = list(out.split(width))
+    else:
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded)
+        out = None
     if min(counts) == width:
-        return torch.cat(parts)
+        return out if out is not None else torch.cat(parts)
     return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
@@ -53,7 +71,7 @@ def reduce_scatter_rows(x: torch.Tensor, counts: list[int], rank: int) -> torch.
         for r, n in enumerate(counts):
             padded[r * width : r * width + n] = x[offset : offset + n]
             offset += n
-    if dist.get_backend() == "gloo":  # gloo has no reduce-scatter: reduce everything, keep our slice
+    if not gathers_into_one_tensor():  # gloo (in older torch) has no reduce-scatter: reduce all, keep our slice
         dist.all_reduce(padded)
         return padded[rank * width : rank * width + counts[rank]].clone()
     out = x.new_empty((width, *x.shape[1:]))

@@ -48,6 +48,7 @@ def join_world(
 
 def run_worker(config: EngineConfig, place: WorldPlace) -> None:
     device = resolve_device(config.device, place.local_rank)
+    torch.manual_seed(config.seed)  # as EngineCore on rank 0: an attention-DP rank's unseeded requests draw from it
     if device.type == "cpu":  # ranks on one host share its cores
         torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
     runner, channel = join_world(config, place, device, *load_model_config(config, device))

@@ -137,8 +137,10 @@ def _store_kv_kernel(
 @triton.jit
 def _round_to_e4m3(x):
     """x saturated at +-448 and rounded to nearest even on E4M3's grid, in fp32: the cast that follows is exact. (The
-    interpreter's own fp32 -> fp8 cast drops the carry when rounding up crosses a power of two: 1.99 -> 1.)"""
-    x = tl.clamp(x, -448.0, 448.0)
+    interpreter's own fp32 -> fp8 cast drops the carry when rounding up crosses a power of two: 1.99 -> 1.) NaN stays
+    NaN, as in the torch store (a GPU's min / max drop it unless told): stored as E4M3's NaN, it makes what attends to
+    it NaN too, so the non-finite guard fails the request instead of a saturated key deciding its softmax."""
+    x = tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     # E4M3 keeps 3 mantissa bits down to 2^-6, then subnormal steps of 2^-9.
     ulp = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
@@ -150,25 +152,29 @@ def _round_to_e4m3(x):
 # (FP8_CODES), converted by integer ops in registers. Same bytes in memory, so nothing else changes.
 @triton.jit
 def _e4m3_encode(r):
-    """The E4M3 code (uint8) of r, an fp32 value already on E4M3's grid (_round_to_e4m3), -0 kept."""
+    """The E4M3 code (uint8) of r, an fp32 value already on E4M3's grid (_round_to_e4m3), -0 kept; NaN as torch's
+    cast writes it (sign | 0x7F)."""
     bits = r.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     exponent = (bits >> 23) & 0xFF  # fp32's biased exponent; E4M3's normals are 2^-6 (121) up
     normal = ((exponent - 120) << 3) | ((bits >> 20) & 0x7)
     subnormal = (tl.abs(r) * 512.0).to(tl.int32)  # k * 2^-9, k in 0..7
-    return (sign | tl.where(exponent >= 121, normal, subnormal)).to(tl.uint8)
+    magnitude = tl.where(exponent == 0xFF, 0x7F, tl.where(exponent >= 121, normal, subnormal))
+    return (sign | magnitude).to(tl.uint8)
 
 
 @triton.jit
 def _e4m3_decode(code):
-    """fp32 of E4M3 codes (uint8); the cache holds no NaN code (stores saturate at +-448)."""
+    """fp32 of E4M3 codes (uint8): 0x7F and 0xFF are NaN (a NaN stored), the other codes numbers."""
     c = code.to(tl.int32)
     exponent = (c >> 3) & 0xF
     mantissa = c & 0x7
     normal = (((c & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
     subnormal = tl.where((c & 0x80) != 0, -subnormal, subnormal)
-    return tl.where(exponent == 0, subnormal, normal)
+    value = tl.where(exponent == 0, subnormal, normal)
+    nan = (c * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where((c & 0x7F) == 0x7F, nan, value)
 
 
 def store_kv_cache(

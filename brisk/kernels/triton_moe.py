@@ -443,8 +443,10 @@ def _moe_gemm_kernel(
     if SWIGLU:
         # Columns alternate gate, up: split the pairs and write one activation per pair.
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        # NaN stays NaN, as in torch's clamp (a GPU's min / max would give the limit): the non-finite guard sees it.
+        gate = tl.minimum(gate, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
         out = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out_mask = offs_out < N // 2

@@ -365,8 +365,13 @@ class FusedMoE(nn.Module):
         if p.dp_size > 1:
             assert dp_num_tokens is not None  # the model passes it whenever dp_size > 1
             dp_tokens = dp_num_tokens
-            hidden = all_gather_rows(hidden, dp_tokens)
-            router_logits = all_gather_rows(router_logits, dp_tokens)
+            if router_logits.dtype == hidden.dtype:  # one collective a layer: the two side by side
+                both = all_gather_rows(torch.cat((hidden, router_logits), dim=-1), dp_tokens)
+                hidden, router_logits = both.split([hidden.shape[-1], router_logits.shape[-1]], dim=-1)
+                hidden = hidden.contiguous()  # the backends read whole rows
+            else:
+                hidden = all_gather_rows(hidden, dp_tokens)
+                router_logits = all_gather_rows(router_logits, dp_tokens)
         topk_ids, topk_weights = select_experts(router_logits, self.top_k)
         if p.ep_size > 1:
             local = topk_ids - self.first_expert

@@ -195,6 +195,10 @@ class ModelRunner:
         result = StepResult(
             scheds, rows, self.k, p.dp_rank, extras, self.states, host, self.batch.num_needs_history > 0
         )
+        if self._previous is not None and p.dp_size > 1 and p.rank != 0 and self.batch.num_needs_history:
+            # No result() reads this rank's steps: the previous one's tokens join the outputs of the requests that
+            # sample with their history now, whether or not this step sampled one of them.
+            self._previous.record_history()
         self._previous = result
         return result
 
