@@ -9,6 +9,7 @@ run on NCCL when two GPUs are present (device "auto").
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -115,15 +116,31 @@ def test_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
     assert tokens == single_rank_tokens[arch]
 
 
-def test_attention_dp_reports_every_ranks_logprobs(models):
-    """Each attention-DP rank samples its own rows; rank 0 gathers their logprobs."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_attention_dp_reports_every_ranks_logprobs(models, monkeypatch, overlap):
+    """Each attention-DP rank samples its own rows; rank 0 gathers their logprobs, off the step (on its own thread):
+    a step never waits for its own kernels to read them, so overlap scheduling holds."""
+    from brisk.host import HostResult
+    from brisk.model_runner.step_output import packed_rows
+
+    read_in = []
+    get = HostResult.get
+
+    def spy(self):
+        if self._build is not packed_rows:  # a step's logprobs (the tokens are read in the main thread, as ever)
+            read_in.append(threading.current_thread() is threading.main_thread())
+        return get(self)
+
+    monkeypatch.setattr(HostResult, "get", spy)  # rank 0's, in this process
     prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     results = []
-    for options in ({}, dict(tp_size=2, enable_attention_dp=True)):
+    for options in ({}, dict(tp_size=2, enable_attention_dp=True, disable_overlap_scheduler=not overlap)):
+        read_in.clear()  # the single rank reads its own when its result is read: only the DP run is watched
         with LLM(models["llama"], **ENGINE_OPTIONS, **options) as llm:
             outs = llm.generate(prompts, params)
             results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
+    assert read_in and not any(read_in)  # every gather read them on the gathering thread
     for (ids, lps), (ref_ids, ref_lps) in zip(results[1], results[0]):
         assert ids == ref_ids and len(lps) == len(ref_lps) == 4
         for lp, ref in zip(lps, ref_lps):

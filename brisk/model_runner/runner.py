@@ -15,8 +15,9 @@ setup.py builds the runner (weights, kernels, KV pool, graphs); interface.py is 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
-import torch.distributed as dist
 
 from brisk.config import EngineConfig
 from brisk.host import to_device
@@ -35,6 +36,7 @@ from brisk.model_runner.sampler import needs_history
 from brisk.model_runner.sampling_stage import SamplingStage
 from brisk.model_runner.startup import StartupTimes
 from brisk.model_runner.step_output import (
+    ExtrasGather,
     RankExtras,
     StepResult,
     host_rows,
@@ -49,8 +51,7 @@ from brisk.spec_decode.proposer import Proposer
 
 
 class ModelRunner:
-    """One rank's model and KV cache. `cpu_group` (a gloo group) is where ranks agree on the KV size and gather
-    what rank 0 reports of the other attention-DP ranks."""
+    """One rank's model and KV cache."""
 
     def __init__(
         self,
@@ -61,7 +62,6 @@ class ModelRunner:
         device: torch.device,
         max_seq_len: int,
         parallel: ParallelConfig = ParallelConfig(),
-        cpu_group: dist.ProcessGroup | None = None,
         proposer: Proposer | None = None,
     ) -> None:
         self.config = config
@@ -71,7 +71,6 @@ class ModelRunner:
         self.device = device
         self.max_seq_len = max_seq_len
         self.parallel = parallel
-        self.cpu_group = cpu_group
         self.block_size = config.block_size
         self.startup: StartupTimes | None = None  # its start-up stages' seconds, filled by setup.py
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -98,6 +97,7 @@ class ModelRunner:
         self.host_kv: HostKVCache | None = None  # the host KV tier (kv_cache_config.host_cache_size; setup.py)
         self.graphs: DecodeGraphs | None = None  # set by setup.py where cuda_graph_config is in effect
         self._previous: StepResult | None = None  # the step launched last (its tokens may be on the device still)
+        self.extras_gather = ExtrasGather(parallel) if parallel.dp_size > 1 else None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -202,17 +202,18 @@ class ModelRunner:
         self._previous = result
         return result
 
-    def _extras_of_every_rank(self, scheds: list[SchedulerOutput], mine: RankExtras) -> list[RankExtras] | None:
-        """What rank 0 reports of every attention-DP rank beside the tokens (None on the other ranks)."""
+    def _extras_of_every_rank(
+        self, scheds: list[SchedulerOutput], mine: RankExtras
+    ) -> list[RankExtras] | Future[list[RankExtras] | None] | None:
+        """What rank 0 reports of every attention-DP rank beside the tokens (None on the other ranks): under attention
+        DP, when some rank has something to report, their gather, under way on its own thread."""
         p = self.parallel
         if p.dp_size == 1:
             return [mine] if p.rank == 0 else None
         if self.drafter is None and not any(s.needs_logprobs or s.needs_prompt_logprobs for s in scheds):
             return [RankExtras(None, None, None)] * p.dp_size if p.rank == 0 else None
-        gathered: list | None = [None] * p.dp_size if p.rank == 0 else None
-        mine = RankExtras(*mine.on_host())  # objects gathered are host objects
-        dist.gather_object(mine, gathered, dst=0, group=self.cpu_group)
-        return [RankExtras(*e) for e in gathered] if gathered is not None else None
+        assert self.extras_gather is not None  # made at the start wherever dp_size > 1
+        return self.extras_gather.submit(mine)
 
     def _update_batch(self, sched: SchedulerOutput) -> None:
         batch = self.batch
@@ -291,6 +292,8 @@ class ModelRunner:
         self._previous = None
 
     def close(self) -> None:
+        if self.extras_gather is not None:
+            self.extras_gather.close()
         self.sampling.close()
         if self.host_kv is not None:
             self.host_kv.close()

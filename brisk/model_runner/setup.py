@@ -50,7 +50,7 @@ def load_model_runner(
     if device.type == "cpu":  # after binding: layers whose decode steps take the C kernels skip the prepacking
         prepare_for_cpu(model, config)
     proposer = make_proposer(config, model_config, model)
-    runner = ModelRunner(config, model_config, model, kernels, device, max_seq_len, parallel, cpu_group, proposer)
+    runner = ModelRunner(config, model_config, model, kernels, device, max_seq_len, parallel, proposer)
     runner.startup = startup
     startup.mark("setup")
     if device.type == "cuda" and config.kv_cache_config.max_blocks is None:

@@ -11,6 +11,8 @@ for that step only).
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -22,6 +24,8 @@ from brisk.model_config import ParallelConfig
 from brisk.model_runner.input_batch import RequestState
 from brisk.model_runner.sampling_stage import RowLogprobs
 from brisk.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class RankExtras(NamedTuple):
@@ -41,6 +45,39 @@ class RankExtras(NamedTuple):
             logprobs.get() if isinstance(logprobs, HostResult) else logprobs,
             self.drafts,
             prompt.get() if isinstance(prompt, HostResult) else prompt,
+        )
+
+
+class ExtrasGather:
+    """Attention DP: every rank's RankExtras to rank 0, on a thread of its own over a gloo group of its own (the
+    thread is the group's one user). The gather needs host objects, so it waits for each rank's own copies: done in
+    the step, it would keep every rank from launching the next step before its kernels end (no overlap scheduling
+    for logprobs). Every rank submits the same steps in the same order (each decides from every rank's
+    SchedulerOutput), so the threads meet gather for gather; rank 0 waits for a step's in `StepResult.result()`."""
+
+    def __init__(self, parallel: ParallelConfig) -> None:
+        self.rank, self.dp_size = parallel.rank, parallel.dp_size
+        self.group = dist.new_group(backend="gloo")  # every rank creates it at the same point (the runner's start)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-extras-gather")
+
+    def submit(self, mine: RankExtras) -> Future[list[RankExtras] | None]:
+        future = self._thread.submit(self._gather, mine)
+        future.add_done_callback(_log_failure)  # ranks > 0 never read theirs
+        return future
+
+    def _gather(self, mine: RankExtras) -> list[RankExtras] | None:
+        gathered: list | None = [None] * self.dp_size if self.rank == 0 else None
+        dist.gather_object(RankExtras(*mine.on_host()), gathered, dst=0, group=self.group)
+        return [RankExtras(*e) for e in gathered] if gathered is not None else None
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)  # the steps submitted everywhere: every rank's gathers meet
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error(
+            "gathering a step's logprobs and drafts from the attention-DP ranks failed: %r", future.exception()
         )
 
 
@@ -110,7 +147,7 @@ class StepResult:
         packed: HostResult[list[list[int]]],
         max_draft_len: int,
         dp_rank: int,
-        extras: list[RankExtras] | None,
+        extras: list[RankExtras] | Future[list[RankExtras] | None] | None,
         states: dict[str, RequestState],
         host: list[list[int]] | None = None,
         any_needs_history: bool = True,
@@ -122,7 +159,7 @@ class StepResult:
         self._packed = packed
         self._k = max_draft_len
         self._dp_rank = dp_rank
-        self._extras = extras  # per DP rank, on rank 0 (None elsewhere)
+        self._extras = extras  # per DP rank, on rank 0 (None elsewhere), or their gather under way (ExtrasGather)
         self._states = states
         self._host = host
         self._history_recorded = host is not None or not any_needs_history
@@ -149,14 +186,15 @@ class StepResult:
     def result(self) -> list[ModelRunnerOutput]:
         if self._outputs is not None:
             return self._outputs
-        if self._extras is None:  # a rank other than 0: nothing to report
+        every_rank = self._extras.result() if isinstance(self._extras, Future) else self._extras
+        if every_rank is None:  # a rank other than 0: nothing to report
             self._outputs = []
             return self._outputs
         host = self.to_host()
         self.record_history()
         outputs = []
         offset = 0
-        for sched, extras in zip(self._scheds, self._extras):
+        for sched, extras in zip(self._scheds, every_rank):
             n = sched.num_sampled_requests
             out = runner_output(sched.sampled_req_ids, host[offset : offset + n], extras, self._k)
             offset += n
