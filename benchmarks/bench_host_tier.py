@@ -93,7 +93,14 @@ def main() -> None:
     final_len = args.first_len + args.turns * (args.user_len + args.output_len)
     # Blocks of the last turn's history; a sliding-window group holds only its window, so this overcounts a little
     # (full-attention blocks per conversation, twice for a model with two groups, is the bound used).
-    probe = LLM(args.model, max_seq_len=final_len + 8, kv_cache_config={"max_blocks": 8}, load_format=args.load_format)
+    probe = LLM(  # only read: the layer groups and the vocabulary (no graphs captured for it on a GPU)
+        args.model,
+        max_seq_len=final_len + 8,
+        kv_cache_config={"max_blocks": 8},
+        load_format=args.load_format,
+        cuda_graph_config=None,
+        max_batch_size=1,
+    )
     groups = len(probe.engine.kv.groups)
     vocab = probe.engine.model_config.vocab_size
     probe.shutdown()

@@ -106,7 +106,8 @@ def run_phase(letter: str, out: Path, budget: float, smoke: bool) -> dict[str, A
         except json.JSONDecodeError:
             pass
     if status is None and returncode != 0:
-        status = f"failed: exit code {returncode} (see {log_path.name})"
+        recorded = str(result.get("status", ""))  # the step's own account of its failure, where it wrote one
+        status = recorded if recorded.startswith("failed") else f"failed: exit code {returncode} (see {log_path.name})"
     if status is None:
         status = result.get("status", "failed: the phase wrote no result")
     result.update(
@@ -257,7 +258,13 @@ def run_quick(names: list[str], out: Path, work: Path, report: dict[str, Any], s
         try:
             result = run_phase(step.name, work, budget, smoke)
         except SystemExit:
-            report["phases"][step.name].update(status="stopped: the suite itself was stopped (SIGTERM)")
+            stopped: dict[str, Any] = dict(status="stopped: the suite itself was stopped (SIGTERM)")
+            saved = work / f"phase_{step.name}.json"  # what the step saved of its rows when it was stopped in turn
+            try:
+                stopped = {**json.loads(saved.read_text()), **stopped}
+            except (OSError, json.JSONDecodeError):
+                pass
+            report["phases"][step.name].update(stopped)
             _save(out, work, report)
             raise
         report["phases"][step.name] = result

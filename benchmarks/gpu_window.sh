@@ -15,8 +15,8 @@
 # that `tools/wheelhouse.sh --have tools/gpu_image_packages.txt --out .whl` built and the device tool carried),
 # BRISK_COMMIT (the checkout's commit, for the report).
 #
-# Before the suite: the processes already holding GPU memory (a previous run's leftovers) are listed, and brisk's
-# own imports are checked against the installed packages; where one fails the script stops there (exit 3).
+# Before the suite: the processes already holding GPU memory (a previous run's leftovers) are listed and ended, and
+# brisk's own imports are checked against the installed packages; where one fails the script stops there (exit 3).
 set -uo pipefail
 
 start=$SECONDS
@@ -29,6 +29,19 @@ limit=540              # seconds for the suite: its window is 480; the device to
 window() {
     echo "gpu_window.sh: processes on the GPU before the suite (a previous run's leftovers hold its memory):"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
+    # A step killed at the device tool's limit runs on, holding its memory (dummy 120b: ~65 GB): ended before the
+    # suite starts, so a rerun on the warm machine gets the whole GPU.
+    local leftovers
+    leftovers=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | grep -E '^[0-9]+$')
+    if [ -n "$leftovers" ]; then
+        echo "gpu_window.sh: ending them: $(echo $leftovers)"
+        kill -9 $leftovers 2>/dev/null
+        for _ in $(seq 40); do  # until the driver has their memory back (at most ~20 s)
+            [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
+            sleep 0.5
+        done
+    fi
+    unset TRITON_INTERPRET  # set by a CPU test habit, every kernel would run in the interpreter and every step time out
     shopt -s nullglob
     local packages=("$wheels"/*.whl)
     if ((${#packages[@]})); then

@@ -209,7 +209,7 @@ class _HostAllocations(TorchDispatchMode):
 
 
 def test_dummy_gpt_oss_120b_for_another_device_never_passes_through_host_memory():
-    """The 61 GB model for a GPU: every parameter is created on the target device and its random values drawn
+    """The 65 GB (61 GiB) model for a GPU: every parameter is created on the target device and its random values drawn
     there. Watched on the meta device (the same operations, no memory): no tensor over 1 MiB is made on the host,
     and every parameter gets its fill on the target."""
     config = ModelConfig.from_pretrained(str(GPT_OSS_CONFIGS / "gpt-oss-120b"), dtype="bfloat16")
