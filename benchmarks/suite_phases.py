@@ -184,7 +184,7 @@ def matmul_tflops(torch, cuda: bool, smoke: bool) -> float:
     if cuda:
         from gpu_timing import time_ms
 
-        ms = time_ms(lambda: a @ b, iters=10, graph=False)
+        ms = time_ms(lambda: a @ b, iters=10, graph=False, rounds=5)  # ~0.1 s of matmuls, the best tenth
         return 2 * n**3 / ms / 1e9
     a @ b
     start = time.perf_counter()
@@ -355,11 +355,15 @@ def phase_c(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     ceil = ceilings(rec.path.parent)
     out = rec.path.parent
     attention_cmd = [sys.executable, "benchmarks/bench_attention.py", "--out", str(out / "c_attention.json")]
-    run_logged(attention_cmd, min(rec.left(), budget * 0.5))
     shown = "python benchmarks/bench_attention.py --out DIR/c_attention.json"
-    decode, prefill = attention_rows(json.loads((out / "c_attention.json").read_text()), ceil)
-    rec.section("Paged decode attention (KV GB/s vs phase a's copy)", shown, decode)
-    rec.section("Paged prefill attention (TFLOP/s vs phase a's matmul)", shown, prefill)
+    try:  # a failed or overrun attention benchmark costs its rows, not the MoE's
+        run_logged(attention_cmd, min(rec.left(), budget * 0.5))
+        decode, prefill = attention_rows(json.loads((out / "c_attention.json").read_text()), ceil)
+    except (subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as exc:
+        rec.section("Paged attention", shown, [], f"not measured: {type(exc).__name__}: {exc}"[:300])
+    else:
+        rec.section("Paged decode attention (KV GB/s vs phase a's copy)", shown, decode)
+        rec.section("Paged prefill attention (TFLOP/s vs phase a's matmul)", shown, prefill)
     moe_cmd = [sys.executable, "benchmarks/bench_moe.py", "--out", str(out / "c_moe.json")]
     run_logged(moe_cmd, rec.left())
     rows = moe_rows(json.loads((out / "c_moe.json").read_text()), ceil)
