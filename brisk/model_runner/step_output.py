@@ -71,7 +71,10 @@ class ExtrasGather:
         return [RankExtras(*e) for e in gathered] if gathered is not None else None
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)  # the steps submitted everywhere: every rank's gathers meet
+        # Ranks > 0 stop at rank 0's stop message: their last steps' gathers still meet rank 0's, which runs them.
+        # Rank 0 closes after the other ranks have exited (their gathers done), or after killing them when a step
+        # failed half-way: gathers not yet started are dropped then, having no one to meet.
+        self._thread.shutdown(wait=True, cancel_futures=self.rank == 0)
 
 
 def _log_failure(future: Future) -> None:
