@@ -259,8 +259,13 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     ]
     seq = 2 * args.throughput_len
     chunk = min(args.throughput_len, runner.config.max_num_tokens)  # the most of one prompt a step computes
-    need = blocks_for_one_request(groups, runner.block_size, seq, chunk) - 1
-    batch = max(1, min(args.max_batch, (runner.num_blocks - 1) // need))
+    # Blocks a sequence holds at its end (the whole context in full-attention groups, the window in sliding ones),
+    # and above that while its prompt is computed (a sliding group holds the whole chunk until the step is done);
+    # at most a step's worth of prompts are computed at once, so only they hold the peak.
+    steady = blocks_for_one_request(groups, runner.block_size, seq, 1) - 1
+    peak = blocks_for_one_request(groups, runner.block_size, seq, chunk) - 1
+    prefilling = -(-runner.config.max_num_tokens // chunk) + 1
+    batch = max(1, min(args.max_batch, (runner.num_blocks - 1 - prefilling * (peak - steady)) // steady))
     limited_by = "kv blocks" if batch < args.max_batch else "max_batch"
     # Kept back for the profile (when it runs: a step short of the roofline, where it tells most) and the exit.
     profile_s = min(20.0, 0.2 * args.time_budget) if args.time_budget else 0.0
@@ -271,9 +276,11 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     )
     if cut:
         res.note(cut)
+    preempted_before = llm.engine.stats().num_preemptions
     total_s, outs = timed(lambda: generate(random_prompts(batch, args.throughput_len, vocab, rng), output_len))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     row = dict(batch=batch, input_len=args.throughput_len, output_len=output_len, total_s=total_s)
+    row["preemptions"] = llm.engine.stats().num_preemptions - preempted_before  # 0: the batch fit the pool
     row.update(output_tok_s_gpu=produced / total_s, limited_by=limited_by if not cut else "the step's time")
     _flag_short_outputs(row, produced, batch * output_len)
     if args.bandwidth_gbps:
