@@ -184,7 +184,8 @@ def matmul_tflops(torch, cuda: bool, smoke: bool) -> float:
     if cuda:
         from gpu_timing import time_ms
 
-        ms = time_ms(lambda: a @ b, iters=10, graph=False, rounds=5)  # ~0.1 s of matmuls, the best tenth
+        # ~0.1 s of matmuls: the best of five rounds of ten
+        ms = time_ms(lambda: a @ b, iters=10, graph=False, rounds=5)
         return 2 * n**3 / ms / 1e9
     a @ b
     start = time.perf_counter()

@@ -49,13 +49,12 @@ def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     if gathers_into_one_tensor():
         out = padded.new_empty((len(counts) * width, *padded.shape[1:]))
         dist.all_gather_into_tensor(out, padded)
-        parts = list(out.split(width))
+        if min(counts) == width:
+            return out
+        parts = out.split(width)
     else:
         parts = [torch.empty_like(padded) for _ in counts]
         dist.all_gather(parts, padded)
-        out = None
-    if min(counts) == width:
-        return out if out is not None else torch.cat(parts)
     return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 

@@ -244,7 +244,7 @@ def _verified_logprobs(
     tokens = [t for i in asking for t in counts_and_tokens[i][1 : 1 + counts_and_tokens[i][0]]]
     rows_t = to_device(np.array(rows, dtype=np.int64), logits.device)
     lps = raw[rows_t, to_device(np.array(tokens, dtype=np.int64), logits.device)].tolist()
-    width = max((states[i].params.logprobs or 0 for i in asking), default=0) if batch.max_num_logprobs else 0
+    width = batch.max_num_logprobs or 0  # the batch's widest top-n (its rows are these requests', expanded)
     top_ids, top_values = [], []
     if width:
         values, ids = raw[rows_t].topk(width, dim=-1)
@@ -255,7 +255,7 @@ def _verified_logprobs(
         num, count = states[i].params.logprobs, counts_and_tokens[i][0]
         entries = []
         for r in range(at, at + count):
-            top = list(zip(top_ids[r][:num], top_values[r][:num])) if width and num else []
+            top = list(zip(top_ids[r][:num], top_values[r][:num])) if num else []  # num > 0: width >= num
             entries.append(TokenLogprobs(lps[r], top))
         out[i] = entries
         at += count
