@@ -214,8 +214,9 @@ class EngineConfig(OptionModel):
     )
     gpu_memory_utilization: float | None = option(
         None,
-        "vLLM's sizing: weights, activations and KV cache within this share of the whole GPU; converted to "
-        "kv_cache_config.free_gpu_memory_fraction at start-up (logged); on a CPU the share of RAM the KV cache takes",
+        "vLLM's sizing: weights, activations and KV cache within this share of the whole GPU (the KV cache gets what "
+        "the measured weights and profiled step leave of it, instead of kv_cache_config.free_gpu_memory_fraction); "
+        "on a CPU the share of RAM the KV cache takes",
         vllm=("gpu_memory_utilization", "device_memory_utilization"),
         gt=0.0,
         le=1.0,
@@ -653,9 +654,9 @@ class EngineConfig(OptionModel):
                 )
         kv_changes: dict[str, Any] = {}
         if self.gpu_memory_utilization is not None:
-            fraction, note = kv_fraction_for_utilization(self, gpu)
-            notes.append(note)
-            kv_changes["free_gpu_memory_fraction"] = fraction
+            notes.append(utilization_note(self, gpu))
+            if not gpu:
+                kv_changes["free_gpu_memory_fraction"] = self.gpu_memory_utilization
         if self.kv_offloading_size is not None:  # vLLM's GiB over all ranks -> each rank's bytes
             per_rank = int(self.kv_offloading_size * 2**30) // self.tp_size
             notes.append(
@@ -1070,11 +1071,11 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         raise ConfigError(f"model '{model}' {why}") from None
 
 
-def kv_fraction_for_utilization(config: EngineConfig, gpu: bool) -> tuple[float, str]:
-    """vLLM's gpu_memory_utilization u (weights + activations + KV within u of the device) as brisk's
-    free_gpu_memory_fraction f (the KV cache's share of what the weights and a profiled step leave), and the log
-    line saying so. With the device's memory T and the weights W per rank (estimated from the checkpoint's files):
-    f = (u * T - W) / (T - W), so that W + f * (T - W) = u * T (activations come out of the same budget)."""
+def utilization_note(config: EngineConfig, gpu: bool) -> str:
+    """The start-up line for vLLM's gpu_memory_utilization u. On a GPU the engine sizes the KV pool by vLLM's rule
+    once it has measured the weights and a step (model_runner/memory.py): nothing of the GPU is touched here, so
+    that the API process creates no CUDA context. On a CPU u is the KV cache's share of the RAM (the caller sets
+    it as the fraction)."""
     u = config.gpu_memory_utilization
     assert u is not None  # the caller checks
     if "free_gpu_memory_fraction" in config.kv_cache_config.model_fields_set:
@@ -1083,39 +1084,15 @@ def kv_fraction_for_utilization(config: EngineConfig, gpu: bool) -> tuple[float,
             "KV cache: give one of them"
         )
     if not gpu:
-        return u, (
+        return (
             f"gpu_memory_utilization {u:g} on a CPU: the KV cache takes {u:.0%} of the available RAM (at most 2 GiB), "
             "as kv_cache_free_gpu_memory_fraction does"
         )
-    import torch
-
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    weights = checkpoint_bytes(config.model) // config.tp_size if config.load_format != "dummy" else 0
-    fraction = kv_fraction(u, total, weights)
-    gib = 1 << 30
-    if fraction <= 0.0:
-        raise ConfigError(
-            f"--gpu-memory-utilization {u:g} leaves no memory for the KV cache: the weights take "
-            f"~{weights / gib:.1f} GiB of each GPU's {total / gib:.1f} GiB; raise it, or use more GPUs (--tp_size)"
-        )
-    return min(fraction, 1.0), (
-        f"gpu_memory_utilization {u:g} (vLLM: weights, activations and KV cache within {u:.0%} of the GPU's "
-        f"{total / gib:.1f} GiB): the weights take ~{weights / gib:.1f} GiB a rank, so the KV cache gets "
-        f"kv_cache_free_gpu_memory_fraction {min(fraction, 1.0):.3f} of the memory they and a step's activations leave"
+    return (
+        f"gpu_memory_utilization {u:g} (vLLM's sizing): the KV cache gets what the weights, a profiled step's "
+        f"activations and the CUDA context, measured at start-up, leave of {u:.0%} of each GPU "
+        "(kv_cache_free_gpu_memory_fraction is not used)"
     )
-
-
-def kv_fraction(utilization: float, total: int, weights: int) -> float:
-    """The KV cache's share f of what `weights` leave of `total` bytes such that weights + f (total - weights) is
-    `utilization` of the total (see kv_fraction_for_utilization); <= 0 where the weights alone exceed it."""
-    return (utilization * total - weights) / (total - weights)
-
-
-def checkpoint_bytes(path: str) -> int:
-    """The size of a model folder's safetensors files (0 where there are none)."""
-    if not os.path.isdir(path):
-        return 0
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
 def check_fits_machine(config: EngineConfig, model_config: ModelConfig, launched_externally: bool) -> None:

@@ -193,6 +193,30 @@ def test_runner_profiles_one_step_at_max_num_tokens_then_sizes_the_pool(tmp_path
         num_kv_blocks_by_profiling(runner)
 
 
+def test_gpu_memory_utilization_sizes_the_pool_by_vllms_rule(tmp_path, monkeypatch):
+    """vLLM's rule: weights, activations, the CUDA context and the KV cache within u of the whole device, from
+    what start-up measures (no estimate from the checkpoint's files, right for dummy weights too)."""
+    m = MemoryMeasurement(total=80 * GIB, weights=60 * GIB, activations=3 * GIB, graphs=GIB // 2, other=GIB // 2)
+    shape = dict(bytes_per_block=1 << 20, block_size=32, groups=GPT_OSS_GROUPS, max_seq_len=4096, max_num_tokens=8192)
+    plan = plan_kv_cache(m, fraction=0.9, utilization=0.9, **shape)
+    assert plan.kv_bytes == 72 * GIB - (80 * GIB - m.left)  # 72 GiB less the 64 measured: 8 GiB, not 0.9 of 16
+    assert m.weights + m.activations + m.graphs + m.other + plan.kv_bytes == round(0.9 * m.total)
+    assert "gpu_memory_utilization 0.9: what is left of 90% of the total" in plan.describe()
+    with pytest.raises(InsufficientKVMemoryError, match="Raise gpu_memory_utilization"):
+        plan_kv_cache(m, fraction=0.9, utilization=0.79, **shape)  # 63.2 GiB < the 64 measured
+
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    llm = LLM(path, max_num_tokens=96, max_batch_size=8, max_seq_len=256, tokens_per_block=16, dtype="float32")
+    runner = llm.engine.executor.runner
+    runner.config = runner.config.model_copy(update={"gpu_memory_utilization": 0.5})
+    fake = FakeCudaMemory(total=GIB, weights=100 << 20, activations=50 << 20, other=30 << 20)
+    fake.install(monkeypatch)
+    monkeypatch.setattr(type(runner.kv_layout), "most_useful_blocks", lambda *a: 1 << 30)  # the plan alone decides
+    expected = (round(0.5 * GIB) - (100 << 20) - (50 << 20) - (30 << 20)) // runner.kv_layout.bytes_per_block
+    assert num_kv_blocks_by_profiling(runner) == expected
+
+
 def test_the_profiling_step_samples_on_the_costliest_path(tmp_path, monkeypatch):
     """Its sampling temporaries ([rows, vocabulary] sorts, softmaxes, logprobs) are part of the measured peak: it
     samples with temperature, top-k, top-p, min-p, the penalties and the most logprobs a request may ask for."""

@@ -22,8 +22,8 @@ from brisk.config import (
     EngineConfig,
     ServerConfig,
     build_serve_configs,
-    kv_fraction,
 )
+from brisk.kv_cache.config import KvCacheConfig
 from brisk.options import OptionError
 from brisk.peer_options import ANY, PEER_OPTIONS
 from brisk.sampling_params import InvalidRequest
@@ -502,13 +502,22 @@ def test_kv_memory_share_and_fixed_blocks(caplog):
         EngineConfig.build("m", gpu_memory_utilization=0.5, kv_cache_free_gpu_memory_fraction=0.5, device="cpu")
 
 
-def test_gpu_memory_utilization_conversion():
-    """vLLM: weights + activations + KV within u of the device. brisk's fraction f of what the weights leave:
-    W + f (T - W) = u T."""
-    gib = 1 << 30
-    assert kv_fraction(0.9, total=80 * gib, weights=60 * gib) == pytest.approx((72 - 60) / (80 - 60))
-    assert kv_fraction(0.5, total=80 * gib, weights=0) == pytest.approx(0.5)
-    assert kv_fraction(0.5, total=80 * gib, weights=60 * gib) <= 0  # the caller refuses it, naming the option
+def test_gpu_memory_utilization_on_a_gpu_is_left_to_the_engine(monkeypatch):
+    """On a GPU the config touches no GPU for it: a CUDA context in the API process would hold ~0.5 GiB of GPU 0
+    for nothing. u goes to the engine, which sizes the pool by vLLM's rule from what it measures
+    (tests/test_kv_memory.py)."""
+
+    def no_cuda() -> None:
+        raise AssertionError("the config initialised CUDA")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    on_gpu, notes = EngineConfig(model="m", gpu_memory_utilization=0.8).on_device("cuda")
+    assert on_gpu.gpu_memory_utilization == 0.8
+    assert on_gpu.memory_fraction == KvCacheConfig().free_gpu_memory_fraction  # not used: the engine sizes by u
+    assert any(n.startswith("gpu_memory_utilization 0.8 (vLLM's sizing)") for n in notes)
+    both = EngineConfig(model="m", gpu_memory_utilization=0.5, kv_cache_config={"free_gpu_memory_fraction": 0.5})
+    with pytest.raises(ConfigError, match="give one of them"):
+        both.on_device("cuda")
 
 
 def test_kv_cache_dtype():
@@ -849,7 +858,8 @@ OPTION_TESTS: dict[str, list[str]] = {
     },
     "gpu_memory_utilization": [
         f"{HERE}::test_kv_memory_share_and_fixed_blocks",
-        f"{HERE}::test_gpu_memory_utilization_conversion",
+        f"{HERE}::test_gpu_memory_utilization_on_a_gpu_is_left_to_the_engine",
+        "tests/test_kv_memory.py::test_gpu_memory_utilization_sizes_the_pool_by_vllms_rule",
     ],
     "cuda_graph_config": [
         "tests/test_engine_process_config.py::test_engine_process_config_keeps_what_was_given",

@@ -4,10 +4,11 @@ At start-up, after the weights are loaded, the runner runs one forward pass of a
 (spread over up to `max_batch_size` sequences, so that the logits of a full batch, sampled on the costliest path:
 top-k / top-p / min-p, penalties, logprobs, are part of the peak) on a temporary KV cache just large enough for
 it. What that costs is measured by torch's allocator (peak allocated bytes) and the driver (free bytes), not
-estimated. The KV pool then gets `kv_cache_free_gpu_memory_fraction` of what is left:
+estimated. The KV pool then gets `kv_cache_free_gpu_memory_fraction` of what is left, or, given vLLM's
+`gpu_memory_utilization` u, what is left of u of the whole device (vLLM's rule):
 
     left = total - weights - activations - graphs - other      (other: CUDA context, cuBLAS/NCCL workspaces)
-    KV   = left * fraction
+    KV   = left * fraction            or      KV = u * total - (total - left) = left - (1 - u) * total
 
 CUDA graphs are captured after the pool is allocated (a graph holds the pool's addresses), so their memory comes out
 of the share the fraction leaves: `graphs` is 0 in what start-up measures, and is there for plans made with a
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 FRACTION_SETTING = "kv_cache_free_gpu_memory_fraction"
+UTILIZATION_SETTING = "gpu_memory_utilization"
 
 
 class InsufficientKVMemoryError(ConfigError):
@@ -68,6 +70,7 @@ class KVGroupLayout:
 class KVCachePlan:
     measured: MemoryMeasurement
     fraction: float
+    utilization: float | None  # vLLM's gpu_memory_utilization, where it sized the pool instead of the fraction
     kv_bytes: int  # the pool's budget
     bytes_per_block: int
     block_size: int
@@ -88,7 +91,7 @@ class KVCachePlan:
         return (
             f"GPU memory (GiB): total {m.total / GIB:.2f}, weights {m.weights / GIB:.2f}, activations "
             f"{m.activations / GIB:.2f}, graphs {m.graphs / GIB:.2f}, other {m.other / GIB:.2f}, left "
-            f"{m.left / GIB:.2f}; KV cache {self.kv_bytes / GIB:.2f} ({FRACTION_SETTING} {self.fraction:g}): "
+            f"{m.left / GIB:.2f}; KV cache {self.kv_bytes / GIB:.2f} ({sizing_rule(self.fraction, self.utilization)}): "
             f"{self.num_blocks:,} blocks of {self.block_size} tokens; KV tokens per group, one pool: {groups}"
         )
 
@@ -106,6 +109,12 @@ def blocks_for_one_request(
     return need
 
 
+def sizing_rule(fraction: float, utilization: float | None) -> str:
+    if utilization is None:
+        return f"{FRACTION_SETTING} {fraction:g} of what is left"
+    return f"{UTILIZATION_SETTING} {utilization:g}: what is left of {utilization:.0%} of the total"
+
+
 def plan_kv_cache(
     measured: MemoryMeasurement,
     *,
@@ -115,11 +124,16 @@ def plan_kv_cache(
     groups: Sequence[KVGroupLayout],
     max_seq_len: int,
     max_num_tokens: int,
+    utilization: float | None = None,
 ) -> KVCachePlan:
-    """The pool: `fraction` of the memory left after weights, activations, graphs and the rest; an error naming
-    the settings to change when that cannot hold one request of max_seq_len."""
+    """The pool: `fraction` of the memory left after weights, activations, graphs and the rest, or, given vLLM's
+    `utilization`, what those leave of that share of the whole device; an error naming the settings to change
+    when that cannot hold one request of max_seq_len."""
     need = blocks_for_one_request(groups, block_size, max_seq_len, max_num_tokens)
-    kv_bytes = max(0, int(measured.left * fraction))
+    if utilization is None:
+        kv_bytes = max(0, int(measured.left * fraction))
+    else:
+        kv_bytes = max(0, round(utilization * measured.total) - (measured.total - measured.left))
     num_blocks = kv_bytes // bytes_per_block
     if num_blocks < need:
         m = measured
@@ -127,12 +141,14 @@ def plan_kv_cache(
             f"not enough GPU memory for the KV cache: of {m.total / GIB:.2f} GiB, the weights take "
             f"{m.weights / GIB:.2f}, a step of max_num_tokens={max_num_tokens} takes {m.activations / GIB:.2f} for "
             f"activations, graphs {m.graphs / GIB:.2f} and the CUDA context and libraries {m.other / GIB:.2f}, "
-            f"leaving {max(m.left, 0) / GIB:.2f} GiB; {FRACTION_SETTING}={fraction:g} of it gives {num_blocks} KV "
+            f"leaving {max(m.left, 0) / GIB:.2f} GiB; {sizing_rule(fraction, utilization)} gives {num_blocks} KV "
             f"blocks, but one request of max_seq_len={max_seq_len} needs {need} ({need * bytes_per_block / GIB:.2f} "
-            f"GiB). Raise {FRACTION_SETTING}, lower max_seq_len or max_num_tokens (or cuda_graph_config's "
-            f"max_batch_size), or split the model over more GPUs (tp_size)"
+            f"GiB). Raise {FRACTION_SETTING if utilization is None else UTILIZATION_SETTING}, lower max_seq_len or "
+            f"max_num_tokens (or cuda_graph_config's max_batch_size), or split the model over more GPUs (tp_size)"
         )
-    return KVCachePlan(measured, fraction, kv_bytes, bytes_per_block, block_size, num_blocks, tuple(groups))
+    return KVCachePlan(
+        measured, fraction, utilization, kv_bytes, bytes_per_block, block_size, num_blocks, tuple(groups)
+    )
 
 
 @contextmanager

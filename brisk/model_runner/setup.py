@@ -4,8 +4,9 @@ they may use of it).
 
 KV pool size: `kv_cache_config.max_blocks`, else on a GPU by profiling (memory.py: one real step at
 `max_num_tokens` measured on a temporary cache, the pool gets `kv_cache_free_gpu_memory_fraction` of what is
-left), else `memory_fraction` of the free memory (kv_tensors.py); at most what `kv_cache_config.max_tokens` and
-`max_gpu_total_bytes` allow. Ranks agree on the smallest.
+left, or what is left of `gpu_memory_utilization` of the device), else `memory_fraction` of the free memory
+(kv_tensors.py); at most what `kv_cache_config.max_tokens` and `max_gpu_total_bytes` allow. Ranks agree on the
+smallest.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ def profile_sampling_params(max_logprobs: int) -> SamplingParams:
 
 def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     """One forward pass at max_num_tokens on a temporary cache just big enough for it, measured; the pool gets
-    kv_cache_free_gpu_memory_fraction of what is left (memory.py). CUDA graphs are captured after the pool
-    (they hold its addresses): their memory comes out of the share the fraction leaves."""
+    kv_cache_free_gpu_memory_fraction of what is left, or what is left of gpu_memory_utilization of the device
+    (memory.py). CUDA graphs are captured after the pool (they hold its addresses): their memory comes out of the
+    share the sizing leaves."""
     config, device, block_size = runner.config, runner.device, runner.block_size
     weights = torch.cuda.memory_allocated(device)
     lengths = profile_batch_shape(config.max_num_tokens, config.max_batch_size)
@@ -160,6 +162,7 @@ def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
         groups=layouts,
         max_seq_len=runner.max_seq_len,
         max_num_tokens=config.max_num_tokens,
+        utilization=config.gpu_memory_utilization,
     )
     log_plan(plan)
     useful = runner.kv_layout.most_useful_blocks(runner.max_seq_len, config.max_batch_size, config.max_num_tokens)
