@@ -18,7 +18,9 @@ By name only (`--steps kv_fp8`, e.g. a window's second command after `env`, whos
                         (~1k in / 1k out), and the two side by side (pool tokens, tok/s, ratios)
     host_tier    150 s  benchmarks/bench_host_tier.py on dummy gpt-oss-20b: 16 conversations x 4 turns resending
                         their history (2k tokens first) over a device pool of ~25% of it, without and with the host
-                        KV tier (copies on a CUDA stream): prompt tokens recomputed, TTFT, bytes moved
+                        KV tier (copies on a CUDA stream): prompt tokens recomputed, TTFT, bytes moved; then
+                        benchmarks/bench_kv_block_copies.py at its KV layout (a step's copies of 16 and 64
+                        scattered blocks: brisk's staged batches vs one copy per block and KV tensor), seconds
 
 Each step is a process of its own under a hard timeout (gpu_suite.py); inside it, the speed steps fit their sizes
 to their time (batches skipped, the throughput point cut, each with a note) rather than running into the timeout.
@@ -71,6 +73,7 @@ KERNEL_TESTS = (
     "tests/test_triton_attention.py::test_real_backend_mixed_batch[True-None-dtype0]",
     "tests/test_triton_moe.py::test_alignment_at_prefill_size_on_gpu",
     "tests/test_spec_decode_rejection.py::test_a_request_fails_when_any_of_its_verify_rows_is_non_finite[cuda]",
+    "tests/test_kv_host_tier.py::test_staged_copies_on_a_gpu_move_every_tensors_bytes_as_one_at_a_time_would",
 )
 E2E_TESTS = (
     "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[mxfp4]",
@@ -256,7 +259,36 @@ def step_host_tier(rec: PhaseRecord, smoke: bool, budget: float) -> int:
     # fp32 on a CPU: copied-back KV is the recomputed KV, bit for bit. bf16 on a GPU: near-ties may go either way.
     if not gpu and not report["outputs_identical"]:
         return rec.finish("failed: the host tier changed the outputs")
-    return rec.finish("ok" if done.returncode == 0 else f"failed: exit code {done.returncode}")
+    copies = block_copy_section(rec, model_dir, work, gpu)
+    if done.returncode != 0:
+        return rec.finish(f"failed: exit code {done.returncode}")
+    return rec.finish("ok" if copies == "ok" else f"failed: block copies: {copies}")
+
+
+def block_copy_section(rec: PhaseRecord, model_dir: str, work: Path, gpu: bool) -> str:
+    """benchmarks/bench_kv_block_copies.py at the model's KV layout: a step's copies of scattered blocks, brisk's
+    way (staged batches on a GPU) against one copy per block and KV tensor; a few seconds."""
+    path = work / "kv_block_copies.json"
+    path.unlink(missing_ok=True)
+    command = [sys.executable, "benchmarks/bench_kv_block_copies.py", "--config", model_dir, "--out", str(path)]
+    command += ["--blocks", "16", "64"] if gpu else ["--blocks", "4", "--repeats", "2", "--staged"]
+    shown = "python " + shlex.join(command[1:]).replace(str(work), "DIR")
+    title = "Host KV tier block copies"
+    try:
+        done = run_logged(command, rec.left())
+        report = json.loads(path.read_text())
+    except subprocess.TimeoutExpired:
+        rec.section(title, shown, [], "stopped at the step's budget")
+        return "timeout"
+    except (OSError, json.JSONDecodeError):
+        rec.section(title, shown, [], "no results (see the log)")
+        return f"exit code {done.returncode}"
+    note = (
+        f"{report['kv_tensors']} KV tensors, {report['bytes_per_block']:,} bytes a block; per_tensor / brisk: "
+        + json.dumps(report["per_tensor_over_brisk"])
+    )
+    rec.section(title, shown, report["rows"], note)
+    return "ok"
 
 
 def kv_dtype_rows(results: dict[str, dict]) -> list[dict]:

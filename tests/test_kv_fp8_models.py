@@ -23,7 +23,7 @@ from brisk import LLM, SamplingParams
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.kv_cache.manager import KVGroupSpec
 from brisk.layers.kv_fp8 import FP8_KV_DTYPE
-from brisk.model_config import ModelConfig
+from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.kv_tensors import KVTensorLayout
 from brisk.model_runner.loader import load_model
 from tests.conftest import skip_unless_isa_under_test
@@ -107,6 +107,24 @@ def test_scales_are_read_from_the_checkpoint(tmp_path):
     save_file(tensors, file)
     with pytest.raises(ValueError, match="k_scale of layer 0 is not a positive finite scale"):
         load_model(ModelConfig.from_pretrained(str(tmp_path)), device="cpu")
+
+
+def test_per_head_scales_of_the_model_go_to_the_ranks_holding_those_heads(tmp_path):
+    """Tensor parallel: each rank takes its KV heads' scales of the model's (tp 2: a head each; tp 4: each head on
+    two ranks)."""
+    make_tiny_model("llama", tmp_path, seed=0)
+    make_tiny_tokenizer(tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.1.self_attn.attn.v_scale"] = torch.tensor([2.0, 3.0])
+    save_file(tensors, file)
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    assert config.num_kv_heads == 2 and config.num_heads % 4 == 0
+    for tp, expected in ((2, [2.0, 3.0]), (4, [2.0, 2.0, 3.0, 3.0])):
+        for rank in range(tp):
+            model = load_model(config, device="cpu", parallel=ParallelConfig.for_rank(rank, tp))
+            attn = [m for m in model.modules() if isinstance(m, brisk.layers.attention.Attention)]
+            assert attn[1].v_scale.tolist() == [expected[rank]] and attn[0].v_scale.tolist() == [1.0]
 
 
 # ---- accuracy -----------------------------------------------------------------------------------------------------

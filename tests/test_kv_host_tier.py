@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from brisk import LLM, SamplingParams
 from brisk.cli import build_parser
@@ -23,7 +25,8 @@ from brisk.config import OPTIONS, ConfigError, EngineConfig, build_serve_configs
 from brisk.engine.messages import SchedulerStats
 from brisk.kv_cache.host_tier import HostTier, KVBlockCopy
 from brisk.kv_cache.manager import NULL_BLOCK, KVCacheManager, KVGroupSpec
-from brisk.model_runner.kv_offload import _runs
+from brisk.model_runner import kv_offload, setup
+from brisk.model_runner.kv_offload import HostKVCache, copy_batches, host_runs
 from brisk.server.metrics import ServerMetrics
 from tests.fake_engine import FakeEngine
 from tests.tiny_models import make_tiny_model
@@ -139,10 +142,142 @@ def test_a_host_block_read_this_step_is_not_reused_this_step():
     assert not host.pinned and len(host.lru) == 2
 
 
-def test_copy_runs_merge_only_consecutive_blocks_in_order():
-    copies = [KVBlockCopy(True, 3, 0), KVBlockCopy(True, 4, 1), KVBlockCopy(True, 9, 2), KVBlockCopy(False, 5, 0)]
-    copies += [KVBlockCopy(False, 6, 1), KVBlockCopy(True, 6, 3)]
-    assert _runs(copies) == [(True, 3, 0, 2), (True, 9, 2, 1), (False, 0, 5, 2), (True, 6, 3, 1)]
+def test_copy_batches_keep_the_order_and_never_write_a_block_twice():
+    copies = [KVBlockCopy(True, 3, 0), KVBlockCopy(True, 4, 1), KVBlockCopy(True, 9, 0), KVBlockCopy(False, 5, 0)]
+    copies += [KVBlockCopy(False, 6, 1), KVBlockCopy(False, 7, 2), KVBlockCopy(True, 6, 3)]
+    batches = copy_batches(copies, max_rows=2)
+    # host block 0 written twice: the second write starts a batch (so it lands last); at most 2 rows a batch
+    assert [(d, [c.device_block for c in b]) for d, b in batches] == [
+        (True, [3, 4]),
+        (True, [9]),
+        (False, [5, 6]),
+        (False, [7]),
+        (True, [6]),
+    ]
+    assert host_runs([4, 5, 6, 9, 2, 3]) == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
+
+
+def _kv_tensors(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    """KV tensors of three shapes and dtypes (bf16 and FP8 K/V slots, a drafter's), blocks first, random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [((num_blocks, 4, 2, 8), torch.bfloat16), ((num_blocks, 4, 2, 8), torch.float8_e4m3fn)]
+    shapes += [((num_blocks, 4, 1, 16), torch.float32)]
+    tensors = []
+    for shape, dtype in shapes:
+        raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), generator=gen)
+        tensors.append(raw.to(torch.uint8).view(dtype).view(shape))
+    return tensors
+
+
+@pytest.mark.parametrize("staging_rows", [None, 1, 3, 64], ids=["direct", "staged-1", "staged-3", "staged-64"])
+def test_block_copies_move_every_tensors_bytes_as_one_at_a_time_would(monkeypatch, staging_rows):
+    """Random copies both ways, straight (a CPU's way) and through staging buffers of 1, 3 and 64 blocks (a GPU's):
+    every tensor's device blocks end as a reference that copies block by block, tensor by tensor, in order, leaves
+    them (and the host blocks hold what it would)."""
+    check_block_copies(monkeypatch, torch.device("cpu"), staging_rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_staged_copies_on_a_gpu_move_every_tensors_bytes_as_one_at_a_time_would(monkeypatch):
+    """The same on a GPU: pinned host blocks, the copy stream, the forward's stream waiting for it."""
+    check_block_copies(monkeypatch, torch.device("cuda"), 3)
+
+
+def check_block_copies(monkeypatch, device: torch.device, staging_rows: int | None) -> None:
+    tensors, reference = [t.to(device) for t in _kv_tensors(12, 0)], _kv_tensors(12, 0)
+    ref_host = [torch.zeros((6, *t.shape[1:]), dtype=t.dtype).view(torch.uint8) for t in reference]
+    per_block = sum(t[0].numel() * t.element_size() for t in tensors)
+    monkeypatch.setattr(kv_offload, "STAGING_BYTES", (staging_rows or 0) * per_block)
+    host = HostKVCache(tensors, num_host_blocks=6, device=device, staged=staging_rows is not None)
+    staged_rows = host.staging.shape if host.staging is not None else None
+    assert staged_rows == (staging_rows and (min(6, staging_rows), per_block)) and host.bytes_per_block == per_block
+    host.host_blocks.zero_()  # as the reference's (the engine never reads a host block it did not write)
+    rng = random.Random(staging_rows or 0)
+    try:
+        for _ in range(20):
+            copies = [KVBlockCopy(rng.random() < 0.5, rng.randrange(12), rng.randrange(6)) for _ in range(9)]
+            copies = copies[: rng.randrange(10)]
+            host.start(copies)
+            host.wait()  # the current stream waits for the copies
+            for c in copies:
+                for t, h in zip(reference, ref_host):
+                    raw = t.view(torch.uint8)
+                    if c.to_host:
+                        h[c.host_block] = raw[c.device_block]
+                    else:
+                        raw[c.device_block] = h[c.host_block]
+            for t, r in zip(tensors, reference):
+                assert torch.equal(t.view(torch.uint8).cpu(), r.view(torch.uint8))
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the host tier's memory is written by the copy stream
+        for (_, start, end), h in zip(host.segments, ref_host):  # host block b: every tensor's bytes side by side
+            assert torch.equal(host.host_blocks[:, start:end], h.reshape(6, -1))
+    finally:
+        host.close()
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operations that move bytes (copies, gathers, scatters), not views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.count += "copy" in name or "index" in name
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_of_copies_costs_operations_per_tensor_not_per_block_and_tensor():
+    """Scattered blocks (no two consecutive) copied out and back the GPU's way: a batch costs a few operations per
+    KV tensor and one per host run; copying block by block, tensor by tensor, would be 16 x 3 copies each way."""
+    device = _kv_tensors(64, 1)
+    host = HostKVCache(device, num_host_blocks=32, device=torch.device("cpu"), staged=True)
+    out = [KVBlockCopy(True, 4 * i, 2 * i) for i in range(16)]  # neither side consecutive
+    back = [KVBlockCopy(False, 4 * i + 1, 2 * i) for i in range(16)]
+    for copies in (out, back):
+        with _Ops() as ops:
+            host.start(copies)
+        assert ops.count <= 2 * len(device) + 16 + 2, ops.count  # a gather or scatter and a copy a tensor
+        assert ops.count < 16 * len(device)
+    for i in range(16):  # block 4i went out and came back into block 4i + 1
+        for t in device:
+            assert torch.equal(t[4 * i + 1].view(torch.uint8), t[4 * i].view(torch.uint8))
+
+
+def test_each_rank_on_a_machine_pins_its_own_tier(monkeypatch):
+    """The RAM check counts every rank of the machine (each pins host_cache_size); a launcher says how many."""
+    from brisk.distributed.launch import ranks_on_this_machine
+
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert ranks_on_this_machine(4) == 4  # brisk spawned them all here
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ranks_on_this_machine(16) == 8
+    monkeypatch.setattr(kv_offload, "available_host_memory", lambda: 100 << 20)
+    layer = type("Layer", (), {})()
+    layer.k_cache, layer.v_cache = _kv_tensors(4, 2)[:2]
+    assert HostKVCache.for_layers([layer], [], 40 << 20, torch.device("cpu"), 2).num_blocks > 0
+    with pytest.raises(ConfigError, match="for each of its 4 ranks"):
+        HostKVCache.for_layers([layer], [], 40 << 20, torch.device("cpu"), 4)
+
+
+def test_a_failed_start_up_unpins_the_host_tier(model, monkeypatch):
+    """Set-up failing after the host tier is pinned (a graph capture out of memory, say) unpins it: the memory is
+    freed, and a range left registered with CUDA would refuse the next engine's."""
+    _, path = model
+    closed = []
+    monkeypatch.setattr(HostKVCache, "close", lambda self: closed.append(self))
+
+    def no_memory(*args):
+        raise RuntimeError("out of memory in the capture")
+
+    monkeypatch.setattr(setup, "set_up_graphs", no_memory)
+    with pytest.raises(RuntimeError, match="out of memory in the capture"):
+        LLM(path, **ENGINE, kv_cache_config={"max_blocks": 8, "host_cache_size": 1 << 20})
+    assert len(closed) == 1
 
 
 # ---- the scheduler with a model-free runner (tests/fake_engine.py: a wrong copy changes the output) ----------

@@ -177,7 +177,7 @@ def test_dummy_weights_follow_the_engine_seed(tmp_path):
     path = make_tiny_model("gpt_oss", tmp_path / "m", mxfp4=True)
     make_tiny_tokenizer(path)
     config = ModelConfig.from_pretrained(path)
-    with LLM(path, load_format="dummy", seed=7, max_num_tokens=64) as llm:
+    with LLM(path, load_format="dummy", seed=7, max_num_tokens=64, device="cpu") as llm:  # CUDA draws others
         served = dict(llm.engine.executor.runner.model.named_parameters())
         assert set(llm.engine.executor.runner.startup.seconds) >= {"weights", "kv_sizing", "kv_allocation"}
     same = dict(load_model(config, load_format="dummy", device="cpu", seed=7).named_parameters())

@@ -148,6 +148,26 @@ def test_attention_dp_reports_every_ranks_logprobs(models, monkeypatch, overlap)
             assert all(abs(lp[t] - ref[t]) < 1e-4 for t in ref)
 
 
+def test_the_extras_gather_thread_works_on_its_ranks_gpu(monkeypatch):
+    """CUDA's current device is per thread, GPU 0 on a new one: the gather thread sets its rank's device before its
+    first CUDA call (the wait for a copy's event), else each rank of another GPU would open a context on GPU 0."""
+    from brisk.model_runner import step_output
+
+    calls = []
+    monkeypatch.setattr(step_output.dist, "new_group", lambda **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+
+    def gather(obj, gathered, dst, group):
+        calls.append(("gather", threading.current_thread().name))
+
+    monkeypatch.setattr(step_output.dist, "gather_object", gather)
+    gatherer = step_output.ExtrasGather(ParallelConfig(tp_size=1, dp_size=2, dp_rank=1), torch.device("cuda", 1))
+    gatherer.submit(step_output.RankExtras(None, None, None)).result()
+    gatherer.close()
+    assert calls[0] == ("set_device", torch.device("cuda", 1))
+    assert calls[1][0] == "gather" and calls[1][1].startswith("brisk-extras-gather")
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_attention_dp_penalties_see_every_ranks_history(models, overlap):
     """Penalties and min_tokens read a request's past outputs, which each attention-DP rank keeps for its own rows

@@ -313,6 +313,11 @@ def test_host_tier_step_compares_the_tier_with_the_device_pool_alone(tmp_path):
     assert alone["host_hit_tokens"] == 0 and tier["host_hit_tokens"] > 0
     assert tier["recomputed_tokens"] < alone["recomputed_tokens"]
     assert tier["bytes_to_host"] > 0 and tier["bytes_to_device"] > 0
+    copies = sections(phase)["Host KV tier block copies"]  # the GPU's staged way, at the toy's KV layout
+    assert {(r["way"], r["direction"]) for r in copies["rows"]} == {
+        (way, direction) for way in ("brisk", "per_tensor") for direction in ("to_host", "to_device")
+    }
+    assert all(r["done_us_per_block"] > 0 for r in copies["rows"]) and "per_tensor / brisk" in copies["note"]
 
 
 def test_quick_steps_past_the_window_are_marked_not_run_and_the_plan_goes_on(tmp_path):

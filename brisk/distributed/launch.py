@@ -58,6 +58,17 @@ def launcher_env() -> dict[str, int] | None:
     return None
 
 
+def ranks_on_this_machine(world_size: int) -> int:
+    """How many of the world's ranks share this machine (each pins its own host KV tier): what torchrun / mpirun
+    say, else all of them (rank 0 spawned them here)."""
+    if launcher_env() is None:
+        return world_size
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 1
+
+
 def rank_place(config: EngineConfig, env: dict[str, int]) -> WorldPlace:
     """This process's place in a launcher-started job."""
     if env["WORLD_SIZE"] != config.tp_size:

@@ -99,10 +99,15 @@ class Attention(nn.Module):
         scale: float,
         layer_idx: int,
         sliding_window: int | None = None,
+        first_kv_head: int = 0,
+        model_num_kv_heads: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        # This rank's KV heads among the model's (tensor parallel): where a checkpoint's per-head KV scales are
+        self.first_kv_head = first_kv_head
+        self.model_num_kv_heads = model_num_kv_heads or num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.layer_idx = layer_idx

@@ -223,6 +223,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, parallel)
 
+    @property
+    def first_kv_head(self) -> int:
+        """This rank's first KV head among the model's."""
+        return self.tp_rank // self.num_kv_head_replicas * self.num_kv_heads
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank

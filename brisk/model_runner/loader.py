@@ -111,7 +111,8 @@ def load_model(
 @torch.no_grad()
 def set_kv_scales(model: nn.Module, kv_scales: dict[tuple[int, str], torch.Tensor]) -> None:
     """The checkpoint's FP8 KV scales ({(layer index, 'k_scale' | 'v_scale'): tensor}) into the attention layers: one
-    per tensor (vLLM / ModelOpt checkpoints) for every KV head, or one per KV head of this rank."""
+    per tensor (vLLM / ModelOpt checkpoints) for every KV head, or one per KV head of the model (this rank's, under
+    tensor parallelism)."""
     layers = {m.layer_idx: m for m in model.modules() if isinstance(m, Attention)}
     for (layer_idx, kind), value in sorted(kv_scales.items()):
         layer = layers.get(layer_idx)
@@ -119,10 +120,12 @@ def set_kv_scales(model: nn.Module, kv_scales: dict[tuple[int, str], torch.Tenso
             raise ValueError(f"checkpoint has a KV {kind} for layer {layer_idx}, which the model does not have")
         target: torch.Tensor = getattr(layer, kind)
         value = value.float().flatten()
-        if value.numel() not in (1, target.numel()):
+        if value.numel() == layer.model_num_kv_heads:
+            value = value[layer.first_kv_head : layer.first_kv_head + target.numel()]
+        elif value.numel() != 1:
             raise ValueError(
                 f"checkpoint's {kind} of layer {layer_idx} has {value.numel()} values; brisk reads one per tensor or "
-                f"one per KV head of the rank ({target.numel()})"
+                f"one per KV head of the model ({layer.model_num_kv_heads})"
             )
         if not bool((value > 0).all()) or not bool(value.isfinite().all()):
             raise ValueError(f"checkpoint's {kind} of layer {layer_idx} is not a positive finite scale: {value}")

@@ -97,7 +97,7 @@ class ModelRunner:
         self.host_kv: HostKVCache | None = None  # the host KV tier (kv_cache_config.host_cache_size; setup.py)
         self.graphs: DecodeGraphs | None = None  # set by setup.py where cuda_graph_config is in effect
         self._previous: StepResult | None = None  # the step launched last (its tokens may be on the device still)
-        self.extras_gather = ExtrasGather(parallel) if parallel.dp_size > 1 else None
+        self.extras_gather = ExtrasGather(parallel, device) if parallel.dp_size > 1 else None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -108,12 +108,13 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         release_kv_cache(self.attn_layers)
 
-    def allocate_host_kv_cache(self) -> None:
-        """The host tier for the KV pool allocated last, where kv_cache_config.host_cache_size asks for one."""
+    def allocate_host_kv_cache(self, ranks_on_this_machine: int = 1) -> None:
+        """The host tier for the KV pool allocated last, where kv_cache_config.host_cache_size asks for one (each of
+        this machine's ranks pins one of that size)."""
         size = self.config.kv_cache_config.host_cache_size
         if size and self.config.enable_prefix_caching:
             draft_kv = self.drafter.proposer.kv_caches() if self.drafter is not None else []
-            self.host_kv = HostKVCache.for_layers(self.attn_layers, draft_kv, size, self.device)
+            self.host_kv = HostKVCache.for_layers(self.attn_layers, draft_kv, size, self.device, ranks_on_this_machine)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from brisk.config import EngineConfig
 from brisk.distributed.comm import agree_min
+from brisk.distributed.launch import ranks_on_this_machine
 from brisk.kv_cache.manager import cdiv
 from brisk.model_config import ModelConfig, ParallelConfig
-from brisk.model_runner.binding import bind, make_kernels, prepare_for_cpu
+from brisk.model_runner.binding import Kernels, bind, make_kernels, prepare_for_cpu
 from brisk.model_runner.cuda_graph import DecodeGraphs, GraphedModel, effective_graph_config, graph_batch_sizes
 from brisk.model_runner.kv_tensors import num_kv_blocks_in_budget
 from brisk.model_runner.loader import load_model
@@ -65,9 +66,21 @@ def load_model_runner(
         num_blocks = agree_min(num_blocks, cpu_group)
     startup.mark("kv_sizing")
     runner.allocate_kv_cache(num_blocks)
-    runner.allocate_host_kv_cache()
+    runner.allocate_host_kv_cache(ranks_on_this_machine(parallel.world_size))
     logger.info("%s", runner.kv_layout.describe(num_blocks))
     startup.mark("kv_allocation")
+    try:
+        set_up_graphs(runner, kernels, startup)
+    except BaseException:
+        runner.close()  # unpins the host KV tier (a range left registered would refuse the next one)
+        raise
+    startup.log()
+    return runner
+
+
+def set_up_graphs(runner: ModelRunner, kernels: Kernels, startup: StartupTimes) -> None:
+    """The static-buffer decode steps (cuda_graph.py): captured on a GPU where the backends allow it."""
+    config, device = runner.config, runner.device
     graph_config = effective_graph_config(config, device)
     sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []
     if graph_config is not None and sizes:
@@ -76,23 +89,21 @@ def load_model_runner(
         # the captured shapes.
         capture = device.type == "cuda" and kernels.graph_safe
         target = GraphedModel(
-            model,
+            runner.model,
             kernels.attention,
             device,
             runner.block_size,
-            max_seq_len,
+            runner.max_seq_len,
             len(runner.kv_groups),
             runner.batch.block_tables[0].shape[1],
         )
         runner.graphs = DecodeGraphs(
-            target, sizes, graph_config.enable_padding, capture, 1 + runner.k, parallel.dp_size
+            target, sizes, graph_config.enable_padding, capture, 1 + runner.k, runner.parallel.dp_size
         )
         runner.graphs.capture_all()
         startup.mark("graph_capture")
         if runner.drafter is not None:  # every verification then has the static shape
             runner.drafter.pad_drafts = True
-    startup.log()
-    return runner
 
 
 def profile_sampling_params(max_logprobs: int) -> SamplingParams:

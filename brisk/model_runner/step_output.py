@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -55,10 +56,16 @@ class ExtrasGather:
     for logprobs). Every rank submits the same steps in the same order (each decides from every rank's
     SchedulerOutput), so the threads meet gather for gather; rank 0 waits for a step's in `StepResult.result()`."""
 
-    def __init__(self, parallel: ParallelConfig) -> None:
+    def __init__(self, parallel: ParallelConfig, device: torch.device) -> None:
         self.rank, self.dp_size = parallel.rank, parallel.dp_size
         self.group = dist.new_group(backend="gloo")  # every rank creates it at the same point (the runner's start)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-extras-gather")
+        # CUDA's current device is per thread and 0 on a new one: the thread's first wait for a copy's event would
+        # open a second CUDA context, on GPU 0, for every rank of another GPU (~0.5 GiB each, after the KV sizing).
+        self._thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="brisk-extras-gather",
+            initializer=partial(torch.cuda.set_device, device) if device.type == "cuda" else None,
+        )
 
     def submit(self, mine: RankExtras) -> Future[list[RankExtras] | None]:
         future = self._thread.submit(self._gather, mine)

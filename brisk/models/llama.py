@@ -76,6 +76,8 @@ class DecoderAttention(nn.Module):
             d**-0.5,
             layer_idx,
             sliding_window=model_config.sliding_window if is_sliding else None,
+            first_kv_head=self.qkv_proj.first_kv_head,
+            model_num_kv_heads=model_config.num_kv_heads,
         )
 
     def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
