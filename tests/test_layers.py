@@ -18,6 +18,7 @@ from brisk.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    get_weight_loader,
     prepack_cpu_weight,
     prepack_weights,
 )
@@ -522,3 +523,59 @@ def test_mxfp4_dequantized_into_the_prompt_buffer_is_dequantize_mxfp4(default_cp
             out = moe._dequantized(expert, which, dtype, buffer)
             assert out.data_ptr() == buffer.data_ptr()
             assert torch.equal(out, dequantize_mxfp4(blocks[expert], scales[expert], dtype))
+
+
+@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "bf16"])
+def test_moe_tp_ranks_take_their_rows_and_pad_only_their_own(mxfp4):
+    """MoE split 4 ways by intermediate size: each rank holds the rows of the full tensor (transposed from HF's
+    [E, in, out] for bf16) padded with zero rows past the stored ones (MXFP4: 3 blocks of 32 over 4 ranks, the last
+    rank all padding), as padding the whole tensor and taking the rank's rows would; padding never copies more than
+    the rank's own rows (a checkpoint tensor is a view of the file: padding it whole would read every expert)."""
+    e, h, i, tp = 2, 64, 96, 4
+    gen = torch.Generator().manual_seed(7)
+    if mxfp4:
+        full = {
+            "gate_up_proj_blocks": ((e, 2 * i, h // 32, 16), 1, False),
+            "gate_up_proj_scales": ((e, 2 * i, h // 32), 1, False),
+            "down_proj_blocks": ((e, h, i // 32, 16), 2, False),
+            "down_proj_scales": ((e, h, i // 32), 2, False),
+        }
+    else:
+        full = {"gate_up_proj": ((e, h, 2 * i), 1, True), "down_proj": ((e, i, h), 2, True)}
+    full |= {"gate_up_proj_bias": ((e, 2 * i), 1, False), "down_proj_bias": ((e, h), None, False)}
+    tensors = {
+        name: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        if mxfp4 and not name.endswith("bias")
+        else torch.randn(shape, generator=gen)
+        for name, (shape, _, _) in full.items()
+    }
+    padded_rows = []
+
+    class Pads(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "constant_pad_nd":
+                padded_rows.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    for rank in range(tp):
+        layer = FusedMoE(
+            e, 2, h, i, quantization="mxfp4" if mxfp4 else None, parallel=ParallelConfig.for_rank(rank, tp)
+        )
+        params = dict(layer.named_parameters())
+        for name, tensor in tensors.items():
+            param = params[name]
+            padded_rows.clear()
+            with Pads():
+                get_weight_loader(param)(param, tensor)
+            _, tp_dim, transpose = full[name]
+            expected = tensor.transpose(1, 2) if transpose else tensor  # the way before: pad all, then narrow
+            if tp_dim is not None:
+                size = param.shape[tp_dim]
+                missing = size * tp - expected.shape[tp_dim]
+                if missing > 0:
+                    expected = torch.nn.functional.pad(expected, [0, 0] * (expected.dim() - 1 - tp_dim) + [0, missing])
+                expected = expected.narrow(tp_dim, rank * size, size)
+            assert torch.equal(param.data, expected.to(param.dtype)), (rank, name)
+            assert all(n <= param.numel() for n in padded_rows), (rank, name, padded_rows)
+        if mxfp4 and rank == tp - 1:
+            assert not layer.gate_up_proj_blocks.any() and not layer.down_proj_scales.any()  # all padding

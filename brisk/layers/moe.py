@@ -253,12 +253,15 @@ class FusedMoE(nn.Module):
         if transpose:
             loaded_weight = loaded_weight.transpose(1, 2)
         if tp_dim is not None:
-            size = param.shape[tp_dim]
-            missing = size * self.parallel.moe_tp_size - loaded_weight.shape[tp_dim]
-            if missing > 0:  # MXFP4 intermediate padding: zero rows / zero blocks
-                pad = [0, 0] * (loaded_weight.dim() - 1 - tp_dim) + [0, missing]
-                loaded_weight = F.pad(loaded_weight, pad)
-            loaded_weight = loaded_weight.narrow(tp_dim, self.moe_tp_rank * size, size)
+            # This rank's rows, then zeros for those past the stored ones (MXFP4 intermediate padding): padding the
+            # whole tensor first would copy every local expert (a checkpoint tensor is a view of the file's pages,
+            # read only where touched).
+            size, stored = param.shape[tp_dim], loaded_weight.shape[tp_dim]
+            start = min(self.moe_tp_rank * size, stored)
+            real = min(size, stored - start)
+            loaded_weight = loaded_weight.narrow(tp_dim, start, real)
+            if real < size:
+                loaded_weight = F.pad(loaded_weight, [0, 0] * (loaded_weight.dim() - 1 - tp_dim) + [0, size - real])
         copy_checked(param.data, loaded_weight, f"FusedMoE.{name}")
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
