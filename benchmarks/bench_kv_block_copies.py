@@ -57,24 +57,16 @@ def scattered_copies(n: int, seed: int) -> tuple[list[KVBlockCopy], list[KVBlock
     return out, back
 
 
-class PerTensorCopies:
-    """The way before: per-tensor host tensors, one copy per block and tensor (consecutive runs merged)."""
+class PerTensorCopies(HostKVCache):
+    """The way before: per-tensor host tensors, one copy per block and tensor (HostKVCache's stream and order)."""
 
     def __init__(self, device_tensors: list[torch.Tensor], num_host_blocks: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
+        super().__init__(device_tensors, 1, device)  # its own host blocks below
         self.device_tensors = device_tensors
+        pin = device.type == "cuda"
         self.host_tensors = [
             torch.empty((num_host_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in device_tensors
         ]
-        self.stream = torch.cuda.Stream(device) if pin else None
-
-    def start(self, copies: list[KVBlockCopy]) -> None:
-        if self.stream is None:
-            self._copy(copies)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            self._copy(copies)
 
     def _copy(self, copies: list[KVBlockCopy]) -> None:
         for c in copies:
@@ -140,6 +132,7 @@ def main() -> None:
                     )
     finally:
         batched.close()
+        per_tensor.close()
     ratios = {}
     for n in args.blocks:
         for direction in ("to_host", "to_device"):
