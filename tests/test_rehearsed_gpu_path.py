@@ -82,7 +82,10 @@ class _HostSyncGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         boolean_index = name in ("__getitem__", "__setitem__") and _has_bool_tensor(args[1:2])
-        if name in HOST_SYNCS or boolean_index or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
+        # CUDA checks an accumulating index_put's index range on the host (.item() of the indices' max and min)
+        accumulate = name in ("index_put_", "index_put") and ((kwargs or {}).get("accumulate") or args[3:4] == (True,))
+        interleave = name == "repeat_interleave" and "output_size" not in (kwargs or {})
+        if name in HOST_SYNCS or boolean_index or accumulate or interleave:
             frame: FrameType | None = sys._getframe(1)
             while frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
                 frame = frame.f_back
@@ -234,6 +237,40 @@ def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path,
     assert any(padded > b and t == 1 for b, padded, t in shapes), "no padded decode step was replayed"
     if "speculative_config" in options:
         assert any(t == K + 1 for _, _, t in shapes), "no verification step was replayed"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, logit_bias={5: 2.0, 9: -3.0}),
+        dict(temperature=0.0, logit_bias={7: 1.5}, logprobs=2),
+        dict(temperature=0.7, logprobs=3, seed=4),
+        dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3),
+    ],
+    ids=["truncation-logit-bias", "greedy-bias-logprobs", "seeded-logprobs", "penalties"],
+)
+def test_sampling_under_overlap_never_waits_for_the_device(tmp_path, monkeypatch, params):
+    """A step's sampling runs right behind its forward on a GPU, before the previous step's result is read
+    (overlap scheduling): a host sync there would make the host wait for the forward. With the GPU's backends bound
+    (no C kernels), sampling with temperature, top-k / top-p / min-p, logit_bias, logprobs, a seed, penalties and
+    min_tokens makes none; its results reach the host through the step's one copy (HostCopy). (Penalties read the
+    previous step's tokens first, `record_history`, outside sampling: that wait is for the step before, whose
+    kernels precede this step's forward.)"""
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    syncs = HostSyncs()
+    with monkeypatch.context() as patch:
+        patch.setattr(setup, "make_kernels", lambda config, device: _triton_kernels())
+        llm = LLM(path, **OPTIONS, disable_overlap_scheduler=False)
+    with llm:
+        sampling = llm.engine.executor.runner.sampling
+        pick = sampling.pick
+        monkeypatch.setattr(sampling, "pick", lambda *args: watched(pick, syncs)(*args))
+        outputs = llm.generate(_prompts(), SamplingParams(max_tokens=6, ignore_eos=True, **params))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    if params.get("logprobs"):
+        assert all(len(o.outputs[0].logprobs) == 6 for o in outputs)
+    assert not syncs.seen, f"host syncs in sampling: {sorted(set(syncs.seen))}"
 
 
 def test_the_checks_see_what_the_backends_a_gpu_does_not_capture_do(tmp_path, monkeypatch):

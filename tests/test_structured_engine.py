@@ -16,6 +16,7 @@ import shutil
 import threading
 
 import pytest
+import torch
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from brisk.config import EngineConfig
@@ -380,11 +381,14 @@ def test_gpt_oss_prompt_the_turn_grammar_cannot_continue_is_refused(gpt_oss):
     assert _all_blocks_free(gpt_oss.engine)
 
 
-def test_bitmask_rows_follow_the_sampled_order():
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+)
+def test_bitmask_rows_follow_the_sampled_order(device):
     """The runner's apply: bitmask rows for some sampled requests (in any order), the others untouched; ids past
-    the bitmask (an LM head wider than the vocabulary) are masked on the constrained rows."""
+    the bitmask (an LM head wider than the vocabulary) are masked on the constrained rows. On a GPU the bitmask
+    goes up through pinned memory and covers every row (all allowed on the unconstrained ones)."""
     import msgspec
-    import torch
 
     from brisk.scheduler.output import SchedulerOutput
     from brisk.structured.matcher import GrammarBitmaskApplier, apply_grammar_bitmask
@@ -402,9 +406,10 @@ def test_bitmask_rows_follow_the_sampled_order():
     for applier in (apply_grammar_bitmask, GrammarBitmaskApplier(num_threads=2)):
         if isinstance(applier, GrammarBitmaskApplier):
             applier.MIN_ELEMENTS_PER_THREAD = 1  # rows split over the threads even at this size
-        logits = torch.randn(3, wide)
+        logits = torch.randn(3, wide).to(device)
         before = logits.clone()
         applier(logits, sched)
+        logits, before = logits.cpu(), before.cpu()
         for row, rid in ((0, "a"), (2, "c")):
             finite = torch.isfinite(logits[row]).nonzero().flatten().tolist()
             assert finite == allowed[rid]

@@ -320,7 +320,11 @@ def _penalized_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
     bias = batch.logit_bias
     if bias is not None:
-        logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+        # index_add_ over the flat logits (no pair repeats: one entry per token of a request's dict). An
+        # index_put_ with accumulate=True checks its indices' range on the host on CUDA (.item() of their max and
+        # min): the host would wait for the step's forward, which undoes overlap scheduling.
+        flat = bias.rows * logits.shape[1] + bias.token_ids
+        logits.view(-1).index_add_(0, flat, bias.values)
 
 
 def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:

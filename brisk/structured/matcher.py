@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import xgrammar as xgr
 
+from brisk.host import to_device
+
 if TYPE_CHECKING:
     from brisk.kernels.cpu_kernels import CpuKernels
     from brisk.scheduler.output import SchedulerOutput
@@ -77,8 +79,8 @@ def apply_token_bitmask(
     covers (None: min of the two widths)."""
     if rows is not None and len(rows) == 0:
         return
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if bitmask.device != logits.device:  # through pinned memory: a pageable copy may wait for the step's forward
+        bitmask = to_device(bitmask.numpy(), logits.device)
     xgr.apply_token_bitmask_inplace(
         logits, bitmask, vocab_size=vocab_size, indices=None if rows is None else list(rows)
     )
@@ -126,7 +128,10 @@ class GrammarBitmaskApplier:
         if self.cpu_kernels is not None and self.cpu_kernels.bitmask_accepts(logits, bitmask):
             self.cpu_kernels.apply_token_bitmask(logits, bitmask, rows, covered, max(1, threads))
             return
-        if logits.is_cuda or threads <= 1:
+        if logits.is_cuda:  # every row (the bitmask allows everything on unconstrained ones): xgrammar would
+            apply_token_bitmask(logits, bitmask, None, covered)  # upload a row list from pageable memory
+            return
+        if threads <= 1:
             apply_token_bitmask(logits, bitmask, None if len(rows) == logits.shape[0] else rows, covered)
             return
         if self._pool is None:
