@@ -4,9 +4,11 @@ and then the headline figures, in one command of at most 8 minutes on one H100.
     step        budget  what
     env           25 s  GPU, driver, packages against brisk's ranges; measured copy GB/s and bf16 TFLOP/s
     kernels       70 s  compiled Triton kernels vs torch at gpt-oss shapes: decode and prefill attention with sinks
-                        and the 128 window, the MXFP4 MoE at batch 1, 64 and 640, the structured-output mask on CUDA
+                        and the 128 window, the MXFP4 MoE at batch 1, 64 and 640, the structured-output mask on CUDA;
+                        the host KV tier's staged copies on a copy stream
     e2e           80 s  greedy identity Triton vs torch on a tiny model of the real architecture; CUDA-graph replay
-                        identity for decode steps, verify steps and overlap; structured outputs on CUDA logits
+                        identity for decode steps, verify steps and overlap; structured outputs on CUDA logits; no
+                        synchronising CUDA call while a step is launched (torch's sync debug mode)
     speed_120b   200 s  dummy gpt-oss-120b in one process: cold start stage by stage, decode at batch 1, 8 and 64
                         (tok/s, fraction of the bandwidth roofline), one max-throughput point (~1k in / 1k out)
     served_120b  100 s  `brisk serve` dummy 120b with examples/low_latency.yaml, `brisk bench serve` at 1 and 16
@@ -85,6 +87,7 @@ E2E_TESTS = (
     "tests/test_gpu_e2e.py::test_overlap_and_graphs_generate_what_plain_eager_steps_do",
     "tests/test_gpu_e2e.py::test_structured_outputs_on_cuda_logits_hold_the_constraints",
     "tests/test_gpu_e2e.py::test_cuda_graphs_with_eagle3_generate_what_eager_steps_do",
+    "tests/test_gpu_e2e.py::test_an_overlapped_step_never_waits_for_the_device",
 )
 # The speed steps' shapes on a GPU and, in --smoke or without CUDA, on the toy gpt-oss.
 GPU_SPEED = dict(batches="1,8,64", input_len=1024, output_len=128, throughput_len=1024, max_batch=512)

@@ -110,6 +110,42 @@ def test_overlap_and_graphs_generate_what_plain_eager_steps_do(tmp_path):
         assert [v for _, v in logprobs[name]] == pytest.approx([v for _, v in logprobs["plain"]], abs=1e-4)
 
 
+def test_an_overlapped_step_never_waits_for_the_device(tmp_path):
+    """Overlap scheduling holds only if launching a step never waits for the GPU: torch's sync debug mode, around
+    every execute_model (layout, forward or graph replay, sampling with truncation, logit_bias and logprobs, the
+    result's copy started), reports each synchronising CUDA call; there must be none. The step's one wait is in
+    StepResult.result(), outside. (tests/test_rehearsed_gpu_path.py checks the same calls on a CPU.)"""
+    import warnings
+
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)
+    make_tiny_tokenizer(path)
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(12)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, logit_bias={5: 2.0}, logprobs=2, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    ] * 6
+    with LLM(path, device="cuda", dtype="float32", max_batch_size=16) as llm:
+        runner = llm.engine.executor.runner
+        assert llm.engine.overlap
+        launch = runner.execute_model
+
+        def watched(scheds):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(scheds)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        runner.execute_model = watched
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            outputs = llm.generate(prompts, params)
+        assert all(o.outputs[0].token_ids for o in outputs)
+    syncs = sorted({str(w.message)[:200] for w in seen if "synchroniz" in str(w.message)})
+    assert not syncs, syncs
+
+
 def test_structured_outputs_on_cuda_logits_hold_the_constraints(tmp_path):
     """Structured outputs on a GPU: the grammar's bitmask is applied to CUDA logits (xgrammar's Triton kernel) in
     the runner; hot sampling over many seeds must still produce only what the constraints allow, never a token of
