@@ -198,7 +198,7 @@ class SamplingStage:
             packed[i, k + 1] = a + 1
             packed[i, k + 2] = not all(finite[at : at + m + 1])
             at += m + 1
-        return torch.from_numpy(packed).to(logits.device)
+        return to_device(packed, logits.device)  # pinned: a pageable upload would wait on the stream
 
     def _expanded_batch(
         self, states: list[RequestState], draft_lists: list[list[int]], vocab_size: int
