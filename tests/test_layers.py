@@ -347,6 +347,32 @@ def test_moe_backend_choice_is_bound_like_attention(tmp_path):
     assert attention_layers and all(m.backend is kernels.attention for m in attention_layers)
 
 
+def test_a_gpu_without_triton_says_auto_runs_the_torch_reference(monkeypatch, caplog):
+    """Without Triton (brisk-llm's gpu extra) auto picks the torch reference backends on a GPU too: slow (a host
+    sync every layer, no CUDA graphs), so start-up warns and says what to install; asked for by name, no warning."""
+    import logging
+
+    from brisk.config import EngineConfig
+    from brisk.layers import backends
+    from brisk.layers.attention import TorchAttentionBackend
+    from brisk.layers.attention_cpu import CpuAttentionBackend
+    from brisk.layers.moe import TorchMoEBackend
+    from brisk.model_runner.binding import make_kernels
+
+    monkeypatch.setattr(
+        backends, "_attention_backends", lambda: {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend}
+    )
+    monkeypatch.setattr(backends, "_moe_backends", lambda: {"torch": TorchMoEBackend})
+    gpu = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="brisk.model_runner.binding"):
+        kernels = make_kernels(EngineConfig(model="m"), gpu)
+        assert not kernels.graph_safe and "pip install 'brisk-llm[gpu]'" in caplog.text
+        caplog.clear()
+        make_kernels(EngineConfig(model="m", attn_backend="torch", moe_config={"backend": "torch"}), gpu)
+        make_kernels(EngineConfig(model="m"), torch.device("cpu"))
+    assert not caplog.text
+
+
 # ---------------------------------------------------------------- RoPE and RMSNorm vs HF
 
 

@@ -7,6 +7,7 @@ configured ones here, once, before anything runs. A drafter with layers of its o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +21,8 @@ from brisk.layers.attention import Attention, AttentionBackend
 from brisk.layers.backends import make_attention_backend, make_moe_backend
 from brisk.layers.linear import prepack_weights
 from brisk.layers.moe import FusedMoE, MoEBackend
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -46,8 +49,18 @@ class Kernels:
 
 def make_kernels(config: EngineConfig, device: torch.device) -> Kernels:
     cpu = load_cpu_kernels(config.cpu_kernels) if device.type == "cpu" else None
-    attention = make_attention_backend(config.attn_backend, device, cpu)
-    return Kernels(attention, make_moe_backend(config.moe_config.backend), cpu)
+    kernels = Kernels(
+        make_attention_backend(config.attn_backend, device, cpu), make_moe_backend(config.moe_config.backend), cpu
+    )
+    if device.type == "cuda" and not kernels.graph_safe and "auto" in (config.attn_backend, config.moe_config.backend):
+        logger.warning(
+            "no Triton on this GPU (pip install 'brisk-llm[gpu]'): auto picked brisk's torch reference backends (%s "
+            "attention, %s MoE), which wait for the GPU every layer and run without CUDA graphs: far from this "
+            "GPU's speed",
+            type(kernels.attention).__name__,
+            type(kernels.moe).__name__,
+        )
+    return kernels
 
 
 def bind(model: nn.Module, kernels: Kernels) -> None:
