@@ -133,13 +133,11 @@ def main() -> None:
     finally:
         batched.close()
         per_tensor.close()
+    row_of = {(r["way"], r["direction"], r["blocks"]): r for r in rows}
     ratios = {}
     for n in args.blocks:
         for direction in ("to_host", "to_device"):
-            a, b = (
-                next(r for r in rows if r["way"] == w and r["direction"] == direction and r["blocks"] == n)
-                for w in ("brisk", "per_tensor")
-            )
+            a, b = row_of["brisk", direction, n], row_of["per_tensor", direction, n]
             ratios[f"{direction}_{n}"] = {
                 "issue": round(b["issue_us_per_block"] / a["issue_us_per_block"], 2),
                 "done": round(b["done_us_per_block"] / a["done_us_per_block"], 2),

@@ -162,6 +162,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
 
     compiles = TritonCompileTimer().install()  # before the first kernel launch
     from brisk import LLM, SamplingParams
+    from brisk.kv_cache.manager import cdiv
     from brisk.model_runner.memory import KVGroupLayout, blocks_for_one_request
 
     imports_s = time.perf_counter() - args.started
@@ -264,7 +265,7 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
     # at most a step's worth of prompts are computed at once, so only they hold the peak.
     steady = blocks_for_one_request(groups, runner.block_size, seq, 1) - 1
     peak = blocks_for_one_request(groups, runner.block_size, seq, chunk) - 1
-    prefilling = -(-runner.config.max_num_tokens // chunk) + 1
+    prefilling = cdiv(runner.config.max_num_tokens, chunk) + 1
     batch = max(1, min(args.max_batch, (runner.num_blocks - 1 - prefilling * (peak - steady)) // steady))
     limited_by = "kv blocks" if batch < args.max_batch else "max_batch"
     # Kept back for the profile (when it runs: a step short of the roofline, where it tells most) and the exit.

@@ -62,9 +62,9 @@ class HostKVCache:
     ) -> None:
         """staged: batches through a device staging buffer (default: on a GPU; a test may ask for it on a CPU)."""
         # Each KV tensor as [blocks, its bytes of one block] (the tensors are contiguous views of raw slot buffers).
-        self.device_bytes = [t.view(t.shape[0], -1).view(torch.uint8) for t in device_tensors]
-        offsets = list(accumulate((t.shape[1] for t in self.device_bytes), initial=0))
-        self.segments = list(zip(self.device_bytes, offsets, offsets[1:]))  # (tensor, its bytes' start and end)
+        as_bytes = [t.view(t.shape[0], -1).view(torch.uint8) for t in device_tensors]
+        offsets = list(accumulate((t.shape[1] for t in as_bytes), initial=0))
+        self.segments = list(zip(as_bytes, offsets, offsets[1:]))  # (tensor, its bytes' start and end)
         self.bytes_per_block = offsets[-1]
         self.num_blocks = num_host_blocks
         self.host_blocks = torch.empty((num_host_blocks, self.bytes_per_block), dtype=torch.uint8)

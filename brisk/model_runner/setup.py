@@ -21,7 +21,7 @@ from brisk.distributed.comm import agree_min
 from brisk.distributed.launch import ranks_on_this_machine
 from brisk.kv_cache.manager import cdiv
 from brisk.model_config import ModelConfig, ParallelConfig
-from brisk.model_runner.binding import Kernels, bind, make_kernels, prepare_for_cpu
+from brisk.model_runner.binding import bind, make_kernels, prepare_for_cpu
 from brisk.model_runner.cuda_graph import DecodeGraphs, GraphedModel, effective_graph_config, graph_batch_sizes
 from brisk.model_runner.kv_tensors import num_kv_blocks_in_budget
 from brisk.model_runner.loader import load_model
@@ -70,7 +70,7 @@ def load_model_runner(
     logger.info("%s", runner.kv_layout.describe(num_blocks))
     startup.mark("kv_allocation")
     try:
-        set_up_graphs(runner, kernels, startup)
+        set_up_graphs(runner, startup)
     except BaseException:
         runner.close()  # unpins the host KV tier (a range left registered would refuse the next one)
         raise
@@ -78,9 +78,9 @@ def load_model_runner(
     return runner
 
 
-def set_up_graphs(runner: ModelRunner, kernels: Kernels, startup: StartupTimes) -> None:
+def set_up_graphs(runner: ModelRunner, startup: StartupTimes) -> None:
     """The static-buffer decode steps (cuda_graph.py): captured on a GPU where the backends allow it."""
-    config, device = runner.config, runner.device
+    config, device, kernels = runner.config, runner.device, runner.kernels
     graph_config = effective_graph_config(config, device)
     sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []
     if graph_config is not None and sizes:

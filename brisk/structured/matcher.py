@@ -128,8 +128,10 @@ class GrammarBitmaskApplier:
         if self.cpu_kernels is not None and self.cpu_kernels.bitmask_accepts(logits, bitmask):
             self.cpu_kernels.apply_token_bitmask(logits, bitmask, rows, covered, max(1, threads))
             return
-        if logits.is_cuda:  # every row (the bitmask allows everything on unconstrained ones): xgrammar would
-            apply_token_bitmask(logits, bitmask, None, covered)  # upload a row list from pageable memory
+        if logits.is_cuda:
+            # Every row (the bitmask allows everything on the unconstrained ones): given a row list, xgrammar would
+            # upload it from pageable memory, waiting for the step's forward.
+            apply_token_bitmask(logits, bitmask, None, covered)
             return
         if threads <= 1:
             apply_token_bitmask(logits, bitmask, None if len(rows) == logits.shape[0] else rows, covered)
