@@ -71,6 +71,9 @@ def _workload(stop_text: str | None, stop_token: int | None) -> list[tuple[dict,
         work.append((prompts[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=[stop_text])))
     if stop_token is not None:
         work.append((prompts[0], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_token])))
+        # the same stop held back by min_tokens (it reads the outputs' count, which overlap has before their values)
+        held = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_token], min_tokens=4)
+        work.append((prompts[0], held))
     return [({"prompt_token_ids": p}, params) for p, params in work]
 
 
@@ -209,3 +212,39 @@ def test_overlap_reads_a_steps_logprobs_after_launching_the_next(model, monkeypa
     reads = [i for i, e in enumerate(events) if e == "read"]
     for n, at in enumerate(reads[:-1] if asked == "logprobs" else reads):
         assert events[:at].count("launch") >= n + 2, events  # step n's (from 0) after step n + 1 was launched
+
+
+@pytest.mark.parametrize(
+    "params, waits",
+    [(dict(min_tokens=4, stop_token_ids=[9]), False), (dict(repetition_penalty=1.3, min_tokens=4), True)],
+    ids=["min_tokens", "penalties"],
+)
+def test_min_tokens_under_overlap_never_waits_for_the_previous_step(model, monkeypatch, params, waits):
+    # min_tokens needs the count of a request's outputs, which the runner has while their values are still on the
+    # device: no step reads the previous one's tokens while it is launched. The penalties read the values (the
+    # previous step's tokens, inside the next launch): the check sees that wait.
+    from brisk.host import HostResult
+    from brisk.model_runner.runner import ModelRunner
+    from brisk.model_runner.step_output import packed_rows
+
+    inside, reads_inside = [False], [0]
+    launch, read = ModelRunner.execute_model, HostResult.get
+
+    def execute_model(self, scheds):
+        inside[0] = True
+        try:
+            return launch(self, scheds)
+        finally:
+            inside[0] = False
+
+    def get(self):
+        reads_inside[0] += inside[0] and self._build is packed_rows
+        return read(self)
+
+    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+    monkeypatch.setattr(HostResult, "get", get)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, **params)
+    with LLM(model, **_options(model, True, None)) as llm:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [3, 4]}], sampling)
+    assert all(len(o.outputs[0].token_ids) >= 4 for o in out)
+    assert (reads_inside[0] > 0) == waits

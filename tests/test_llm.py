@@ -90,11 +90,15 @@ def test_stop_token_ids_and_eos(llm):
     out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    # the same id held back by min_tokens
-    late = llm.generate(
-        PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id], min_tokens=first + 1)
-    )[0].outputs[0]
-    assert len(late.token_ids) > first + 1 and stop_id not in late.token_ids[: first + 1]
+
+    # min_tokens: the stop counts once that many tokens precede it, and is never sampled before
+    def held_back(min_tokens: int) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id], min_tokens=min_tokens)
+        return llm.generate(PROMPTS[1], params)[0].outputs[0].token_ids
+
+    assert held_back(first) == full.token_ids[: first + 1]
+    late = held_back(first + 1)
+    assert len(late) > first + 1 and stop_id not in late[: first + 1]
 
 
 def test_logprobs(llm):

@@ -127,6 +127,9 @@ def test_stops_n_and_logprobs_inside_accepted_runs(models, references):
         _greedy(max_tokens=7),
         # penalties and min_tokens see the drafts before each verified position (stop = the reference's 3rd token)
         _greedy(repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=4, stop_token_ids=[ref[0][2]]),
+        # min_tokens alone (no history: the count of outputs and drafts before each position), at and past the stop
+        _greedy(min_tokens=2, stop_token_ids=[ref[0][2]]),
+        _greedy(min_tokens=3, stop_token_ids=[ref[0][2]]),
     ]
     with LLM(path, **_options("llama")) as llm:
         text = llm.generate([{"prompt_token_ids": prompts[1]}], _greedy())[0].outputs[0].text

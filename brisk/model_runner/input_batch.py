@@ -32,7 +32,7 @@ class RequestState:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     num_prompt_tokens: int
-    # Outputs kept on the host only for rows whose sampling depends on them (penalties, min_tokens).
+    # Outputs kept on the host only for rows whose sampling reads them (penalties; min_tokens needs their count only).
     needs_history: bool
     output_token_ids: list[int] = field(default_factory=list)
     # prompt_logprobs: the prompt positions whose logprobs were reported (kept across a preemption: a resumed

@@ -34,22 +34,18 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 def needs_history(params: SamplingParams) -> bool:
-    """Whether sampling this request reads its past tokens (min_tokens, the penalties)."""
-    return (
-        params.min_tokens > 0
-        or params.repetition_penalty != 1.0
-        or bool(params.presence_penalty)
-        or bool(params.frequency_penalty)
-    )
+    """Whether sampling this request reads its past tokens (the penalties). min_tokens reads only how many there
+    are, which the runner knows without them (its computed tokens less the prompt's)."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
 def samples_plain_greedy(params: SamplingParams) -> bool:
-    """Greedy on the raw logits: nothing changes them (no logit_bias, nothing that reads the history) and no
-    logprobs are asked for, so the token is an argmax of the model's logits (the sampler's and verification's
-    fast path)."""
+    """Greedy on the raw logits: nothing changes them (no logit_bias, min_tokens or penalties) and no logprobs are
+    asked for, so the token is an argmax of the model's logits (the sampler's and verification's fast path)."""
     return (
         (params.greedy or params.temperature < MIN_SAMPLING_TEMPERATURE)
         and not params.logit_bias
+        and not params.min_tokens
         and not needs_history(params)
         and params.logprobs is None
     )
@@ -120,16 +116,30 @@ class SamplingBatch:
         stop_ids: Sequence[AbstractSet[int]],
         vocab_size: int,
         device: torch.device | str,
+        num_output_tokens: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Gather the per-row parameters into tensors on `device`.
 
+        output_ids[i]: request i's outputs so far, read by the penalties (empty where it has none).
+        num_output_tokens[i]: how many outputs request i has before this row's token (default len(output_ids[i])):
         stop_ids[i] holds the token ids that end request i (eos unless ignore_eos, plus stop_token_ids); they are
-        masked while len(output_ids[i]) < params[i].min_tokens. generators[i] is the request's seeded generator
+        masked while num_output_tokens[i] < params[i].min_tokens. generators[i] is the request's seeded generator
         (on `device`), or None to share the default generator.
         """
         batch_size = len(params)
-        if not len(prompt_ids) == len(output_ids) == len(generators) == len(stop_ids) == batch_size:
-            raise ValueError("params, prompt_ids, output_ids, generators and stop_ids must have the same length")
+        if num_output_tokens is None:
+            num_output_tokens = [len(out) for out in output_ids]
+        if not (
+            len(prompt_ids)
+            == len(output_ids)
+            == len(generators)
+            == len(stop_ids)
+            == len(num_output_tokens)
+            == batch_size
+        ):
+            raise ValueError(
+                "params, prompt_ids, output_ids, generators, stop_ids and num_output_tokens must have the same length"
+            )
         device = torch.device(device)
 
         def row_tensor(values: list, dtype: np.dtype | type) -> torch.Tensor:
@@ -159,8 +169,8 @@ class SamplingBatch:
                 bias_values.append(float(bias))
 
         stop_rows, stop_token_ids = [], []
-        for row, (p, out, row_stop_ids) in enumerate(zip(params, output_ids, stop_ids)):
-            if len(out) < p.min_tokens:
+        for row, (p, num_out, row_stop_ids) in enumerate(zip(params, num_output_tokens, stop_ids)):
+            if num_out < p.min_tokens:
                 for token_id in sorted(row_stop_ids):
                     stop_rows.append(row)
                     stop_token_ids.append(_checked_token_id(token_id, vocab_size, "stop_ids"))

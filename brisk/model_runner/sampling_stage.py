@@ -64,8 +64,8 @@ class SamplingStage:
 
     @staticmethod
     def needs_history(step: StepBatch, batch: InputBatch) -> bool:
-        """Whether some request this step samples reads its past outputs (penalties, min_tokens): they must be on
-        the host before `pick`."""
+        """Whether some request this step samples reads its past outputs (penalties): they must be on the host
+        before `pick`."""
         if not batch.num_needs_history:
             return False
         return any(batch.states[r].needs_history for r in step.rows[step.sample_idx].tolist())
@@ -119,13 +119,16 @@ class SamplingStage:
         return Picked(packed, HostResult(HostCopy.start(token_ids, *tensors.as_tuple()), rows))
 
     def _sampling_batch(self, step: StepBatch, batch: InputBatch, vocab_size: int) -> SamplingBatch:
-        """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order
-        and none of them samples with its history (penalties, min_tokens)."""
+        """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order,
+        none of them samples with its history (penalties) and none is still short of its min_tokens."""
         sample_rows = step.rows[step.sample_idx]
         key = (batch.version, sample_rows.tobytes(), vocab_size)
         if self._cached_key == key and self._cached is not None:
             return self._cached
         states = [batch.states[r] for r in sample_rows.tolist()]
+        # Outputs before this step's token: the tokens computed once the step has run, less the prompt's (placeholders
+        # of tokens still in flight included, so min_tokens waits for no step).
+        num_outputs = [int(c) - s.num_prompt_tokens for c, s in zip(batch.num_computed[sample_rows], states)]
         built = SamplingBatch.build(
             params=[s.params for s in states],
             prompt_ids=[s.host_token_ids[: s.num_prompt_tokens] if s.needs_history else () for s in states],
@@ -134,8 +137,9 @@ class SamplingStage:
             stop_ids=[s.stop_ids for s in states],
             vocab_size=vocab_size,
             device=self.device,
+            num_output_tokens=num_outputs,
         )
-        reusable = not any(s.needs_history for s in states)
+        reusable = not any(s.needs_history or n < s.params.min_tokens for s, n in zip(states, num_outputs))
         self._cached_key, self._cached = (key, built) if reusable else (None, None)
         return built
 
@@ -153,11 +157,16 @@ class SamplingStage:
         k, n = self.k, step.num_sampled
         num_drafts = step.num_drafts
         assert num_drafts is not None
-        states = [batch.states[r] for r in step.rows[step.sample_idx].tolist()]
+        sample_rows = step.rows[step.sample_idx]
+        states = [batch.states[r] for r in sample_rows.tolist()]
         draft_lists = [sched.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
         if all(samples_plain_greedy(s.params) for s in states):
             return Picked(self._verify_plain_greedy(logits, draft_lists), None)
-        sampling = self._expanded_batch(states, draft_lists, logits.shape[-1])
+        # outputs before each request's first verified position: computed once the step has run, less the drafts
+        # and the prompt
+        num_outputs = (batch.num_computed[sample_rows] - num_drafts).tolist()
+        num_outputs = [n - s.num_prompt_tokens for n, s in zip(num_outputs, states)]
+        sampling = self._expanded_batch(states, draft_lists, num_outputs, logits.shape[-1])
         counts = num_drafts + 1
         row_bad = ~torch.isfinite(logits.amax(dim=-1))
         logits = torch.where(row_bad[:, None], 0.0, logits)
@@ -201,18 +210,20 @@ class SamplingStage:
         return to_device(packed, logits.device)  # pinned: a pageable upload would wait on the stream
 
     def _expanded_batch(
-        self, states: list[RequestState], draft_lists: list[list[int]], vocab_size: int
+        self, states: list[RequestState], draft_lists: list[list[int]], num_outputs: list[int], vocab_size: int
     ) -> SamplingBatch:
-        """One sampling row per verified position: request i's row j sees its outputs plus drafts[:j]."""
-        params, prompts, outputs, generators, stops = [], [], [], [], []
-        for state, drafts in zip(states, draft_lists):
+        """One sampling row per verified position: request i's row j sees its outputs plus drafts[:j] (num_outputs[i]
+        + j of them)."""
+        params, prompts, outputs, counts, generators, stops = [], [], [], [], [], []
+        for state, drafts, num_out in zip(states, draft_lists, num_outputs):
             for j in range(len(drafts) + 1):
                 params.append(state.params)
                 prompts.append(state.host_token_ids[: state.num_prompt_tokens] if state.needs_history else ())
                 outputs.append([*state.output_token_ids, *drafts[:j]] if state.needs_history else ())
+                counts.append(num_out + j)
                 generators.append(state.generator)
                 stops.append(state.stop_ids)
-        return SamplingBatch.build(params, prompts, outputs, generators, stops, vocab_size, self.device)
+        return SamplingBatch.build(params, prompts, outputs, generators, stops, vocab_size, self.device, counts)
 
 
 def requests_with_a_bad_row(row_bad: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
