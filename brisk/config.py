@@ -855,6 +855,13 @@ class ServerConfig(OptionModel):
         "a request's chat_template_kwargs override them key by key",
         vllm="default_chat_template_kwargs",
     )
+    reasoning_effort_map: dict[str, str] | None = option(
+        None,
+        "a request's reasoning effort (reasoning_effort; the Responses API's reasoning.effort) rewritten before the "
+        'chat template sees it, efforts not listed unchanged: e.g. \'{"minimal": "low", "xhigh": "high"}\' '
+        "for gpt-oss, which knows low, medium and high",
+        vllm="reasoning_effort_map",
+    )
     tool_call_parser: str | None = option(
         None,
         "harmony models (gpt-oss) have their tool calls parsed by brisk's harmony parser: openai is accepted for them",

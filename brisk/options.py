@@ -390,9 +390,11 @@ class OptionTable:
         for key, value in given.items():
             name = str(key).lstrip("-").replace("-", "_")
             found, peer = self._keys.get(name), self._peer_keys.get(name)
-            if found is None and peer is None and name.startswith("no_") and isinstance(value, bool):
-                # vLLM's config files hold flags by name: `no-enable-prefix-caching: true` is that flag
-                found, peer = self._keys.get(name[3:]), self._peer_keys.get(name[3:])
+            inverse = name[3:] if name.startswith("no_") else _inverse_switch_name(name)
+            if found is None and peer is None and inverse is not None and isinstance(value, bool):
+                # vLLM's config files hold flags by name: `no-enable-prefix-caching: true` is that flag, and so is
+                # `disable-prefix-caching: true` (vLLM >= 0.33)
+                found, peer = self._keys.get(inverse), self._peer_keys.get(inverse)
                 if (found is not None and _is_switch(*found)) or (peer is not None and peer.switch):
                     value = not value
                 else:
@@ -499,6 +501,7 @@ class OptionTable:
                 parser.add_argument(
                     *flags, dest=dest, nargs=peer.nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS
                 )
+        add_inverse_spellings(parser)
 
     def _add_row_arguments(self, parser: Any, row: OptionRow) -> None:
         flags = row.flags
@@ -584,14 +587,41 @@ class OptionTable:
 
 
 class _Switch(argparse.Action):
-    """A bool flag: `--name` sets true, `--no-name` (of its dashed spellings) false."""
+    """A bool flag: `--name` sets true; `--no-name` (of its dashed spellings) false, and so does the inverse of an
+    `--enable-x` / `--disable-x` spelling (`--disable-x` / `--enable-x`, vLLM's since 0.33) that is no flag of its
+    own (`add_inverse_spellings`)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         negated = [f"--no-{s[2:]}" for s in option_strings if s.startswith("--") and "_" not in s]
+        self.negative = set(negated)
         super().__init__(option_strings + negated, dest, nargs=0, **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+        setattr(namespace, self.dest, option_string not in self.negative)
+
+
+def _inverse_switch_name(name: str) -> str | None:
+    """`disable_x` for `enable_x` and the reverse (a key or a flag without its dashes); None for other names."""
+    for prefix, inverse in (("enable", "disable"), ("disable", "enable")):
+        for sep in ("_", "-"):
+            if name.startswith(prefix + sep):
+                return inverse + name[len(prefix) :]
+    return None
+
+
+def add_inverse_spellings(parser: argparse.ArgumentParser) -> None:
+    """Give each switch spelled `--enable-x` (or `--disable-x`) its inverse as a false spelling, as vLLM's parser does
+    since 0.33, wherever no flag of the parser already has that spelling."""
+    taken = parser._option_string_actions  # argparse's own table of spellings; argument groups share it
+    for action in list(parser._actions):
+        if not isinstance(action, _Switch):
+            continue
+        for flag in [f for f in action.option_strings if f.startswith("--") and f not in action.negative]:
+            inverse = _inverse_switch_name(flag[2:])
+            if inverse is not None and f"--{inverse}" not in taken:
+                taken[f"--{inverse}"] = action
+                action.option_strings.append(f"--{inverse}")
+                action.negative.add(f"--{inverse}")
 
 
 def _is_switch(row: OptionRow, alias: Alias | None) -> bool:

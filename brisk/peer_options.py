@@ -1,7 +1,7 @@
 """The options of `vllm serve`, `trtllm-serve` and TensorRT-LLM's LLM API that brisk does not have, with reasons.
 
 A user's command line or YAML file from a peer must never fail on an option brisk does not know. Every option of
-vLLM's `vllm serve` (0.32), of `trtllm-serve` and of TensorRT-LLM's `TorchLlmArgs` (the keys of an
+vLLM's `vllm serve` (0.33), of `trtllm-serve` and of TensorRT-LLM's `TorchLlmArgs` (the keys of an
 `extra_llm_api_options` file; tests/data/peer_flags/ lists them all) is either an option of brisk's (a field
 in brisk/config.py, under any of its spellings) or listed here: given the value that means what brisk does anyway
 (`accepted`; "false" for a switch) it is accepted and does nothing; any other value is refused with the reason.
@@ -221,6 +221,13 @@ PEER_OPTIONS: list[PeerOption] = [
         "enable-sleep-mode sleep-mode-offload-cudagraph enable-cumem-allocator enable-nccl-comm-suspend", _SLEEP
     ),
     *_values("sleep-preserve-parameter-names", _SLEEP),
+    *_values("sleep-mode-backend", _SLEEP, ("cumem",)),  # vLLM's default: what sleep mode would use (none here)
+    *_values(
+        "watchdog-config",
+        "brisk has no stack-dump watchdog (a dump_dir would switch vLLM's on); `py-spy dump --pid PID` prints a "
+        "running server's stacks",
+        ("{}", '{"dump_dir": ""}'),
+    ),
     *_values("logits-processors io-processor-plugin worker-cls worker-extension-cls scheduler-cls", _NO_PLUGINS),
     *_values(
         "renderer-num-workers",
@@ -352,6 +359,9 @@ PEER_OPTIONS: list[PeerOption] = [
         _TORCH_COMPILE_TUNING,
     ),
     *_switches("enable-flashinfer-autotune", _TORCH_COMPILE_TUNING),
+    *_switches(
+        "monokernel", "brisk has no MonoKernel (vLLM's persistent decoder-layer kernel for DeepSeek on AMD GPUs)"
+    ),
     PeerOption(
         ("attention-config", "-ac"),
         "brisk picks its attention kernels with --attention-backend (vLLM's names work)",

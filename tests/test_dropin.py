@@ -348,7 +348,8 @@ VLLM_FLAGS = (
     "--tool-call-parser openai --reasoning-parser openai_gptoss --enable-auto-tool-choice "
     "--uvicorn-log-level warning --disable-log-requests --api-server-count 1 "
     """--structured-outputs-config '{"disable_any_whitespace": false}' --config vllm.yaml """
-    """--default-chat-template-kwargs '{"reasoning_effort": "low"}'"""
+    """--default-chat-template-kwargs '{"reasoning_effort": "low"}' """
+    """--reasoning-effort-map '{"minimal": "low", "xhigh": "high"}' --disable-uvicorn-access-log"""
 )
 
 
@@ -408,6 +409,18 @@ def test_vllm_command_serves(vllm_server):
     tokens = httpx.post(f"{url}/tokenize", json={"model": "gpt-oss", "messages": messages}).json()["tokens"]
     prompt = httpx.post(f"{url}/detokenize", json={"model": "gpt-oss", "tokens": tokens}).json()["prompt"]
     assert "Reasoning: low" in prompt, prompt
+    # --reasoning-effort-map: efforts gpt-oss does not have are rewritten to ones it has; one not in the map is a 400
+    for effort in ("minimal", "xhigh", "high"):
+        r = _chat(url, reasoning_effort=effort)
+        assert r.status_code == 200, (effort, r.text)
+    body = {"model": "gpt-oss", "input": "Good morrow", "max_output_tokens": 8, "reasoning": {"effort": "minimal"}}
+    assert httpx.post(f"{url}/v1/responses", json=body, timeout=120).status_code == 200
+    r = _chat(url, reasoning_effort="none")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    assert "--reasoning-effort-map" in r.json()["error"]["message"]
+    body["reasoning"] = {"effort": "max"}
+    r = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
     # --max-model-len 512: a longer prompt is a 400
     r = _chat(url, messages=[{"role": "user", "content": "Speak " * 600}])
     assert r.status_code == 400 and "512" in r.json()["error"]["message"]

@@ -270,6 +270,25 @@ def test_render_rejects_unknown_options(tokenizer: PreTrainedTokenizerFast) -> N
         render_with_template(tokenizer, [{"role": "user", "content": "Hi"}], builtin_tools=["shell"])
 
 
+@pytest.mark.parametrize("harmony", [True, False], ids=["harmony", "template"])
+def test_a_requests_reasoning_effort_comes_before_the_template_kwargs(
+    tokenizer: PreTrainedTokenizerFast, harmony: bool
+) -> None:
+    """The request's reasoning_effort, then the template kwargs' (a request's chat_template_kwargs over the
+    server's defaults), then medium; given both, the prompt is rendered (it was an error on harmony models)."""
+    from brisk.harmony.chat import render_chat
+
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def prompt(effort: str | None, kwargs: dict[str, Any]) -> str:
+        ids = render_chat(tokenizer, messages, harmony=harmony, reasoning_effort=effort, template_kwargs=kwargs)
+        return tokenizer.decode(ids)
+
+    assert "Reasoning: high" in prompt("high", {"reasoning_effort": "low"})
+    assert "Reasoning: low" in prompt(None, {"reasoning_effort": "low"})
+    assert "Reasoning: medium" in prompt(None, {})
+
+
 # Output parsing ---------------------------------------------------------------------------------------------------
 
 

@@ -152,6 +152,34 @@ def test_switches_and_inverted_spellings():
     assert server.disable_log_requests is False
 
 
+def test_enable_and_disable_spell_each_other_as_in_vllm_0_33(tmp_path):
+    """vLLM 0.33 pairs --enable-x with --disable-x (and still takes --no-enable-x): every switch of brisk's (and every
+    peer switch it refuses or accepts) takes the inverse spelling too, on the command line and as a key of vLLM's
+    --config file, unless that spelling is an option of its own."""
+    parse = build_parser().parse_args
+    flags = ["serve", "--disable-prefix-caching", "--disable-chunked-prefill", "--enable-fastapi-docs"]
+    engine, server = build_serve_configs(None, OPTIONS.given(parse(flags)), default_model=DEMO)
+    assert not engine.enable_prefix_caching and not engine.enable_chunked_prefill
+    assert server.disable_fastapi_docs is False
+    engine, server = build_serve_configs(
+        None, OPTIONS.given(parse(["serve", "--enable-chunked-prefill", "--disable-fastapi-docs"])), default_model=DEMO
+    )
+    assert engine.enable_chunked_prefill and server.disable_fastapi_docs is True
+    # --enable-log-requests has its own option (brisk's) and --disable-log-requests its own (vLLM's old flag)
+    _, server = build_serve_configs(None, OPTIONS.given(parse(["serve", "--disable-log-requests"])), default_model=DEMO)
+    assert server.disable_log_requests is True
+    # a peer's switch: the false spelling is accepted, the true one refused with its reason
+    build_serve_configs(None, OPTIONS.given(parse(["serve", "--disable-sleep-mode"])), default_model=DEMO)
+    with pytest.raises(ConfigError, match="sleep mode"):
+        build_serve_configs(None, OPTIONS.given(parse(["serve", "--enable-sleep-mode"])), default_model=DEMO)
+    vllm_yaml = tmp_path / "vllm.yaml"
+    vllm_yaml.write_text("disable-prefix-caching: true\nenable-fastapi-docs: false\n")
+    engine, server = build_serve_configs(
+        None, OPTIONS.given(parse(["serve", "--config", str(vllm_yaml)])), default_model=DEMO
+    )
+    assert not engine.enable_prefix_caching and server.disable_fastapi_docs is True
+
+
 # ---- the peers' options: vLLM's and trtllm-serve's every flag is known -------------------------------------------
 PEER_FLAGS = TESTS / "data" / "peer_flags"
 
@@ -799,6 +827,7 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/test_api_servers.py::test_engine_death_stops_every_api_server",
     ],
     "default_chat_template_kwargs": [f"{DROPIN}::test_vllm_command_serves"],
+    "reasoning_effort_map": [f"{DROPIN}::test_vllm_command_serves"],
     "tool_call_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "enable_auto_tool_choice": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],

@@ -25,13 +25,19 @@ OUT = DATA / "vllm_serve.json"
 
 def main() -> None:
     import vllm
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # vLLM >= 0.33
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     parser = make_arg_parser(FlexibleArgumentParser())
     flags = []
     for action in parser._actions:
-        spellings = [s for s in action.option_strings if s not in ("-h", "--help")]
+        # every spelling the parser takes, the ones hidden from --help too (vLLM >= 0.33 pairs --enable-x with
+        # --disable-x and still takes --no-enable-x, unlisted)
+        spellings = [s for s, a in parser._option_string_actions.items() if a is action and s not in ("-h", "--help")]
         if spellings:
             flags.append(spellings)
     lines = ",\n".join(f"  {json.dumps(group)}" for group in flags)  # one flag (its spellings) a line
@@ -72,11 +78,21 @@ def write_routes(parser) -> None:
     for name in ("pooling.pooling", "pooling.classify", "pooling.embed", "pooling.scoring"):
         app.include_router(importlib.import_module(f"vllm.entrypoints.{name}.api_router").router)
     routes: dict[str, set[str]] = {"/cohere/v2/chat": {"POST"}, "/cohere/v2/chat/render": {"POST"}}  # need its SDK
-    for route in app.routes:
-        methods = getattr(route, "methods", None) or {"GET"}  # a mount (/metrics) or a websocket (/v1/realtime)
-        routes.setdefault(route.path, set()).update(methods - {"HEAD"})
+    for path, methods in _paths_and_methods(app.routes):
+        methods = methods or {"GET"}  # a mount (/metrics) or a websocket (/v1/realtime)
+        routes.setdefault(path, set()).update(methods - {"HEAD"})
     lines = ",\n".join(f"  {json.dumps([path, sorted(routes[path])])}" for path in sorted(routes))
     (DATA / "vllm_routes.json").write_text(f'{{\n "vllm": "{vllm.__version__}",\n "routes": [\n{lines}\n ]\n}}\n')
+
+
+def _paths_and_methods(routes):
+    """Each route's path and methods; FastAPI >= 0.165 keeps an included router as one entry of `app.routes`,
+    walked by `iter_route_contexts`."""
+    from fastapi import routing
+
+    contexts = getattr(routing, "iter_route_contexts", None)
+    for route in contexts(routes) if contexts is not None else routes:
+        yield route.path, getattr(route, "methods", None)
 
 
 if __name__ == "__main__":

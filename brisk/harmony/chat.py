@@ -41,11 +41,13 @@ def render_chat(
     cannot be rendered: an unknown role, non-text content, options the template does not take."""
     check_roles(messages)
     kwargs = dict(template_kwargs or {})
+    # The request's reasoning_effort before the template kwargs' (the request's chat_template_kwargs, then the
+    # server's --default-chat-template-kwargs).
+    kwargs_effort = kwargs.pop("reasoning_effort", None)
     if harmony:
-        effort = reasoning_effort or kwargs.pop("reasoning_effort", None) or "medium"
-        return render_with_template(tokenizer, messages, tools, effort, **kwargs)
-    if reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", reasoning_effort)
+        return render_with_template(tokenizer, messages, tools, reasoning_effort or kwargs_effort or "medium", **kwargs)
+    if reasoning_effort is not None or kwargs_effort is not None:
+        kwargs["reasoning_effort"] = reasoning_effort or kwargs_effort
     out = tokenizer.apply_chat_template(
         list(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
     )

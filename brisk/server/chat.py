@@ -55,8 +55,9 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     params = state.sampling_params(req)
     await state.check_structured_outputs(params, req.field_names())
     plan = plan_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
+    effort = state.reasoning_effort(req.reasoning_effort, "reasoning_effort")
     prompt_ids = await state.render_chat(
-        req.messages, plan.tools, req.reasoning_effort, req.chat_template_kwargs or {}, req.add_generation_prompt
+        req.messages, plan.tools, effort, req.chat_template_kwargs or {}, req.add_generation_prompt
     )
     state.check_prompt(prompt_ids, params, req.field_names())
     forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)

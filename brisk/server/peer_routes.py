@@ -61,7 +61,7 @@ UNSERVED_ROUTES: list[UnservedRoute] = [
     ),
     *_unserved("/cohere/v2/chat /cohere/v2/chat/render", _OTHER_API.format("Cohere's Chat API")),
     *_unserved(
-        "/v1/chat/completions/batch /generative_scoring /v1/systemone",
+        "/v1/chat/completions/batch /generative_scoring /v1/systemone /v1/decisions",
         _OTHER_API.format("this vLLM extension (batched chat, generative scoring, structured decisions)"),
     ),
     *_unserved("/v1/audio/transcriptions /v1/audio/translations", _AUDIO),

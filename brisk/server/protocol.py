@@ -26,6 +26,8 @@ MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries
 MAX_TOOLS = 128
 MAX_NAME_CHARS = 256  # model and function names (they are echoed in error messages)
 MAX_JSON_DEPTH = 64  # of a whole request body, so a tool schema may nest about 60 levels
+# The OpenAI API's efforts (and vLLM's "max"); --reasoning-effort-map rewrites them, gpt-oss has low, medium, high.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 TokenId = Annotated[int, Field(ge=-MAX_INT32, le=MAX_INT32)]  # range-checked against the vocabulary later
@@ -296,6 +298,9 @@ class _SamplingFields(_GenerationFields):
         Any, only((False,), "brisk's responses carry text; POST /tokenize gives the token ids of a text.")
     ] = None
     return_token_offsets: Annotated[Any, only((False,), "brisk's responses carry no token offsets.")] = None
+    return_weight_versions: Annotated[
+        Any, only((False,), "brisk serves one set of weights for its life: there are no weight versions to report.")
+    ] = None
     routed_experts_prompt_start: Annotated[Any, refused("brisk does not report the experts tokens route to.")] = None
     repetition_detection: Annotated[
         Any, refused("repetition_detection is not available; repetition_penalty discourages repeats.")
@@ -402,7 +407,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: false leaves reasoning_content out (the model still reasons)
@@ -514,7 +519,7 @@ class ResponsesFunctionTool(_Request):
 
 
 class ResponsesReasoning(_Request):
-    effort: Literal["low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -601,6 +606,9 @@ class ResponsesRequest(_GenerationFields):
         None
     )
     skip_special_tokens: Annotated[
+        Any, only((True,), "a Response's items hold text; special tokens are never written into them.")
+    ] = None
+    spaces_between_special_tokens: Annotated[
         Any, only((True,), "a Response's items hold text; special tokens are never written into them.")
     ] = None
     include_reasoning: Annotated[

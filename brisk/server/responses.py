@@ -107,7 +107,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
         [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in offered],
         _chat_tool_choice(req.tool_choice) if offered else None,
     )
-    effort = req.reasoning.effort if req.reasoning else None
+    effort = state.reasoning_effort(req.reasoning.effort if req.reasoning else None, "reasoning.effort")
     items = input_items(req.input)
     messages = items_to_messages(req.instructions, history + items)
     template_kwargs = req.chat_template_kwargs or {}

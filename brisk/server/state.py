@@ -28,6 +28,7 @@ from brisk.engine.messages import EngineInfo
 from brisk.engine.output_processor import CompletionDelta
 from brisk.errors import InvalidRequest
 from brisk.harmony.chat import render_chat
+from brisk.harmony.render import REASONING_EFFORTS
 from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.metrics import RequestTiming, ServerMetrics
@@ -243,6 +244,20 @@ class ServerState:
             return backend.encode(text, add_special_tokens=add_special_tokens).ids
         batch = functools.partial(backend.encode_batch, [text], add_special_tokens=add_special_tokens)
         return (await asyncio.to_thread(batch))[0].ids
+
+    def reasoning_effort(self, requested: str | None, param: str) -> str | None:
+        """A request's reasoning effort after --reasoning-effort-map; on a harmony model, one gpt-oss has."""
+        if requested is None:
+            return None
+        effort = (self.server.reasoning_effort_map or {}).get(requested, requested)
+        if self.is_harmony and effort not in REASONING_EFFORTS:
+            raise APIError(
+                400,
+                f"reasoning effort {effort!r} is not one this model has ({', '.join(REASONING_EFFORTS)}); the "
+                "server's --reasoning-effort-map can rewrite it",
+                param=param,
+            )
+        return effort
 
     async def render_chat(
         self,
