@@ -99,6 +99,7 @@ class LLM:
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params")
         # Every request is checked (the same checks as the server's) before any is queued.
         tokenized = [self._tokenize(prompt) for prompt in prompt_list]
+        salts = [_cache_salt(prompt) for prompt in prompt_list]
         vocab_size, max_seq_len = self.engine.model_config.vocab_size, self.engine.max_seq_len
         for i, ((_, token_ids), params) in enumerate(zip(tokenized, params_list)):
             params.validate()
@@ -108,9 +109,9 @@ class LLM:
             self._check_structured_outputs(params)
         order: list[str] = []
         try:
-            for (text, token_ids), params in zip(tokenized, params_list):
+            for salt, (text, token_ids), params in zip(salts, tokenized, params_list):
                 rid = str(next(self._ids))
-                self.engine.add_request(EngineCoreRequest(rid, token_ids, params))
+                self.engine.add_request(EngineCoreRequest(rid, token_ids, params, salt))
                 self.output_processor.add_request(rid, text, token_ids, params)
                 order.append(rid)
         except Exception:
@@ -196,6 +197,14 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [finished[rid] for rid in order]
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's): its prefix-cache blocks are shared only with prompts of that salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

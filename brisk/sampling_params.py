@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled (the others' logits -inf)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -101,6 +102,13 @@ class SamplingParams:
             raise InvalidRequest("stop", "stop strings must be non-empty strings.")
         if any(not -MAX_INT32 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "stop_token_ids must hold token ids.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids", "allowed_token_ids must hold at least one token id.")
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            # Both mask the logits: together they could leave no token to sample.
+            raise InvalidRequest("allowed_token_ids", "allowed_token_ids cannot be combined with structured outputs.")
+        if any(not -MAX_INT32 <= t <= MAX_INT32 for t in self.allowed_token_ids or ()):
+            raise InvalidRequest("allowed_token_ids", "allowed_token_ids must hold token ids.")
         for tok, bias in (self.logit_bias or {}).items():
             if not -MAX_INT32 <= tok <= MAX_INT32:
                 raise InvalidRequest("logit_bias", f"logit_bias key {tok} is not a token id.")
@@ -118,6 +126,7 @@ class SamplingParams:
             ("prompt", prompt_token_ids),
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
         ):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:

@@ -218,7 +218,7 @@ def test_completions_add_special_tokens_reaches_the_tokenizer():
     calls: list[bool] = []
 
     class Tokenizing:
-        async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        async def encode(self, text: str, param: str, add_special_tokens: bool = True, may_truncate=False) -> list[int]:
             calls.append(add_special_tokens)
             return [len(text)]
 

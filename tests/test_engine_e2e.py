@@ -126,6 +126,33 @@ def test_prefix_cache_hits_match(tiny):
     llm.engine.kv.check_invariants()
 
 
+def test_cache_salt_shares_blocks_only_within_a_salt(tiny):
+    """vLLM's cache_salt: a prompt's cached blocks are found again only under its salt (none: only unsalted); the
+    tokens are those without it. With the host tier too: a salted block evicted to the host is its salt's there."""
+    _, path, hf = tiny
+    prompt = _prompts(1, n=1, shared_prefix=24)[0]
+    host = {"host_cache_size": 1 << 22, "max_blocks": 40}
+    with LLM(path, seed=0, tokens_per_block=4, kv_cache_config=host) as llm:
+
+        def cached(salt: str | None) -> int:
+            request = {"prompt_token_ids": prompt} | ({"cache_salt": salt} if salt else {})
+            [out] = llm.generate(request, _greedy())
+            assert out.outputs[0].token_ids == expected
+            return out.num_cached_tokens
+
+        [expected] = [o.outputs[0].token_ids for o in llm.generate({"prompt_token_ids": prompt}, _greedy())]
+        assert [cached("tenant-a"), cached("tenant-b"), cached("tenant-a"), cached(None)] == [0, 0, 24, 24]
+        llm.generate([{"prompt_token_ids": p} for p in _prompts(6)], _greedy())  # evicts the blocks to the host
+        host_hits = llm.engine.kv.host_hits
+        assert [cached("tenant-b"), cached("tenant-c")] == [24, 0]
+        assert llm.engine.kv.host_hits > host_hits
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt_token_ids": prompt, "cache_salt": ""}, _greedy())
+        llm.engine.kv.check_invariants()
+        assert llm.engine.kv.pool.num_used == 0
+    assert expected == _hf_greedy(hf, [prompt])[0]
+
+
 def test_preemption_matches(tiny):
     _, path, hf = tiny
     prompts = _prompts(4)

@@ -41,6 +41,7 @@ class FakeRequest:
     request_id: str
     tokens: list[int]
     num_computed_tokens: int = 0
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -165,6 +165,27 @@ def test_logit_bias_forces_and_bans_tokens() -> None:
     assert banned.token_ids != argmax[:1]
 
 
+def test_allowed_token_ids_are_the_only_ones_drawn() -> None:
+    logits = torch.randn(4, 64)
+    argmax = logits.argmax(dim=-1).tolist()
+    allowed = [t for t in range(64) if t != argmax[0]][:5]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0),  # a row without: its argmax
+        SamplingParams(temperature=0.0, allowed_token_ids=[argmax[2], 63]),
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed, logit_bias={allowed[-1]: 50.0}),
+    ]
+    got = sample(logits, params).token_ids
+    assert got[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert got[1:3] == argmax[1:3] and got[3] == allowed[-1]
+    counts = draws([0.0] * 64, SamplingParams(temperature=1.0, allowed_token_ids=[3, 9, 40]), num_draws=3000)
+    assert set(counts) == {3, 9, 40} and min(counts.values()) > 800  # uniform among the allowed
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        sample(logits[:1], [SamplingParams(allowed_token_ids=[64])])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_min_tokens_masks_stop_ids_until_reached() -> None:
     logits = torch.tensor([[5.0, 1.0, 2.0, 4.0]])  # eos (0) is the argmax, then token 3
     params = SamplingParams(temperature=0.0, min_tokens=2)

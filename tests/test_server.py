@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -306,3 +307,127 @@ def test_engine_death_fails_requests_and_exits_nonzero(model_dir):
         assert srv.proc.wait(timeout=30) != 0
     finally:
         srv.stop()
+
+
+def test_return_token_ids(server):
+    """vLLM's return_token_ids: the prompt's ids as rendered (/tokenize's) and each choice's output ids, which a
+    stream spreads over its chunks in order; without it, no such field."""
+    url = server.url
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    prompt = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    body = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True}).json()
+    choice = body["choices"][0]
+    assert body["prompt_token_ids"] == prompt and len(choice["token_ids"]) == body["usage"]["completion_tokens"] == 9
+    detok = httpx.post(f"{url}/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
+    assert detok == choice["message"]["content"]
+    plain = httpx.post(f"{url}/v1/chat/completions", json=chat).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True, "stream": True}
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == choice["token_ids"]
+
+    completion = {"model": "tiny", "prompt": ["Once upon", "a time"], "max_tokens": 5, "temperature": 0, "n": 2}
+    completion |= {"ignore_eos": True, "return_token_ids": True}
+    prompts = [httpx.post(f"{url}/tokenize", json={"prompt": p}).json()["tokens"] for p in completion["prompt"]]
+    whole = httpx.post(f"{url}/v1/completions", json=completion).json()["choices"]
+    assert [c["prompt_token_ids"] for c in whole] == [prompts[0]] * 2 + [prompts[1]] * 2
+    assert all(len(c["token_ids"]) == 5 for c in whole)
+    with httpx.stream("POST", f"{url}/v1/completions", json={**completion, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for c in whole:
+        mine = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"] and all(
+            "prompt_token_ids" not in m for m in mine[1:]
+        )
+        assert [t for m in mine for t in m["token_ids"]] == c["token_ids"]
+    echo = httpx.post(f"{url}/v1/completions", json={**completion, "max_tokens": 0, "echo": True}).json()["choices"]
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in echo] == [(prompts[0], [])] * 2 + [(prompts[1], [])] * 2
+
+
+def test_cache_salt_isolates_the_prefix_cache(server):
+    """vLLM's cache_salt on all three APIs: a prompt's cached tokens come back only under its salt."""
+    url = server.url
+    words = " ".join(f"w{i}" for i in range(80))  # a prompt of many blocks, fresh in this server
+
+    def cached(path: str, salt: str | None, **body) -> int:
+        body = {"model": "tiny", "temperature": 0, **body} | ({"cache_salt": salt} if salt else {})
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return (usage.get("prompt_tokens_details") or usage.get("input_tokens_details"))["cached_tokens"]
+
+    completion = {"prompt": words, "max_tokens": 1}
+    hits = [cached("/v1/completions", s, **completion) for s in ("tenant-a", "tenant-b", "tenant-a", None)]
+    assert hits[0] == hits[1] == hits[3] == 0 and hits[2] > 0
+    chat = {"messages": [{"role": "user", "content": words + " again"}], "max_tokens": 1}
+    assert cached("/v1/chat/completions", "tenant-c", **chat) == 0
+    assert cached("/v1/chat/completions", "tenant-c", **chat) > 0
+    assert cached("/v1/chat/completions", "tenant-d", **chat) == 0
+    responses = {"input": words + " once more", "max_output_tokens": 1, "store": False}
+    assert cached("/v1/responses", "tenant-e", **responses) == 0
+    assert cached("/v1/responses", "tenant-e", **responses) > 0
+    assert cached("/v1/responses", None, **responses) == 0
+    assert (
+        httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "cache_salt": ""}).status_code == 400
+    )
+
+
+def test_allowed_token_ids(server):
+    url = server.url
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    free = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    allowed = [t for t in range(5, 200) if t not in free][:3]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "allowed_token_ids": allowed})
+    assert r.status_code == 200 and set(r.json()["choices"][0]["token_ids"]) <= set(allowed), r.text
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 4,
+        "allowed_token_ids": allowed,
+        "return_token_ids": True,
+    }
+    assert set(httpx.post(f"{url}/v1/chat/completions", json=chat).json()["choices"][0]["token_ids"]) <= set(allowed)
+    for bad in (
+        {"allowed_token_ids": [10**7]},
+        {"allowed_token_ids": []},
+        {"response_format": {"type": "json_object"}},
+    ):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**chat, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_truncate_prompt_tokens(server):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens (truncation_side right: its first N); a text longer
+    than the context is cut instead of refused; echo shows what was kept."""
+    url = server.url
+    text = " ".join(f"w{i}" for i in range(40))
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+    body = {"model": "tiny", "prompt": text, "max_tokens": 1, "return_token_ids": True, "truncate_prompt_tokens": 5}
+    left = httpx.post(f"{url}/v1/completions", json=body).json()
+    assert left["choices"][0]["prompt_token_ids"] == ids[-5:] and left["usage"]["prompt_tokens"] == 5
+    right = httpx.post(f"{url}/v1/completions", json={**body, "truncation_side": "right"}).json()
+    assert right["choices"][0]["prompt_token_ids"] == ids[:5]
+    echo = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "max_tokens": 0}).json()["choices"][0]
+    assert echo["text"] == httpx.post(f"{url}/detokenize", json={"tokens": ids[-5:]}).json()["prompt"]
+    huge = {"model": "tiny", "prompt": "w " * 40000, "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=huge).status_code == 400
+    assert (
+        httpx.post(f"{url}/v1/completions", json={**huge, "truncate_prompt_tokens": 16}).json()["usage"][
+            "prompt_tokens"
+        ]
+        == 16
+    )
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    assert (
+        httpx.post(f"{url}/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 7}).json()["usage"][
+            "prompt_tokens"
+        ]
+        == 7
+    )
+    assert httpx.post(f"{url}/v1/completions", json={**body, "truncate_prompt_tokens": -2}).status_code == 400

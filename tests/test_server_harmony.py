@@ -92,6 +92,22 @@ def test_prompt_is_the_harmony_render(server, harmony):
     assert usage["prompt_tokens"] == len(harmony(messages))
 
 
+def test_return_token_ids_holds_every_output_token(server, harmony):
+    """return_token_ids on gpt-oss: the harmony render, and every output token (channel headers included, which
+    no text field shows); a stream's chunks carry the same tokens in order."""
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    body = {"model": "gpt-oss-tiny", "messages": messages, "max_tokens": 24, "temperature": 0}
+    body["return_token_ids"] = True
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert whole["prompt_token_ids"] == harmony(messages)
+    assert len(whole["choices"][0]["token_ids"]) == whole["usage"]["completion_tokens"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert streamed == whole["choices"][0]["token_ids"]
+
+
 def test_streaming_and_non_streaming_agree(client):
     messages = [{"role": "user", "content": "Tell me about the sea."}]
     whole = _chat(client, False, messages=messages, reasoning_effort="low")

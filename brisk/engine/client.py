@@ -260,6 +260,7 @@ class AsyncEngineClient:
         prompt: str | None = None,
         timeout: float | None = None,
         detokenize: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Yields each completion delta until all n completions are finished; aborts if abandoned.
 
@@ -279,7 +280,7 @@ class AsyncEngineClient:
         try:
             await self._to_engine.send(
                 self._encoder.encode(
-                    AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params), self.client_index)
+                    AddRequest(EngineCoreRequest(request_id, prompt_token_ids, params, cache_salt), self.client_index)
                 )
             )
             while True:

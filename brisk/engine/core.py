@@ -182,6 +182,7 @@ class EngineCore:
                     dp_rank=dp_rank,
                     parent_id=rid,
                     index=i,
+                    cache_salt=request.cache_salt,
                 )
             )
         if params.structured_outputs is not None:

@@ -15,6 +15,7 @@ class EngineCoreRequest(msgspec.Struct):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # vLLM's: the prefix cache shares blocks only among requests of one salt
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

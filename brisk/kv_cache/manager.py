@@ -7,7 +7,8 @@ A sliding group's table keeps the null block where tokens have fallen out of the
 gpt-oss's layers cost O(window) memory instead of O(context).
 
 Prefix caching hashes each full block by (parent hash, token ids); a hit is verified against the
-stored tokens. A hit must leave at least one token to compute (its logits are needed).
+stored tokens. A hit must leave at least one token to compute (its logits are needed). A request's cache_salt
+is its first block's parent: requests share blocks only with requests of the same salt (or none).
 
 Host tier (host_tier.py, `kv_cache_config.host_cache_size`): cached blocks the pool evicts are copied to host
 memory; a prefix block found there (and not on the device) counts as found, and admission copies it back into a
@@ -26,6 +27,7 @@ from brisk.kv_cache.host_tier import HostTier, KVBlockCopy
 class KVRequest(Protocol):
     request_id: str
     num_computed_tokens: int
+    cache_salt: str | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -134,9 +136,12 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens = req.all_token_ids
         bs = self.block_size
+        # cache_salt: the first block's parent, so every block of a salted prompt is keyed by its salt (the salt's
+        # hash is keyed per process: one without the salt cannot make it)
+        salt = None if req.cache_salt is None else hash(("cache_salt", req.cache_salt))
         while len(hashes) < n:
             i = len(hashes)
-            parent = hashes[-1][0] if hashes else None
+            parent = hashes[-1][0] if hashes else salt
             toks = tuple(tokens[i * bs : (i + 1) * bs])
             hashes.append((hash((parent, toks)), parent, toks))
         return hashes[:n]

@@ -6,7 +6,8 @@ draws the noise of seeded requests from their own generators. Steps that no row 
 batch holds `None` for them, so e.g. a batch without penalties builds no penalty tensors.
 
 Order of operations (as in vLLM):
-    logit_bias -> min_tokens (mask stop ids) -> repetition penalty -> presence/frequency penalties
+    allowed_token_ids (the rest -inf) -> logit_bias -> min_tokens (mask stop ids) -> repetition penalty
+    -> presence/frequency penalties
     -> greedy rows: argmax
     -> other rows: temperature -> top_k -> top_p -> min_p -> exponential race (argmax of probs / Exp(1) noise),
        or on CPU with brisk's kernels, inverse transform sampling (one uniform draw per row instead of V)
@@ -45,6 +46,7 @@ def samples_plain_greedy(params: SamplingParams) -> bool:
     return (
         (params.greedy or params.temperature < MIN_SAMPLING_TEMPERATURE)
         and not params.logit_bias
+        and params.allowed_token_ids is None
         and not params.min_tokens
         and not needs_history(params)
         and params.logprobs is None
@@ -58,6 +60,14 @@ class LogitBias:
     rows: torch.Tensor  # [N] int64
     token_ids: torch.Tensor  # [N] int64
     values: torch.Tensor  # [N] float32
+
+
+@dataclass
+class AllowedTokens:
+    """Rows restricted to some tokens (allowed_token_ids): every other logit of those rows -inf."""
+
+    rows: torch.Tensor  # [R] int64, the restricted rows
+    flat_allowed: torch.Tensor  # [A] int64, row * vocab_size + token of each allowed (row, token)
 
 
 @dataclass
@@ -98,6 +108,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [B]; inf where disabled, so float rounding of cumulative sums never cuts there
     min_p: torch.Tensor | None  # [B, 1]; 0.0 where disabled
     logit_bias: LogitBias | None
+    allowed: AllowedTokens | None
     masked_stops: MaskedStopTokens | None
     repetition: RepetitionPenalty | None
     output_penalties: OutputPenalties | None
@@ -168,6 +179,13 @@ class SamplingBatch:
                 bias_token_ids.append(_checked_token_id(int(token_id), vocab_size, "logit_bias"))
                 bias_values.append(float(bias))
 
+        allowed_rows, flat_allowed = [], []
+        for row, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(row)
+                ids = sorted({_checked_token_id(t, vocab_size, "allowed_token_ids") for t in p.allowed_token_ids})
+                flat_allowed += [row * vocab_size + t for t in ids]
+
         stop_rows, stop_token_ids = [], []
         for row, (p, num_out, row_stop_ids) in enumerate(zip(params, num_output_tokens, stop_ids)):
             if num_out < p.min_tokens:
@@ -219,6 +237,9 @@ class SamplingBatch:
             top_p=row_tensor(top_ps, np.float32) if any(p != float("inf") for p in top_ps) else None,
             min_p=column(min_ps) if any(min_ps) else None,
             logit_bias=logit_bias,
+            allowed=AllowedTokens(row_tensor(allowed_rows, np.int64), row_tensor(flat_allowed, np.int64))
+            if allowed_rows
+            else None,
             masked_stops=masked_stops,
             repetition=RepetitionPenalty(column(repetition_penalties), seen_token_mask)
             if seen_token_mask is not None
@@ -280,7 +301,8 @@ class Sampler:
 
 
 def _processes_logits(batch: SamplingBatch) -> bool:
-    return any(t is not None for t in (batch.logit_bias, batch.masked_stops, batch.repetition, batch.output_penalties))
+    processing = (batch.logit_bias, batch.allowed, batch.masked_stops, batch.repetition, batch.output_penalties)
+    return any(t is not None for t in processing)
 
 
 # Columns per block of the CPU argmax: a multiple of the vocabularies brisk serves (gpt-oss: 201,088 = 64 x 3,142).
@@ -320,11 +342,21 @@ def _penalized_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """An fp32 copy of `logits` with logit_bias, min_tokens and the penalties applied: what greedy rows argmax, and
     what temperature and truncation then process for the sampled ones."""
     logits = logits.to(torch.float32, copy=True)
+    _apply_allowed_tokens(logits, batch)
     _apply_logit_bias(logits, batch)
     _apply_min_tokens(logits, batch)
     _apply_repetition_penalty(logits, batch)
     _apply_presence_frequency_penalties(logits, batch)
     return logits
+
+
+def _apply_allowed_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    allowed = batch.allowed
+    if allowed is not None:  # the allowed logits kept, their rows -inf, the kept ones put back: no [R, V] mask
+        flat = logits.view(-1)
+        kept = flat[allowed.flat_allowed]
+        logits[allowed.rows] = float("-inf")
+        flat[allowed.flat_allowed] = kept
 
 
 def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:

@@ -32,6 +32,7 @@ class Request:
     dp_rank: int = 0  # attention data parallelism: the rank whose KV pool holds this request
     parent_id: str = ""  # the client's request id ("" : request_id)
     index: int = 0  # which of the parent's n completions
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is computed or being computed by a step in flight
     # Tokens sampled by steps in flight whose ids are not known here yet (overlap scheduling): the next step

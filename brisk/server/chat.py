@@ -57,10 +57,16 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     plan = plan_tools(state, [t.model_dump(exclude_none=True) for t in req.tools or []], req.tool_choice)
     effort = state.reasoning_effort(req.reasoning_effort, "reasoning_effort")
     prompt_ids = await state.render_chat(
-        req.messages, plan.tools, effort, req.chat_template_kwargs or {}, req.add_generation_prompt
+        req.messages,
+        plan.tools,
+        effort,
+        req.chat_template_kwargs or {},
+        req.add_generation_prompt,
+        may_truncate=req.truncate_prompt_tokens is not None,
     )
+    prompt_ids = req.truncated(prompt_ids, state.info.max_seq_len)
     state.check_prompt(prompt_ids, params, req.field_names())
-    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
+    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout, req.cache_salt)
     prompt_ids += forced
     state.check_prompt(prompt_ids, params, req.field_names())
     # gpt-oss: stop strings apply to `content` only, so the harmony parsers apply them, not the engine (it would
@@ -75,7 +81,9 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
     top_n = req.top_logprobs or 0
     # a harmony parser decodes the tokens itself: the engine client's text would go unread
-    deltas = state.generate(prompt_ids, params, timeout=req.timeout, detokenize=not state.is_harmony)
+    deltas = state.generate(
+        prompt_ids, params, timeout=req.timeout, detokenize=not state.is_harmony, cache_salt=req.cache_salt
+    )
     generated = [0] * params.n  # tokens per choice, for usage (also when a stop string ends the stream early)
 
     def logprobs_of(token_ids: list[int], logprobs: list[dict[int, float]], kept: list[bool]) -> list[TokenLogprob]:
@@ -96,6 +104,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         reasons: list[str | None] = [None] * params.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
         reasoning_logprobs: list[list[TokenLogprob]] = [[] for _ in range(params.n)]
+        token_ids: list[list[int]] = [[] for _ in range(params.n)]
         num_cached = 0
         output = None
         async for delta in deltas:
@@ -106,6 +115,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
             generated[delta.index] += len(delta.token_ids)
             num_cached = delta.output.num_cached_tokens
             parser.feed(delta.token_ids, delta.text)
+            token_ids[delta.index] += delta.token_ids
             if req.logprobs:
                 logprobs[delta.index] += logprobs_of(delta.token_ids, delta.logprobs or [], parser.content_tokens)
             if req.reasoning_logprobs:
@@ -127,8 +137,12 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
             )
             if req.reasoning_logprobs:
                 choice.reasoning_logprobs = ChoiceLogprobs(content=reasoning_logprobs[i])
+            if req.return_token_ids:
+                choice.token_ids = token_ids[i]
             choices.append(choice)
         body = ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(num_cached))
+        if req.return_token_ids:
+            body.prompt_token_ids = prompt_ids
         if req.prompt_logprobs is not None and output is not None:
             body.prompt_logprobs = prompt_logprobs_body(state, output, req.prompt_logprobs)
         return body
@@ -151,7 +165,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         return body
 
     # A chunk of one text field (content or reasoning_content) and nothing else varying: from a template.
-    templated = not (req.logprobs or req.reasoning_logprobs or continuous_usage)
+    templated = not (req.logprobs or req.reasoning_logprobs or continuous_usage or req.return_token_ids)
     templates: dict[tuple[int, str], TextChunkTemplate] = {}
 
     def text_chunk(index: int, key: str, text: str) -> bytes:
@@ -168,10 +182,13 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         closing: list[str | bytes] = []
         for i in range(params.n):
             opening = ChatDelta(role="assistant", content="")
-            yield chunk(
+            body = chunk_body(
                 [ChatChunkChoice(index=i, delta=opening, logprobs=None, finish_reason=None)],
                 usage(num_cached) if continuous_usage else None,
             )
+            if req.return_token_ids and i == 0:  # vLLM's: in the stream's first chunk
+                body.prompt_token_ids = prompt_ids
+            yield sse(body)
         try:
             async for delta in deltas:
                 num_cached = delta.output.num_cached_tokens
@@ -206,7 +223,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                 if templated and len(fields) == 1 and ("content" in fields or "reasoning_content" in fields):
                     [(key, text)] = fields.items()
                     out.append(text_chunk(pending.index, key, text))
-                elif fields or entries or thoughts:
+                elif fields or entries or thoughts or req.return_token_ids:  # (token ids: harmony's headers too)
                     choice = ChatChunkChoice(
                         index=pending.index,
                         delta=ChatDelta(**fields),
@@ -215,6 +232,8 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                     )
                     if req.reasoning_logprobs:
                         choice.reasoning_logprobs = ChoiceLogprobs(content=thoughts)
+                    if req.return_token_ids:
+                        choice.token_ids = pending.token_ids
                     out.append(chunk([choice], usage(num_cached) if continuous_usage else None))
                 if reason is not None:
                     choice = ChatChunkChoice(
@@ -225,6 +244,8 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                     )
                     if req.reasoning_logprobs:
                         choice.reasoning_logprobs = ChoiceLogprobs(content=[])
+                    if req.return_token_ids:
+                        choice.token_ids = []
                     out.append(chunk([choice], usage(num_cached) if continuous_usage else None))
                     num_open -= 1
                 if all(p.stopped for p in parsers):

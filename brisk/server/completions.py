@@ -39,17 +39,20 @@ from brisk.server.streaming import (
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
-async def _prompts(state: ServerState, prompt, add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+async def _prompts(
+    state: ServerState, prompt, add_special_tokens: bool, may_truncate: bool = False
+) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
-        return [(prompt, await state.encode(prompt, "prompt", add_special_tokens))]
+        return [(prompt, await state.encode(prompt, "prompt", add_special_tokens, may_truncate))]
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [(None, list(prompt))]
     if all(isinstance(p, str) for p in prompt):
         for p in prompt:  # every prompt's size checked before any is tokenized
-            state.check_text_fits(len(p), "prompt")
-        return [(p, await state.encode(p, "prompt", add_special_tokens)) for p in prompt]
+            if not may_truncate:
+                state.check_text_fits(len(p), "prompt")
+        return [(p, await state.encode(p, "prompt", add_special_tokens, may_truncate)) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [(None, list(p)) for p in prompt]
     raise APIError(400, "prompt must be a string, a list of strings, or token ids.", param="prompt")
@@ -129,7 +132,10 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     state.admit(1 if single else len(req.prompt))  # each prompt is one engine request
     params = state.sampling_params(req)
     await state.check_structured_outputs(params, req.field_names())
-    prompts = await _prompts(state, req.prompt, req.add_special_tokens)
+    prompts = await _prompts(state, req.prompt, req.add_special_tokens, req.truncate_prompt_tokens is not None)
+    # truncate_prompt_tokens: a cut prompt's text is its ids' (what echo shows)
+    truncated = [req.truncated(ids, state.info.max_seq_len) for _, ids in prompts]
+    prompts = [(text if len(cut) == len(ids) else None, cut) for (text, ids), cut in zip(prompts, truncated)]
     for _, ids in prompts:
         state.check_prompt(ids, params, req.field_names())
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
@@ -143,6 +149,9 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             for p in range(len(prompts))
             for i in range(n)
         ]
+        if req.return_token_ids:
+            for choice in choices:
+                choice.prompt_token_ids, choice.token_ids = prompts[choice.index // n][1], []
         usage = Usage.of(sum(len(ids) for _, ids in prompts), 0)
         if not req.stream:
             return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
@@ -162,7 +171,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
 
         async def run(text, ids):
             final = None
-            async for delta in state.generate(ids, params, text, req.timeout):
+            async for delta in state.generate(ids, params, text, req.timeout, cache_salt=req.cache_salt):
                 final = delta.output
             return final
 
@@ -179,6 +188,8 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
                 )
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = prompt_logprobs_body(state, final, req.prompt_logprobs)
+                if req.return_token_ids:
+                    choice.prompt_token_ids, choice.token_ids = prompts[p][1], list(out.token_ids)
                 choices.append(choice)
         completion_tokens = sum(len(o.token_ids) for f in outputs for o in f.outputs)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -229,10 +240,11 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             else:
                 logprobs = choice_logprobs(delta.output, pending.token_ids, pending.logprobs)
         text = pending.text
-        if index not in text_offset:  # the choice's first chunk
+        first = index not in text_offset  # the choice's first chunk
+        if first:
             text = echoed[p] + text
         text_offset[index] = text_offset.get(index, 0) + len(pending.text)
-        if logprobs is None and pending.finish_reason is None:
+        if logprobs is None and pending.finish_reason is None and not req.return_token_ids:
             template = templates.get(index) or templates.setdefault(index, text_template(index))
             return template.render(text)
         choice = CompletionChoice(
@@ -242,6 +254,10 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             finish_reason=pending.finish_reason,
             stop_reason=pending.stop_reason,
         )
+        if req.return_token_ids:  # vLLM's: the prompt's in the choice's first chunk, each chunk's own tokens
+            choice.token_ids = pending.token_ids
+            if first:
+                choice.prompt_token_ids = prompts[p][1]
         event = sse(chunk_body([choice]))
         num_open -= pending.finish_reason is not None
         return event + usage_event() if num_open == 0 and include_usage else event
@@ -254,7 +270,9 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         return sse(chunk_body([], usage))
 
     async def chunks() -> AsyncIterator[str | bytes]:
-        generations = [state.generate(ids, params, text, req.timeout) for text, ids in prompts]
+        generations = [
+            state.generate(ids, params, text, req.timeout, cache_salt=req.cache_salt) for text, ids in prompts
+        ]
         if len(generations) == 1:  # read directly: a layer less between each token and the socket
             async with contextlib.aclosing(generations[0]) as deltas:
                 async for delta in deltas:

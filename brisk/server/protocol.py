@@ -23,6 +23,7 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: a whole vocabulary (gpt-oss: 201,088)
 MAX_TOOLS = 128
 MAX_NAME_CHARS = 256  # model and function names (they are echoed in error messages)
 MAX_JSON_DEPTH = 64  # of a whole request body, so a tool schema may nest about 60 levels
@@ -131,9 +132,8 @@ class _GenerationFields(_Body):
     # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
     request_id: Annotated[Any, refused("brisk names each request itself: the response's id.")] = None
     session_id: Annotated[Any, refused("brisk has no sessions; previous_response_id chains Responses.")] = None
-    cache_salt: Annotated[
-        Any, refused("brisk's prefix cache is shared by every request of the server: run a server per tenant.")
-    ] = None
+    # vLLM's: prefix-cache blocks shared only among requests with the same salt (tenants isolated)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     kv_transfer_params: Annotated[Any, refused("brisk has no KV transfer between instances (disaggregation).")] = None
     ec_transfer_params: Annotated[Any, refused("brisk has no transfer between instances (disaggregation).")] = None
     vllm_xargs: Annotated[Any, refused("brisk takes no plugin arguments: it loads no plugins.")] = None
@@ -283,20 +283,15 @@ class _SamplingFields(_GenerationFields):
         Any,
         only((True,), "brisk writes special tokens (skip_special_tokens: false) as the tokenizer decodes them (true)."),
     ] = None
-    truncate_prompt_tokens: Annotated[
-        Any, refused("brisk does not truncate prompts: a prompt beyond the context length is a 400; shorten it.")
-    ] = None
-    truncation_side: Annotated[Any, refused("brisk does not truncate prompts.")] = None
-    allowed_token_ids: Annotated[
-        Any, refused("allowed_token_ids is not available; constrain the output with structured_outputs or logit_bias.")
-    ] = None
+    # vLLM's: keep the prompt's last N tokens (truncation_side "right": its first N); -1: the context length
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     logprob_token_ids: Annotated[
         Any, refused("logprobs of chosen token ids are not available; top_logprobs lists the likeliest tokens.")
     ] = None
     return_tokens_as_token_ids: Annotated[Any, only((False,), "brisk's logprobs name tokens by their text.")] = None
-    return_token_ids: Annotated[
-        Any, only((False,), "brisk's responses carry text; POST /tokenize gives the token ids of a text.")
-    ] = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids beside the text
     return_token_offsets: Annotated[Any, only((False,), "brisk's responses carry no token offsets.")] = None
     return_weight_versions: Annotated[
         Any, only((False,), "brisk serves one set of weights for its life: there are no weight versions to report.")
@@ -311,6 +306,13 @@ class _SamplingFields(_GenerationFields):
     stream_interval: Annotated[
         Any, refused("the streaming interval is the server's --stream-interval, not a request's.")
     ] = None
+
+    def truncated(self, prompt_ids: list[int], max_seq_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens and truncation_side (default left: the last tokens kept) cut it."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or len(prompt_ids) <= (keep := max_seq_len if keep == -1 else keep):
+            return prompt_ids
+        return prompt_ids[:keep] if self.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep :]
 
     def _response_format_answer(self) -> StructuredOutputs | None:
         """The answer constraint: response_format's (with structured_outputs' options), or structured_outputs'."""
@@ -328,6 +330,7 @@ class _SamplingFields(_GenerationFields):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=bias or None,
+            allowed_token_ids=self.allowed_token_ids,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,

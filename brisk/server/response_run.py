@@ -133,7 +133,11 @@ class ResponseRun:
         parser, items = self.parser, self.items
         final = None
         generation = self.state.generate(
-            self.prompt_ids, self.params, timeout=self.req.timeout, detokenize=not self.state.is_harmony
+            self.prompt_ids,
+            self.params,
+            timeout=self.req.timeout,
+            detokenize=not self.state.is_harmony,
+            cache_salt=self.req.cache_salt,
         )
         async for delta in generation:
             final = delta.output

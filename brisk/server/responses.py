@@ -120,7 +120,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
             state, messages, prompt_ids, plan.tools, effort, template_kwargs, reserve, params.max_tokens
         )
     state.check_prompt(prompt_ids, params, req.field_names())
-    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout)
+    forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout, req.cache_salt)
     prompt_ids += forced
     state.check_prompt(prompt_ids, params, req.field_names())
     run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history)

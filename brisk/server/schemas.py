@@ -113,6 +113,7 @@ class ChatChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     reasoning_logprobs: ChoiceLogprobs | None = None  # with the request's `reasoning_logprobs` (docs/api.md)
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's extension, with `return_token_ids`: every output token
 
 
 class ChatCompletion(BaseModel):
@@ -123,6 +124,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with `prompt_logprobs` asked
+    prompt_token_ids: list[int] | None = None  # vLLM's extension, with `return_token_ids`
 
 
 class FunctionCallDelta(BaseModel):
@@ -150,6 +152,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     reasoning_logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with `return_token_ids`: the tokens this chunk carries
 
 
 class ChatCompletionChunk(BaseModel):
@@ -161,6 +164,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with `return_token_ids`: in the stream's first chunk
 
 
 # ---- completions -----------------------------------------------------------------------------------
@@ -178,6 +182,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with `prompt_logprobs` asked
+    # vLLM's extension, with `return_token_ids`: the prompt's (a stream's first chunk of the choice) and the output's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):

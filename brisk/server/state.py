@@ -232,10 +232,14 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(
+        self, text: str, param: str, add_special_tokens: bool = True, may_truncate: bool = False
+    ) -> list[int]:
         """Token ids of a prompt text; a large one is tokenized on a worker thread (the tokenizer's batch call
-        releases the GIL), so the event loop keeps serving meanwhile."""
-        self.check_text_fits(len(text), param)
+        releases the GIL), so the event loop keeps serving meanwhile. Unless the caller `may_truncate` the ids, a text
+        longer than the context can hold is a 400 first."""
+        if not may_truncate:
+            self.check_text_fits(len(text), param)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
@@ -307,6 +311,7 @@ class ServerState:
         prompt: str | None = None,
         timeout: float | None = None,
         detokenize: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[CompletionDelta, None]:
         """Engine deltas for one prompt, with metrics; raises APIError for engine-side failures. `detokenize`
         False: the deltas carry token ids only (a harmony parser decodes them itself).
@@ -323,7 +328,7 @@ class ServerState:
         last = None
         try:
             async for delta in self.client.generate(
-                rid, prompt_ids, params, prompt, self.timeout_for(timeout), detokenize
+                rid, prompt_ids, params, prompt, self.timeout_for(timeout), detokenize, cache_salt
             ):
                 if delta.finish_reason == "error":
                     raise APIError(500, "The model produced non-finite logits for this request.", code="model_error")

@@ -59,20 +59,23 @@ def call_prefix(tokenizer, name: str) -> list[int]:
 
 
 async def forced_call_prefix(
-    state, plan: ToolPlan, prompt_ids: list[int], params: SamplingParams, timeout
+    state, plan: ToolPlan, prompt_ids: list[int], params: SamplingParams, timeout, cache_salt: str | None
 ) -> list[int]:
     """The forced start of the assistant's turn: none, the named function's call, or for `required` the call to
-    the function the model picks among the tools.
+    the function the model picks among the tools (its probes run under the request's cache_salt, so the prompt's
+    blocks they cache stay the salt's).
 
     A function without parameters has one valid argument object, `{}`: its call is forced whole, the prefix
     ending in `{}` and `params` changed in place to generate just the closing `<|call|>`."""
     if not plan.forces_call:
         return []
+    if params.allowed_token_ids is not None:  # the call's tokens would be masked: nothing left to sample
+        raise APIError(400, "allowed_token_ids cannot be combined with a forced tool call.", param="allowed_token_ids")
     assert plan.tools is not None  # a forced call always has tools
     names = [t["function"]["name"] for t in plan.tools]
     name = plan.forced_name
     if name is None:
-        name = names[0] if len(names) == 1 else await _pick_tool(state, names, prompt_ids, params, timeout)
+        name = names[0] if len(names) == 1 else await _pick_tool(state, names, prompt_ids, params, timeout, cache_salt)
     prefix = call_prefix(state.tokenizer, name)
     spec = next(t["function"] for t in plan.tools if t["function"]["name"] == name)
     if not (spec.get("parameters") or {}).get("properties"):
@@ -88,7 +91,9 @@ async def forced_call_prefix(
     return prefix
 
 
-async def _pick_tool(state, names: list[str], prompt_ids: list[int], params: SamplingParams, timeout) -> str:
+async def _pick_tool(
+    state, names: list[str], prompt_ids: list[int], params: SamplingParams, timeout, cache_salt: str | None
+) -> str:
     tokenizer = state.tokenizer
     header = tokenizer.encode(CALL_HEADER, add_special_tokens=False)
     spelled = {}
@@ -118,7 +123,8 @@ async def _pick_tool(state, names: list[str], prompt_ids: list[int], params: Sam
                 structured_outputs=None,
             )
             sampled: int | None = None
-            async for delta in state.generate(prompt_ids + header + chosen, one, timeout=timeout):
+            probe = state.generate(prompt_ids + header + chosen, one, timeout=timeout, cache_salt=cache_salt)
+            async for delta in probe:
                 sampled = next(iter(delta.token_ids), sampled)
             # never anything else with a +100 bias; never fail the request over it either
             token = sampled if sampled in allowed and sampled is not None else spelled[candidates[0]][step]
