@@ -431,3 +431,22 @@ def test_truncate_prompt_tokens(server):
         == 7
     )
     assert httpx.post(f"{url}/v1/completions", json={**body, "truncate_prompt_tokens": -2}).status_code == 400
+
+
+def test_request_id_names_the_completion_as_in_vllm(server):
+    url = server.url
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "abc"}).json()["id"] == "chatcmpl-abc"
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "request_id": "abc"}, headers={"X-Request-Id": "hdr"})
+    assert r.json()["id"] == "chatcmpl-hdr"  # the header first, as vLLM takes it
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True, "request_id": "xyz"},
+    ) as s:
+        ids = {json.loads(line[6:])["id"] for line in s.iter_lines() if line.startswith("data: {")}
+    assert ids == {"cmpl-xyz"}
+    fresh = [httpx.post(f"{url}/v1/chat/completions", json=chat).json()["id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(i.startswith("chatcmpl-") for i in fresh)
+    r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Hi", "request_id": "abc"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"

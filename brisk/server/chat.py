@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -78,7 +77,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         make_choice_parser(state, forced, stop, params.include_stop_str_in_output, req.include_reasoning)
         for _ in range(params.n)
     ]
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    rid, created, model = state.completion_id("chatcmpl-", raw, req.request_id), int(time.time()), state.model_name
     top_n = req.top_logprobs or 0
     # a harmony parser decodes the tokens itself: the engine client's text would go unread
     deltas = state.generate(

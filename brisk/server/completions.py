@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -138,7 +137,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
     prompts = [(text if len(cut) == len(ids) else None, cut) for (text, ids), cut in zip(prompts, truncated)]
     for _, ids in prompts:
         state.check_prompt(ids, params, req.field_names())
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    rid, created, model = state.completion_id("cmpl-", raw, req.request_id), int(time.time()), state.model_name
     n = params.n
     # echo: each choice's text starts with its prompt
     echoed = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts]

@@ -130,7 +130,8 @@ class _GenerationFields(_Body):
     timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
     structured_outputs: StructuredOutputsField | None = None
     # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
-    request_id: Annotated[Any, refused("brisk names each request itself: the response's id.")] = None
+    # vLLM's: names the completion (its id is `chatcmpl-` / `cmpl-` and this); an X-Request-Id header comes first
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     session_id: Annotated[Any, refused("brisk has no sessions; previous_response_id chains Responses.")] = None
     # vLLM's: prefix-cache blocks shared only among requests with the same salt (tenants isolated)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
@@ -574,6 +575,8 @@ REFUSED_INCLUDES = {
 
 class ResponsesRequest(_GenerationFields):
     input: str | list[dict[str, Any]]
+    # a Response's id names it in the store and in previous_response_id: brisk makes each one unique
+    request_id: Annotated[Any, refused("brisk names each Response itself: its id.")] = None
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None

@@ -249,6 +249,12 @@ class ServerState:
         batch = functools.partial(backend.encode_batch, [text], add_special_tokens=add_special_tokens)
         return (await asyncio.to_thread(batch))[0].ids
 
+    @staticmethod
+    def completion_id(prefix: str, raw: Request, requested: str | None) -> str:
+        """A completion's id as vLLM names it: the prefix and the X-Request-Id header, else the request's
+        request_id, else a fresh one (the engine names its request itself, so ids need not be unique)."""
+        return prefix + (raw.headers.get("x-request-id") or requested or uuid.uuid4().hex)
+
     def reasoning_effort(self, requested: str | None, param: str) -> str | None:
         """A request's reasoning effort after --reasoning-effort-map; on a harmony model, one gpt-oss has."""
         if requested is None:
