@@ -855,6 +855,12 @@ class ServerConfig(OptionModel):
         "a request's chat_template_kwargs override them key by key",
         vllm="default_chat_template_kwargs",
     )
+    return_tokens_as_token_ids: bool = option(
+        False,
+        "logprobs name each token 'token_id:N' instead of its text (every API; a chat or completion request's own "
+        "return_tokens_as_token_ids decides for it)",
+        vllm="return_tokens_as_token_ids",
+    )
     reasoning_effort_map: dict[str, str] | None = option(
         None,
         "a request's reasoning effort (reasoning_effort; the Responses API's reasoning.effort) rewritten before the "

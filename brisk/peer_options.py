@@ -108,10 +108,6 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_values("response-role", "brisk's responses always have the role 'assistant'", ("assistant",)),
     *_switches(
-        "return-tokens-as-token-ids",
-        "brisk's logprobs name tokens by their text; token ids are in the responses' token_ids where asked for",
-    ),
-    *_switches(
         "exclude-tools-when-tool-choice-none",
         "brisk leaves the tools out of the prompt whenever tool_choice is 'none' (the switch on is its behaviour)",
         ("true",),

@@ -349,7 +349,8 @@ VLLM_FLAGS = (
     "--uvicorn-log-level warning --disable-log-requests --api-server-count 1 "
     """--structured-outputs-config '{"disable_any_whitespace": false}' --config vllm.yaml """
     """--default-chat-template-kwargs '{"reasoning_effort": "low"}' """
-    """--reasoning-effort-map '{"minimal": "low", "xhigh": "high"}' --disable-uvicorn-access-log"""
+    """--reasoning-effort-map '{"minimal": "low", "xhigh": "high"}' --disable-uvicorn-access-log """
+    "--return-tokens-as-token-ids"
 )
 
 
@@ -409,6 +410,14 @@ def test_vllm_command_serves(vllm_server):
     tokens = httpx.post(f"{url}/tokenize", json={"model": "gpt-oss", "messages": messages}).json()["tokens"]
     prompt = httpx.post(f"{url}/detokenize", json={"model": "gpt-oss", "tokens": tokens}).json()["prompt"]
     assert "Reasoning: low" in prompt, prompt
+    # --return-tokens-as-token-ids: logprobs name tokens token_id:N, unless a request says otherwise
+    r = _chat(url, logprobs=True, top_logprobs=2, max_tokens=24, return_token_ids=True).json()["choices"][0]
+    entries = r["logprobs"]["content"]
+    assert entries and all(e["token"].startswith("token_id:") for e in entries)
+    assert all(int(e["token"].split(":")[1]) in r["token_ids"] for e in entries)
+    assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])
+    r = _chat(url, logprobs=True, max_tokens=24, return_tokens_as_token_ids=False).json()["choices"][0]
+    assert not any(e["token"].startswith("token_id:") for e in r["logprobs"]["content"])
     # --reasoning-effort-map: efforts gpt-oss does not have are rewritten to ones it has; one not in the map is a 400
     for effort in ("minimal", "xhigh", "high"):
         r = _chat(url, reasoning_effort=effort)

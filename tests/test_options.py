@@ -828,6 +828,10 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "default_chat_template_kwargs": [f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_effort_map": [f"{DROPIN}::test_vllm_command_serves"],
+    "return_tokens_as_token_ids": [
+        f"{DROPIN}::test_vllm_command_serves",
+        "tests/test_server.py::test_logprobs_name_tokens_by_id",
+    ],
     "tool_call_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_parser": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "enable_auto_tool_choice": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],

@@ -450,3 +450,21 @@ def test_request_id_names_the_completion_as_in_vllm(server):
     assert fresh[0] != fresh[1] and all(i.startswith("chatcmpl-") for i in fresh)
     r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Hi", "request_id": "abc"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
+def test_logprobs_name_tokens_by_id(server):
+    """return_tokens_as_token_ids: each logprob's token is `token_id:N` of the output's own ids; a completion's
+    text offsets stay offsets into its text."""
+    url = server.url
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    named = httpx.post(f"{url}/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    plain = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert all(k.startswith("token_id:") for top in named["logprobs"]["top_logprobs"] for k in top)
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    chat |= {"logprobs": True, "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = httpx.post(f"{url}/v1/chat/completions", json=chat).json()["choices"][0]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]

@@ -79,6 +79,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     ]
     rid, created, model = state.completion_id("chatcmpl-", raw, req.request_id), int(time.time()), state.model_name
     top_n = req.top_logprobs or 0
+    as_token_ids = state.tokens_as_token_ids(req.return_tokens_as_token_ids)
     # a harmony parser decodes the tokens itself: the engine client's text would go unread
     deltas = state.generate(
         prompt_ids, params, timeout=req.timeout, detokenize=not state.is_harmony, cache_salt=req.cache_salt
@@ -89,7 +90,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         """Logprobs of the tokens marked in `kept`: the parser's `content_tokens` (not harmony's headers,
         reasoning or tool calls) or its `reasoning_tokens`."""
         pairs = [(t, lp) for t, lp, keep in zip(token_ids, logprobs, kept) if keep]
-        return logprob_entries(state.tokenizer, [t for t, _ in pairs], [lp for _, lp in pairs], top_n)
+        return logprob_entries(state.tokenizer, [t for t, _ in pairs], [lp for _, lp in pairs], top_n, as_token_ids)
 
     def finish_reason(parser, reason: str | None) -> str | None:
         if parser.stopped:

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from brisk.engine.output_processor import CompletionDelta
 from brisk.outputs import Logprob, RequestOutput
 from brisk.server.errors import APIError
+from brisk.server.logprobs import token_text
 from brisk.server.protocol import CompletionRequest
 from brisk.server.schemas import (
     ERROR_RESPONSES,
@@ -64,10 +65,16 @@ def _logprobs(
     offset: int,
     prompt: RequestOutput | None = None,
     top_n: int = 0,
+    as_token_ids: bool = False,
 ) -> CompletionLogprobs:
     """OpenAI's legacy logprobs of `token_ids`; with `prompt` (echo), the prompt tokens' lead them (the first
-    one's is null: nothing predicts it), each with the prompt token and its top `top_n` alternatives."""
+    one's is null: nothing predicts it), each with the prompt token and its top `top_n` alternatives. Tokens are
+    named by their text, or `token_id:N` (`as_token_ids`); the offsets are into the text either way."""
     decode = state.tokenizer.decode
+
+    def name(token_id: int) -> str:
+        return token_text(state.tokenizer, token_id, as_token_ids)
+
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     ids: list[int] = []
@@ -79,13 +86,14 @@ def _logprobs(
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(entry[token].logprob)
-            top_logprobs.append({decode([t]): lp.logprob for t, lp in entry.items() if lp.rank <= top_n or t == token})
+            top_logprobs.append({name(t): lp.logprob for t, lp in entry.items() if lp.rank <= top_n or t == token})
     ids += token_ids
     token_logprobs += [lp[t] for t, lp in zip(token_ids, logprobs)]
-    top_logprobs += [{decode([k]): v for k, v in lp.items()} for lp in logprobs]
-    tokens = [decode([t]) for t in ids]
+    top_logprobs += [{name(k): v for k, v in lp.items()} for lp in logprobs]
+    texts = [decode([t]) for t in ids]
+    tokens = [name(t) for t in ids] if as_token_ids else texts
     offsets, pos = [], offset
-    for text in tokens:
+    for text in texts:
         offsets.append(pos)
         pos += len(text)
     return CompletionLogprobs(
@@ -161,10 +169,12 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
 
         return EventStreamResponse(echo_chunks())
 
+    as_token_ids = state.tokens_as_token_ids(req.return_tokens_as_token_ids)
+
     def choice_logprobs(output: RequestOutput, token_ids: list[int], logprobs, offset: int = 0) -> CompletionLogprobs:
         if req.echoes_logprobs:  # the prompt's tokens lead, from the choice's first chunk
-            return _logprobs(state, token_ids, logprobs or [], offset, output, req.logprobs or 0)
-        return _logprobs(state, token_ids, logprobs or [], offset)
+            return _logprobs(state, token_ids, logprobs or [], offset, output, req.logprobs or 0, as_token_ids)
+        return _logprobs(state, token_ids, logprobs or [], offset, as_token_ids=as_token_ids)
 
     if not req.stream:
 
@@ -235,7 +245,9 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         if req.logprobs is not None:
             if index in text_offset:
                 offset = text_offset[index] + (len(echoed[p]) if req.echo else 0)
-                logprobs = _logprobs(state, pending.token_ids, pending.logprobs or [], offset)
+                logprobs = _logprobs(
+                    state, pending.token_ids, pending.logprobs or [], offset, as_token_ids=as_token_ids
+                )
             else:
                 logprobs = choice_logprobs(delta.output, pending.token_ids, pending.logprobs)
         text = pending.text

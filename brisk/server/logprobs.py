@@ -5,11 +5,17 @@ from __future__ import annotations
 from brisk.server.schemas import TokenLogprob, TopLogprob
 
 
+def token_text(tokenizer, token_id: int, as_token_id: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's `token_id:N` (return_tokens_as_token_ids: a token that is part
+    of a UTF-8 character has no text of its own)."""
+    return f"token_id:{token_id}" if as_token_id else tokenizer.decode([token_id])
+
+
 def logprob_entries(
-    tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int
+    tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int, as_token_ids: bool = False
 ) -> list[TokenLogprob]:
     def item(tok: int, lp: float) -> TopLogprob:
-        text = tokenizer.decode([tok])
+        text = token_text(tokenizer, tok, as_token_ids)
         return TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
 
     entries = []

@@ -291,7 +291,7 @@ class _SamplingFields(_GenerationFields):
     logprob_token_ids: Annotated[
         Any, refused("logprobs of chosen token ids are not available; top_logprobs lists the likeliest tokens.")
     ] = None
-    return_tokens_as_token_ids: Annotated[Any, only((False,), "brisk's logprobs name tokens by their text.")] = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (None: the server's)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids beside the text
     return_token_offsets: Annotated[Any, only((False,), "brisk's responses carry no token offsets.")] = None
     return_weight_versions: Annotated[

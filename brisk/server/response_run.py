@@ -180,7 +180,11 @@ class ResponseRun:
             return None
         kept = [(t, lp) for t, lp, keep in zip(token_ids, logprobs or [], is_content) if keep]
         entries = logprob_entries(
-            self.state.tokenizer, [t for t, _ in kept], [lp for _, lp in kept], self.params.logprobs or 0
+            self.state.tokenizer,
+            [t for t, _ in kept],
+            [lp for _, lp in kept],
+            self.params.logprobs or 0,
+            self.state.tokens_as_token_ids(None),
         )
         return [e.model_dump(mode="json") for e in entries]
 

@@ -249,6 +249,10 @@ class ServerState:
         batch = functools.partial(backend.encode_batch, [text], add_special_tokens=add_special_tokens)
         return (await asyncio.to_thread(batch))[0].ids
 
+    def tokens_as_token_ids(self, requested: bool | None) -> bool:
+        """Whether logprobs name tokens `token_id:N`: the request's return_tokens_as_token_ids, else the server's."""
+        return self.server.return_tokens_as_token_ids if requested is None else requested
+
     @staticmethod
     def completion_id(prefix: str, raw: Request, requested: str | None) -> str:
         """A completion's id as vLLM names it: the prefix and the X-Request-Id header, else the request's
