@@ -56,8 +56,9 @@ _ONE_API = (
     "available"
 )
 _SCHEDULER = (
-    "brisk's scheduler has one policy: first come first served, bounded by --max-num-seqs, "
-    "--max-num-batched-tokens and --max-num-waiting"
+    "brisk's scheduler has one policy: waiting requests by (priority, arrival), which is vLLM's 'priority' and, while "
+    "every request's priority is 0, its 'fcfs'; bounded by --max-num-seqs, --max-num-batched-tokens and "
+    "--max-num-waiting"
 )
 _HUB = (
     "brisk downloads through huggingface_hub's own settings: set HF_TOKEN, HF_HOME or HF_HUB_CACHE in the "
@@ -347,7 +348,7 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_values("max-num-queued-tokens long-prefill-token-threshold watermark prefill-schedule-interval", _SCHEDULER),
     *_switches("long-prefill-token-threshold-adaptive scheduler-reserve-full-isl", _SCHEDULER),
-    *_values("scheduling-policy", _SCHEDULER, ("fcfs",)),
+    *_values("scheduling-policy", _SCHEDULER, ("fcfs", "priority")),
     # ---- vLLM: kernels, compilation and other configs ----
     *_values(
         "ir-op-priority linear-backend sparse-indexer-topk-backend gdn-prefill-backend kda-prefill-backend "

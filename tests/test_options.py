@@ -267,6 +267,10 @@ def test_peers_options_in_yaml_files_and_keyword_arguments(tmp_path):
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         EngineConfig.build("m", enable_lora=True, max_loras=4)
     assert EngineConfig.build("m", enable_lora=False, scheduling_policy="fcfs").max_batch_size == 256
+    # brisk orders waiting requests by (priority, arrival): vLLM's "priority" policy (its "fcfs" at priority 0)
+    EngineConfig.build("m", scheduling_policy="priority")
+    with pytest.raises(ConfigError, match=r"\(priority, arrival\)"):
+        EngineConfig.build("m", scheduling_policy="round-robin")
 
 
 def test_vllm_config_files_spell_a_switch_off_as_no_name(tmp_path):
