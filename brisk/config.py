@@ -18,7 +18,7 @@ import os
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice
@@ -151,6 +151,23 @@ class EngineConfig(OptionModel):
     )
     revision: str | None = option(
         None, "the Hub revision (branch, tag or commit) of a model id", trtllm="revision", vllm="revision"
+    )
+    tokenizer_revision: str | None = option(
+        None, "the Hub revision of --tokenizer when it is a Hub id", vllm="tokenizer_revision"
+    )
+    download_dir: str | None = option(
+        None,
+        "where a Hub model (and tokenizer) is downloaded and looked for (default: the Hugging Face cache, HF_HOME)",
+        vllm="download_dir",
+    )
+    hf_token: SecretStr | None = option(
+        None,
+        "the Hugging Face token for gated or private models (never logged); without it, or given without a value, "
+        "huggingface_hub's own: HF_TOKEN or the stored login",
+        vllm="hf_token",
+        parse=SecretStr,
+        nargs="?",
+        metavar="TOKEN",
     )
     load_format: Literal["auto", "safetensors", "dummy"] = option(
         "auto",
@@ -604,8 +621,12 @@ class EngineConfig(OptionModel):
             cfg = cls(**options, model=model)
         except ValidationError as exc:
             raise ConfigError(describe_validation_error(exc)) from None
-        if find_model:
-            cfg = cfg.model_copy(update={"model": resolve_model(model, cfg.revision)})
+        if find_model:  # MODEL and --tokenizer given as Hub ids: their folders
+            token = cfg.hf_token.get_secret_value() if cfg.hf_token is not None else None
+            found = {"model": resolve_model(model, cfg.revision, cfg.download_dir, token)}
+            if cfg.tokenizer is not None:
+                found["tokenizer"] = resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, token)
+            cfg = cfg.model_copy(update=found)
         if cfg.tp_size % cfg.ep_size != 0:
             raise ConfigError(
                 f"ep_size ({cfg.ep_size}) must divide tp_size ({cfg.tp_size}): the MoE runs on the tp_size ranks, "
@@ -1054,7 +1075,9 @@ def build_serve_configs(
     return EngineConfig.from_options(model or default_model, merged[EngineConfig], find_model=bool(model)), server
 
 
-def resolve_model(model: str, revision: str | None = None) -> str:
+def resolve_model(
+    model: str, revision: str | None = None, download_dir: str | None = None, token: str | None = None
+) -> str:
     """MODEL's folder: a local folder, or a Hub id from the Hub, or from the local Hugging Face cache when the Hub
     cannot be reached (huggingface_hub falls back to it; HF_HUB_OFFLINE skips the Hub). ConfigError in one line
     saying what to do when it is in neither."""
@@ -1064,7 +1087,7 @@ def resolve_model(model: str, revision: str | None = None) -> str:
     from brisk.hub import ModelNotAvailableError, resolve_model_path
 
     try:
-        return resolve_model_path(model, revision)
+        return resolve_model_path(model, revision, download_dir, token)
     except ModelNotAvailableError as exc:
         cause = exc.__cause__
         if cause is None:  # a path that is not a folder

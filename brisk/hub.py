@@ -14,8 +14,11 @@ class ModelNotAvailableError(RuntimeError):
     """The model is neither a local directory nor downloadable right now."""
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """A local directory as-is; otherwise a Hub repo id, downloaded (or found in the HF cache)."""
+def resolve_model_path(
+    model: str, revision: str | None = None, cache_dir: str | None = None, token: str | None = None
+) -> str:
+    """A local directory as-is; otherwise a Hub repo id, downloaded (or found in the HF cache, or `cache_dir`;
+    `token`: the Hub's, else huggingface_hub's own: HF_TOKEN or the stored login)."""
     local = os.path.expanduser(model)
     if os.path.isdir(local):
         return local
@@ -33,6 +36,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
         return snapshot_download(
             repo_id=model,
             revision=revision,
+            cache_dir=cache_dir,
+            token=token,
             allow_patterns=list(HUB_ALLOW_PATTERNS),
             ignore_patterns=list(HUB_IGNORE_PATTERNS),
             local_files_only=offline,

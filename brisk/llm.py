@@ -12,7 +12,7 @@ import msgspec
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from brisk.config import EngineConfig, check_fits_machine, generation_defaults, load_chat_template, resolve_model
+from brisk.config import EngineConfig, check_fits_machine, generation_defaults, load_chat_template
 from brisk.distributed.launch import launcher_env
 from brisk.engine.core import EngineCore
 from brisk.engine.messages import EngineCoreRequest
@@ -41,7 +41,7 @@ class LLM:
             options["tokenizer"] = tokenizer
         self.config = EngineConfig.build(model, extra_llm_api_options, find_model=True, **options)
         path = self.config.model
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer) if tokenizer else path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or path)
         chat_template = load_chat_template(self.config)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template

@@ -60,10 +60,6 @@ _SCHEDULER = (
     "every request's priority is 0, its 'fcfs'; bounded by --max-num-seqs, --max-num-batched-tokens and "
     "--max-num-waiting"
 )
-_HUB = (
-    "brisk downloads through huggingface_hub's own settings: set HF_TOKEN, HF_HOME or HF_HUB_CACHE in the "
-    "environment (--revision picks the model's revision)"
-)
 _NO_OVERRIDES = "brisk reads the model's config.json as it is; edit a local copy of the checkpoint's config instead"
 _ENGINE_INTERNALS = "an implementation detail of vLLM's engine that brisk's engine does not have"
 _CONTEXT_PARALLEL = "brisk has no context parallelism: attention is tensor or data parallel"
@@ -182,7 +178,7 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_values("hf-config-path", _NO_OVERRIDES),
     *_values("allowed-local-media-path allowed-media-domains media-io-kwargs", _MULTIMODAL),
-    *_values("hf-token download-dir tokenizer-revision code-revision", _HUB),
+    *_values("code-revision", "brisk runs no code from a model's repository (only its own model code)"),
     PeerOption(
         ("quantization", "-q"),
         "brisk runs a checkpoint's own quantization (gpt-oss: MXFP4 experts, from its config.json) and quantizes "

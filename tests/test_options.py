@@ -841,6 +841,10 @@ OPTION_TESTS: dict[str, list[str]] = {
     "enable_auto_tool_choice": [f"{HERE}::test_server_option_checks", f"{DROPIN}::test_vllm_command_serves"],
     "tokenizer": [f"{HERE}::test_tokenizer_and_generation_config"],
     "revision": [f"{DROPIN}::test_model_id_from_the_hf_cache_without_the_hub"],
+    **{
+        name: [f"{HERE}::test_hub_download_options_reach_huggingface_hub"]
+        for name in ("download_dir", "hf_token", "tokenizer_revision")
+    },
     "load_format": ["tests/test_loader.py::test_dummy_weights_run_on_cpu"],
     "dtype": [f"{HERE}::test_dtype_spelled_the_vllm_way"],
     "device": [f"{HERE}::test_device_picks_the_paths"],
@@ -972,3 +976,32 @@ def test_every_option_has_a_test_of_its_effect():
             assert function in defined, f"{path}: {node} does not exist"
             spelled = {n for name in names for n in (name, name.replace("_", "-"))}
             assert any(s in source for s in spelled), f"{path}: {file} never names the option"
+
+
+def test_hub_download_options_reach_huggingface_hub(monkeypatch, tmp_path, capsys):
+    """vLLM's --download-dir, --hf-token and --tokenizer-revision: MODEL and --tokenizer given as Hub ids are
+    fetched with them; the token is never shown (the configuration in effect masks it); --hf-token without a value
+    (vLLM's) leaves huggingface_hub's own token."""
+    import huggingface_hub
+
+    from brisk.server.serve import announce_config
+
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, cache_dir=None, token=None, **_):
+        calls.append((repo_id, revision, cache_dir, token))
+        return DEMO
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    parse = build_parser().parse_args
+    flags = ["serve", "org/model", "--revision", "r1", "--tokenizer", "org/tok", "--tokenizer-revision", "v2"]
+    flags += ["--download-dir", str(tmp_path), "--hf-token", "hf_secret"]
+    engine, server = build_serve_configs("org/model", OPTIONS.given(parse(flags)), default_model=DEMO)
+    assert calls == [("org/model", "r1", str(tmp_path), "hf_secret"), ("org/tok", "v2", str(tmp_path), "hf_secret")]
+    assert engine.model == engine.tokenizer == DEMO
+    announce_config(engine, server)
+    assert "hf_secret" not in capsys.readouterr().out
+    calls.clear()
+    given = OPTIONS.given(parse(["serve", "org/model", "--hf-token"]))
+    build_serve_configs("org/model", given, default_model=DEMO)
+    assert calls == [("org/model", None, None, None)]
