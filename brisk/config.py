@@ -827,6 +827,13 @@ class ServerConfig(OptionModel):
     request_timeout: float | None = option(
         None, "seconds; longer-running requests are aborted (finish_reason 'abort')", gt=0.0
     )
+    sse_keep_alive_interval: float = option(
+        0.0,
+        "a streamed response sends an SSE comment line after this many seconds without an event (queued, in "
+        "prefill, between tokens), so proxies with read timeouts keep the connection; 0: never",
+        ge=0.0,
+        vllm="sse_keep_alive_interval",
+    )
     shutdown_timeout: float = option(
         30.0, "seconds in-flight requests may run after SIGTERM before being aborted", gt=0.0
     )

@@ -134,7 +134,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "enable-force-include-usage",
         "a streamed response carries usage when the request asks for it (stream_options.include_usage)",
     ),
-    *_values("sse-keep-alive-interval", "brisk sends no keep-alive comments on its event streams", ("0",)),
     *_switches("enable-tokenizer-info-endpoint", "brisk serves /tokenize and /detokenize, not /tokenizer_info"),
     *_switches(
         "enable-log-outputs enable-log-deltas",

@@ -832,6 +832,10 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "default_chat_template_kwargs": [f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_effort_map": [f"{DROPIN}::test_vllm_command_serves"],
+    "sse_keep_alive_interval": [
+        f"{DROPIN}::test_vllm_command_serves",
+        "tests/test_stream_path.py::test_keep_alive_comments_fill_a_silent_stream_and_a_hang_up_closes_it",
+    ],
     "return_tokens_as_token_ids": [
         f"{DROPIN}::test_vllm_command_serves",
         "tests/test_server.py::test_logprobs_name_tokens_by_id",

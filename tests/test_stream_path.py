@@ -5,6 +5,7 @@ generations as one stream, and a histogram observed in bulk equals one observed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 
@@ -198,3 +199,46 @@ def test_a_histogram_observed_in_bulk_equals_one_observed_value_by_value(values)
     assert [float(line.rsplit(" ", 1)[1]) for line in lines_one] == pytest.approx(
         [float(line.rsplit(" ", 1)[1]) for line in lines_bulk]
     )
+
+
+def test_keep_alive_comments_fill_a_silent_stream_and_a_hang_up_closes_it():
+    """--sse-keep-alive-interval: while the next event is awaited (a queue, a long prefill), an SSE comment goes out
+    every interval, without disturbing that await; a client that hangs up meanwhile closes the route's generator
+    (which aborts its requests in the engine)."""
+    import asyncio
+
+    from brisk.server.streaming import DONE_EVENT, KEEP_ALIVE_EVENT, EventStreamResponse
+
+    async def run(hang_up: bool) -> tuple[list[bytes], bool]:
+        release, closed, kept_alive = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def chunks():
+            try:
+                yield "data: 1\n\n"
+                await release.wait()  # the engine's next token, held until a keep-alive went out
+                yield "data: 2\n\n"
+            finally:
+                closed.set()
+
+        sent: list[bytes] = []
+
+        async def send(message):
+            sent.append(message.get("body", b""))
+            if message.get("body") == KEEP_ALIVE_EVENT:
+                kept_alive.set()
+                if not hang_up:
+                    release.set()
+
+        streaming = asyncio.create_task(EventStreamResponse(chunks(), keep_alive_s=0.01).stream_response(send))
+        if hang_up:
+            await asyncio.wait_for(kept_alive.wait(), 30)
+            streaming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(streaming, 30)
+        return [b for b in sent if b], closed.is_set()
+
+    bodies, closed = asyncio.run(run(hang_up=False))
+    assert bodies[0] == b"data: 1\n\n" and bodies[1] == KEEP_ALIVE_EVENT and closed
+    assert bodies[-2:] == [b"data: 2\n\n", DONE_EVENT.encode()]
+    bodies, closed = asyncio.run(run(hang_up=True))
+    assert closed and b"data: 2\n\n" not in bodies

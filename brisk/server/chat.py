@@ -262,4 +262,4 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         if closing:
             yield join_events(closing)
 
-    return EventStreamResponse(chunks())
+    return EventStreamResponse(chunks(), keep_alive_s=state.server.sse_keep_alive_interval)

@@ -167,7 +167,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             for choice in choices:
                 yield sse(CompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-        return EventStreamResponse(echo_chunks())
+        return EventStreamResponse(echo_chunks(), keep_alive_s=state.server.sse_keep_alive_interval)
 
     as_token_ids = state.tokens_as_token_ids(req.return_tokens_as_token_ids)
 
@@ -296,4 +296,4 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         if include_usage and num_open:  # a generation ended early (an error is raised instead)
             yield usage_event()
 
-    return EventStreamResponse(chunks())
+    return EventStreamResponse(chunks(), keep_alive_s=state.server.sse_keep_alive_interval)

@@ -130,7 +130,9 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
         state.background_runs.start(run)
         if not req.stream:
             return run.body()
-        return EventStreamResponse(_sse(state.background_runs.follow(run.id, -1)))
+        return EventStreamResponse(
+            _sse(state.background_runs.follow(run.id, -1)), keep_alive_s=state.server.sse_keep_alive_interval
+        )
     if not req.stream:
         run.report_failures = False  # a failure is the HTTP error itself
 
@@ -140,7 +142,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
             return run.body()
 
         return await until_disconnected(raw, drain())
-    return EventStreamResponse(_sse(run.events()))
+    return EventStreamResponse(_sse(run.events()), keep_alive_s=state.server.sse_keep_alive_interval)
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -196,10 +198,15 @@ async def get_response(
         return await forward(raw, runner, state.server.scheme)
     if stream:
         if isinstance(found, ResponseRun):
-            return EventStreamResponse(_sse(state.background_runs.follow(response_id, starting_after)))
+            return EventStreamResponse(
+                _sse(state.background_runs.follow(response_id, starting_after)),
+                keep_alive_s=state.server.sse_keep_alive_interval,
+            )
         if not found.body.get("background"):
             raise APIError(400, "Only a background response's events can be streamed.", param="stream")
-        return EventStreamResponse(_sse(_stored_events(state, owner, found, starting_after)))
+        return EventStreamResponse(
+            _sse(_stored_events(state, owner, found, starting_after)), keep_alive_s=state.server.sse_keep_alive_interval
+        )
     return found.body() if isinstance(found, ResponseRun) else found.body
 
 

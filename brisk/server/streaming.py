@@ -5,6 +5,7 @@ model), in-band stream errors, disconnect handling, several generations read as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -123,6 +124,7 @@ def error_event(exc: Exception) -> str:
 
 
 DONE_EVENT = "data: [DONE]\n\n"
+KEEP_ALIVE_EVENT = b": keep-alive\n\n"  # an SSE comment: clients skip it
 # Where `with_server_send` leaves the HTTP server's own `send` in a request's scope.
 SERVER_SEND = "brisk.server_send"
 
@@ -152,9 +154,9 @@ class EventStreamResponse(StreamingResponse):
     generator to `send` (no error-catching generator between them), which saves µs of every chunk and request.
     """
 
-    def __init__(self, chunks: AsyncIterator[str | bytes], done_marker: bool = True) -> None:
+    def __init__(self, chunks: AsyncIterator[str | bytes], done_marker: bool = True, keep_alive_s: float = 0.0) -> None:
         super().__init__(chunks, media_type="text/event-stream")
-        self.chunks = chunks
+        self.chunks = chunks if not keep_alive_s else with_keep_alive(chunks, keep_alive_s)
         self.done_marker = done_marker
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -204,6 +206,33 @@ class EventStreamResponse(StreamingResponse):
         await send(
             {"type": "http.response.body", "body": DONE_EVENT.encode() if self.done_marker else b"", "more_body": False}
         )
+
+
+async def with_keep_alive(chunks: AsyncIterator[str | bytes], interval_s: float) -> AsyncIterator[str | bytes]:
+    """The chunks, and a keep-alive comment whenever `interval_s` seconds pass without one (--sse-keep-alive-interval).
+    The next chunk is awaited in a task of its own, so a keep-alive never interrupts it."""
+    pending = asyncio.ensure_future(chunks.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait((pending,), timeout=interval_s)
+            if not done:
+                yield KEEP_ALIVE_EVENT
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(chunks.__anext__())
+    finally:
+        # a hang-up (or an error) while a chunk is awaited: that await ends first, then the route's generator closes
+        # (which aborts its requests in the engine)
+        pending.cancel()
+        with contextlib.suppress(BaseException):
+            await pending
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
