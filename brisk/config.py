@@ -827,6 +827,17 @@ class ServerConfig(OptionModel):
     request_timeout: float | None = option(
         None, "seconds; longer-running requests are aborted (finish_reason 'abort')", gt=0.0
     )
+    enable_force_include_usage: bool = option(
+        False,
+        "every streamed chat completion and completion ends with a usage chunk, as if it asked for it "
+        "(stream_options.include_usage)",
+        vllm="enable_force_include_usage",
+    )
+    enable_tokenizer_info_endpoint: bool = option(
+        False,
+        "serve GET /tokenizer_info (the tokenizer's configuration and the chat template)",
+        vllm="enable_tokenizer_info_endpoint",
+    )
     sse_keep_alive_interval: float = option(
         0.0,
         "a streamed response sends an SSE comment line after this many seconds without an event (queued, in "

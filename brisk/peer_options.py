@@ -131,17 +131,14 @@ PEER_OPTIONS: list[PeerOption] = [
         ("true", "false"),
     ),
     *_switches(
-        "enable-force-include-usage",
-        "a streamed response carries usage when the request asks for it (stream_options.include_usage)",
-    ),
-    *_switches("enable-tokenizer-info-endpoint", "brisk serves /tokenize and /detokenize, not /tokenizer_info"),
-    *_switches(
         "enable-log-outputs enable-log-deltas",
         "brisk logs a line per request (--disable-log-requests) and prompts with --log-prompts; outputs are not logged",
     ),
     *_switches(
         "log-error-stack",
-        "brisk logs the traceback of a server error always, and of a start-up error at --log-level debug",
+        "brisk logs the traceback of a server error always (the switch on is its behaviour), and of a start-up error "
+        "at --log-level debug",
+        ("true", "false"),
     ),
     *_values("fingerprint-mode fingerprint-value", "brisk's responses carry no system_fingerprint setting"),
     *_values("uds", "brisk listens on TCP (--host, --port)"),

@@ -350,7 +350,8 @@ VLLM_FLAGS = (
     """--structured-outputs-config '{"disable_any_whitespace": false}' --config vllm.yaml """
     """--default-chat-template-kwargs '{"reasoning_effort": "low"}' """
     """--reasoning-effort-map '{"minimal": "low", "xhigh": "high"}' --disable-uvicorn-access-log """
-    "--return-tokens-as-token-ids --sse-keep-alive-interval 30"
+    "--return-tokens-as-token-ids --sse-keep-alive-interval 30 --enable-tokenizer-info-endpoint "
+    "--enable-force-include-usage"
 )
 
 
@@ -456,12 +457,18 @@ def test_vllm_command_serves(vllm_server):
     assert engine["trust_remote_code"] is True and config["server"]["host"] == "127.0.0.1"  # --config vllm.yaml
     assert "gpu_memory_utilization 0.5 on a CPU" in log
     assert config["server"]["reasoning_parser"] == "openai_gptoss" and config["server"]["api_server_count"] == 1
+    # --enable-tokenizer-info-endpoint: the tokenizer's configuration and the chat template in effect
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["tokenizer_class"] and "<|start|>" in info["chat_template"]
+    assert not any(str(v).startswith(("/", str(Path.home()))) for v in info.values() if isinstance(v, str))
     # --sse-keep-alive-interval 30: streams go through the keep-alive path whole (its comments: test_stream_path.py)
     assert config["server"]["sse_keep_alive_interval"] == 30
     body = {"model": "gpt-oss", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and len(lines) > 2
+    # --enable-force-include-usage: that stream (no stream_options) ended with its usage
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] > 0
     # --uvicorn-log-level warning: uvicorn's info lines are gone; --disable-log-requests: so are brisk's request lines
     assert "Application startup complete" not in log and "brisk.server.requests" not in log
 

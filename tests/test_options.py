@@ -832,6 +832,11 @@ OPTION_TESTS: dict[str, list[str]] = {
     ],
     "default_chat_template_kwargs": [f"{DROPIN}::test_vllm_command_serves"],
     "reasoning_effort_map": [f"{DROPIN}::test_vllm_command_serves"],
+    "enable_tokenizer_info_endpoint": [
+        f"{DROPIN}::test_vllm_command_serves",
+        "tests/test_server.py::test_models_and_tokenize",
+    ],
+    "enable_force_include_usage": [f"{DROPIN}::test_vllm_command_serves"],
     "sse_keep_alive_interval": [
         f"{DROPIN}::test_vllm_command_serves",
         "tests/test_stream_path.py::test_keep_alive_comments_fill_a_silent_stream_and_a_hang_up_closes_it",

@@ -49,6 +49,8 @@ def test_models_and_tokenize(server, client):
     assert detok["prompt"] == "Hello world"
     assert httpx.get(f"{server.url}/version").json()["version"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+    r = httpx.get(f"{server.url}/tokenizer_info")  # off without --enable-tokenizer-info-endpoint
+    assert r.status_code == 404 and "--enable-tokenizer-info-endpoint" in r.json()["error"]["message"]
 
 
 def test_chat_plain_and_streaming_agree(server, client):

@@ -151,7 +151,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         return await until_disconnected(raw, whole_response())
 
     options = req.stream_options
-    include_usage = bool(options and options.include_usage)
+    include_usage = bool(options and options.include_usage) or state.server.enable_force_include_usage
     continuous_usage = bool(options and options.continuous_usage_stats)
     accumulator = StreamAccumulator(state.config.stream_interval)
 

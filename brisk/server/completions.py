@@ -212,6 +212,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage = include_usage or state.server.enable_force_include_usage
     accumulator = StreamAccumulator(state.config.stream_interval)
 
     def chunk_body(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:

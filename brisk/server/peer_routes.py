@@ -14,7 +14,7 @@ A probe, router or script written for a peer server must never meet a bare "Not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -105,7 +105,6 @@ UNSERVED_ROUTES: list[UnservedRoute] = [
         "brisk logs its resolved configuration at start-up (GET /version and /v1/models give version and context length)",
         ("GET",),
     ),
-    *_unserved("/tokenizer_info", "brisk serves POST /tokenize and /detokenize, not /tokenizer_info", ("GET",)),
 ]
 
 
@@ -123,6 +122,37 @@ for _route in UNSERVED_ROUTES:
 
 
 # ---- served for the peers' clients ---------------------------------------------------------------
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """vLLM's, with --enable-tokenizer-info-endpoint (it shows the chat template): the tokenizer's configuration as
+    its tokenizer_config.json holds it, its class, and the chat template in effect."""
+    if not state.server.enable_tokenizer_info_endpoint:
+        raise APIError(
+            404,
+            "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint.",
+            code="unsupported_endpoint",
+        )
+    tokenizer = state.tokenizer
+    info = {k: _json_value(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
+    for path_field in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):  # this machine's paths
+        info.pop(path_field, None)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
+def _json_value(value: Any) -> Any:
+    """A tokenizer setting as JSON: special tokens (AddedToken) by their text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
 @router.get("/ping", response_class=PlainTextResponse)
 @router.post("/ping", response_class=PlainTextResponse)
 async def ping(state: ServerState = Depends(server_state)) -> Response:
