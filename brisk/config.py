@@ -821,8 +821,16 @@ class ServerConfig(OptionModel):
         vllm="enable_request_id_headers",
     )
     log_prompts: bool = option(False, "log each request's prompt (request logs carry no prompt text otherwise)")
+    log_outputs: bool = option(
+        False,
+        "log each request's outputs when it ends: each completion's text (or its token ids), token count and finish",
+        vllm="enable_log_outputs",
+    )
     max_log_len: int | None = option(
-        None, "with log_prompts: a logged prompt's characters (or token ids) at most", ge=0, vllm="max_log_len"
+        None,
+        "with log_prompts / log_outputs: a logged prompt's or output's characters (or token ids) at most",
+        ge=0,
+        vllm="max_log_len",
     )
     request_timeout: float | None = option(
         None, "seconds; longer-running requests are aborted (finish_reason 'abort')", gt=0.0

@@ -131,8 +131,8 @@ PEER_OPTIONS: list[PeerOption] = [
         ("true", "false"),
     ),
     *_switches(
-        "enable-log-outputs enable-log-deltas",
-        "brisk logs a line per request (--disable-log-requests) and prompts with --log-prompts; outputs are not logged",
+        "enable-log-deltas",
+        "brisk logs a request's outputs whole when it ends (--enable-log-outputs), not each streamed delta",
     ),
     *_switches(
         "log-error-stack",

@@ -825,6 +825,7 @@ OPTION_TESTS: dict[str, list[str]] = {
     "root_path": ["tests/test_security.py::test_docs_root_path_and_their_switch_off"],
     "disable_fastapi_docs": ["tests/test_security.py::test_docs_root_path_and_their_switch_off"],
     "max_log_len": ["tests/test_security.py::test_logged_prompts_are_cut_to_max_log_len"],
+    "log_outputs": ["tests/test_security.py::test_log_outputs_flag"],
     "enable_request_id_headers": ["tests/test_security.py::test_request_id_headers_when_asked_for"],
     "num_postprocess_workers": [
         f"{HERE}::test_server_option_checks",

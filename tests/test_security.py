@@ -344,6 +344,30 @@ def test_log_prompts_flag(caplog, log_prompts):
     assert (SECRET_PROMPT in caplog.text) == log_prompts
 
 
+@pytest.mark.parametrize("log_outputs", [False, True])
+def test_log_outputs_flag(caplog, log_outputs):
+    """vLLM's --enable-log-outputs (log_outputs) is the only way an output reaches the log: each completion's text
+    when the request ends, cut to --max-log-len, with its token count and finish."""
+    secret_output = "the vault code is 1234"
+    output = RequestOutput("r", "hi", [5], [CompletionOutput(index=0, text=secret_output, token_ids=[6, 7])])
+    output.outputs[0].finish_reason = "length"
+
+    async def generate(*_args, **_kwargs):
+        yield CompletionDelta("r", 0, secret_output, [6, 7], None, "length", None, output)
+
+    state = fake_state(log_outputs=log_outputs, max_log_len=14)
+    state.client.generate = generate
+
+    async def run() -> None:
+        async for _ in state.generate([5], SamplingParams(max_tokens=2), "hi"):
+            pass
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+    assert ("'the vault code' (2 tokens, finish length)" in caplog.text) == log_outputs
+    assert secret_output not in caplog.text
+
+
 # ---- timeouts (server flag) ------------------------------------------------------------------------
 def test_server_request_timeout_caps_every_request(server):
     # 64 completions of 1,000 tokens: ~7 s of work on the CI machine against the 1 s cap (one completion alone

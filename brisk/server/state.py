@@ -29,6 +29,7 @@ from brisk.engine.output_processor import CompletionDelta
 from brisk.errors import InvalidRequest
 from brisk.harmony.chat import render_chat
 from brisk.harmony.render import REASONING_EFFORTS
+from brisk.outputs import RequestOutput
 from brisk.sampling_params import SamplingParams
 from brisk.server.errors import APIError
 from brisk.server.metrics import RequestTiming, ServerMetrics
@@ -309,10 +310,23 @@ class ServerState:
         return min(limits) if limits else None
 
     def logged_prompt(self, prompt: str | None, prompt_ids: list[int]) -> str:
-        """A prompt as --log-prompts logs it: its text (else its token ids), cut to --max-log-len."""
+        """A prompt (or an output) as --log-prompts logs it: its text (else its token ids), cut to --max-log-len."""
         limit = self.server.max_log_len
         shown: str | list[int] = prompt if prompt is not None else prompt_ids
         return repr(shown if limit is None else shown[:limit])
+
+    def log_outputs(self, rid: str, output: RequestOutput) -> None:
+        """--enable-log-outputs: each completion's text (a harmony one's tokens decoded, headers included)."""
+        for completion in output.outputs:
+            text = completion.text or self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+            logger.info(
+                "request %s output %d: %s (%d tokens, finish %s)",
+                rid,
+                completion.index,
+                self.logged_prompt(text, completion.token_ids),
+                len(completion.token_ids),
+                completion.finish_reason,
+            )
 
     async def generate(
         self,
@@ -352,6 +366,8 @@ class ServerState:
         finally:
             timing.finish(last)
             self.metrics.observe_request(timing)
+            if self.server.log_outputs and last is not None:
+                self.log_outputs(rid, last.output)
 
 
 def _text_chars(content: Any) -> int:
