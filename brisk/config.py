@@ -756,6 +756,7 @@ class ServerConfig(OptionModel):
 
     host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)", trtllm="host", vllm="host")
     port: int = option(8000, "the port to listen on", ge=0, le=65535, trtllm="port", vllm="port")
+    uds: str | None = option(None, "listen on this Unix domain socket instead (--host and --port unused)", vllm="uds")
     served_model_name: list[str] | None = option(
         None,
         "the model's name in the API (default: MODEL as given); several names: the first is reported, all are served",
@@ -972,6 +973,11 @@ class ServerConfig(OptionModel):
     @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile is not None else "http"
+
+    @property
+    def address(self) -> str:
+        """Where the server listens, as its start-up line shows it."""
+        return f"unix:{self.uds}" if self.uds is not None else f"{self.scheme}://{self.host}:{self.port}"
 
     @model_validator(mode="after")
     def _one_process_count(self) -> ServerConfig:

@@ -141,7 +141,6 @@ PEER_OPTIONS: list[PeerOption] = [
         ("true", "false"),
     ),
     *_values("fingerprint-mode fingerprint-value", "brisk's responses carry no system_fingerprint setting"),
-    *_values("uds", "brisk listens on TCP (--host, --port)"),
     *_values(
         "disable-access-log-for-endpoints",
         "brisk logs /health and /metrics requests at debug level only; --disable-log-requests quiets every request "

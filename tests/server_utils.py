@@ -87,7 +87,7 @@ class RunningServer:
         if not self._log.closed:  # after stop() too: a start-up failure's message quotes the log
             self._log.flush()
         with open(self.log_path) as f:
-            return f.read()[-5000:]
+            return f.read()  # whole: the start-up lines come before the configuration's (long) listing
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", headers=headers).text

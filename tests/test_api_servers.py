@@ -14,7 +14,10 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -483,3 +486,38 @@ def test_engine_death_stops_every_api_server(tmp_path):
         assert srv.log().count("the engine core process died") >= 2  # each API-server process saw it
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("count", [1, 2], ids=["one-process", "two-processes"])
+def test_uds_serves_on_a_unix_socket(tmp_path, count):
+    """vLLM's --uds: the API on a Unix domain socket (no TCP port), with one or several API-server processes; a
+    stale socket file is replaced, one a live server listens on is a start-up error, and the file goes at exit."""
+    path = str(tmp_path / "brisk.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # a file left by a server that is gone
+    stale.close()
+    command = [sys.executable, "-m", "brisk.cli", "serve", str(DEMO_MODEL), "--uds", path]
+    command += ["--api-server-count", str(count), "--max-num-seqs", "4"]
+    log = open(tmp_path / "log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://brisk", timeout=60)
+
+    def healthy() -> bool:
+        try:
+            return server.poll() is not None or client.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(healthy, timeout=120) and server.poll() is None, (tmp_path / "log").read_text()
+        body = {"model": str(DEMO_MODEL), "prompt": "Good morrow", "max_tokens": 4, "ignore_eos": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "--uds" in second.stderr and "listens on it" in second.stderr
+        assert f"on unix:{path}" in (tmp_path / "log").read_text()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        client.close()
+    assert not os.path.exists(path)

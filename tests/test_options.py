@@ -838,6 +838,7 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/test_server.py::test_models_and_tokenize",
     ],
     "enable_force_include_usage": [f"{DROPIN}::test_vllm_command_serves"],
+    "uds": ["tests/test_api_servers.py::test_uds_serves_on_a_unix_socket"],
     "sse_keep_alive_interval": [
         f"{DROPIN}::test_vllm_command_serves",
         "tests/test_stream_path.py::test_keep_alive_comments_fill_a_silent_stream_and_a_hang_up_closes_it",

@@ -21,6 +21,7 @@ them end with the supervisor if it is killed outright (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import multiprocessing
@@ -77,7 +78,7 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
         run_worker(config, rank_place(config, env))
         return 0
     plan = plan_serve(model, config, server, launched_externally=env is not None)  # fails before anything starts
-    sock = bind_socket(server.host, server.port)
+    sock = bind_socket(server)
     announce_config(config, server)
     ipc_dir = make_ipc_dir()
     count = server.num_api_servers
@@ -120,6 +121,9 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
     finally:
         supervisor.stop_all()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+        if server.uds is not None:  # --uds: the socket's file goes with the server
+            with contextlib.suppress(OSError):
+                os.unlink(server.uds)
 
 
 class Supervisor:

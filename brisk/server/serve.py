@@ -4,6 +4,7 @@ it as one line)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -70,9 +71,12 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
     return api_key
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(server: ServerConfig) -> socket.socket:
     """The listening socket, bound before the engine starts: a port in use is a start-up error naming --port,
     not a failure minutes later once the model has loaded. uvicorn serves on it."""
+    if server.uds is not None:
+        return _bind_unix_socket(server.uds)
+    host, port = server.host, server.port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port left in TIME_WAIT is free
@@ -85,6 +89,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
                 f"port {port} on {host} is in use by another process: stop it, or pass --port with a free port"
             ) from None
         raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host and --port") from None
+    return sock
+
+
+def _bind_unix_socket(path: str) -> socket.socket:
+    """--uds: a socket file left by a server that is gone is replaced; one a server accepts on is a start-up error."""
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:  # nobody listens there: a stale file
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        else:
+            raise ConfigError(f"--uds {path}: another server listens on it; stop it, or pass another path")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on --uds {path} ({exc.strerror})") from None
     return sock
 
 
@@ -140,7 +166,7 @@ def announce_ready(plan: ServePlan, info: EngineInfo) -> None:
     processes = f", {server.num_api_servers} API-server processes" if server.num_api_servers > 1 else ""
     ready = (
         f"brisk serve: ready: '{plan.names[0]}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{processes}) on {server.scheme}://{server.host}:{server.port}"
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{processes}) on {server.address}"
     )
     if server.log_format == "json":
         logger.info(ready)
@@ -177,9 +203,14 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
         run_worker(config, rank_place(config, env))
         return 0
     plan = plan_serve(model, config, server, launched_externally=env is not None)
-    sock = bind_socket(server.host, server.port)
+    sock = bind_socket(server)
     announce_config(config, server)
-    return await serve_api(plan, sock)
+    try:
+        return await serve_api(plan, sock)
+    finally:
+        if server.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(server.uds)
 
 
 async def serve_api(
