@@ -620,7 +620,7 @@ def add_inverse_spellings(parser: argparse.ArgumentParser) -> None:
             inverse = _inverse_switch_name(flag[2:])
             if inverse is not None and f"--{inverse}" not in taken:
                 taken[f"--{inverse}"] = action
-                action.option_strings.append(f"--{inverse}")
+                action.option_strings = [*action.option_strings, f"--{inverse}"]
                 action.negative.add(f"--{inverse}")
 
 
