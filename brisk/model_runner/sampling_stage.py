@@ -126,9 +126,7 @@ class SamplingStage:
         if self._cached_key == key and self._cached is not None:
             return self._cached
         states = [batch.states[r] for r in sample_rows.tolist()]
-        # Outputs before this step's token: the tokens computed once the step has run, less the prompt's (placeholders
-        # of tokens still in flight included, so min_tokens waits for no step).
-        num_outputs = [int(c) - s.num_prompt_tokens for c, s in zip(batch.num_computed[sample_rows], states)]
+        num_outputs = _outputs_before(batch, sample_rows, states, 0)
         built = SamplingBatch.build(
             params=[s.params for s in states],
             prompt_ids=[s.host_token_ids[: s.num_prompt_tokens] if s.needs_history else () for s in states],
@@ -162,10 +160,7 @@ class SamplingStage:
         draft_lists = [sched.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
         if all(samples_plain_greedy(s.params) for s in states):
             return Picked(self._verify_plain_greedy(logits, draft_lists), None)
-        # outputs before each request's first verified position: computed once the step has run, less the drafts
-        # and the prompt
-        num_outputs = (batch.num_computed[sample_rows] - num_drafts).tolist()
-        num_outputs = [n - s.num_prompt_tokens for n, s in zip(num_outputs, states)]
+        num_outputs = _outputs_before(batch, sample_rows, states, num_drafts)
         sampling = self._expanded_batch(states, draft_lists, num_outputs, logits.shape[-1])
         counts = num_drafts + 1
         row_bad = ~torch.isfinite(logits.amax(dim=-1))
@@ -224,6 +219,16 @@ class SamplingStage:
                 generators.append(state.generator)
                 stops.append(state.stop_ids)
         return SamplingBatch.build(params, prompts, outputs, generators, stops, vocab_size, self.device, counts)
+
+
+def _outputs_before(
+    batch: InputBatch, sample_rows: np.ndarray, states: list[RequestState], num_drafts: np.ndarray | int
+) -> list[int]:
+    """Each sampled request's outputs before its first position sampled this step (what min_tokens counts): the
+    tokens computed once the step has run, less its drafts and its prompt. Placeholders of tokens still in flight
+    count, so min_tokens waits for no step."""
+    computed = (batch.num_computed[sample_rows] - num_drafts).tolist()
+    return [c - s.num_prompt_tokens for c, s in zip(computed, states)]
 
 
 def requests_with_a_bad_row(row_bad: torch.Tensor, counts: np.ndarray) -> torch.Tensor:

@@ -21,7 +21,6 @@ them end with the supervisor if it is killed outright (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import faulthandler
 import logging
 import multiprocessing
@@ -50,6 +49,7 @@ from brisk.server.serve import (
     announce_ready,
     bind_socket,
     plan_serve,
+    remove_unix_socket,
     serve,
     serve_api,
 )
@@ -121,9 +121,7 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
     finally:
         supervisor.stop_all()
         shutil.rmtree(ipc_dir, ignore_errors=True)
-        if server.uds is not None:  # --uds: the socket's file goes with the server
-            with contextlib.suppress(OSError):
-                os.unlink(server.uds)
+        remove_unix_socket(server)
 
 
 class Supervisor:

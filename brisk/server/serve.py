@@ -114,6 +114,13 @@ def _bind_unix_socket(path: str) -> socket.socket:
     return sock
 
 
+def remove_unix_socket(server: ServerConfig) -> None:
+    """--uds: the socket's file goes with the server."""
+    if server.uds is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(server.uds)
+
+
 @dataclass
 class ServePlan:
     """What `brisk serve` checked and loaded before serving; each API-server process serves from one."""
@@ -208,9 +215,7 @@ async def serve(model: str | None, config: EngineConfig, server: ServerConfig) -
     try:
         return await serve_api(plan, sock)
     finally:
-        if server.uds is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(server.uds)
+        remove_unix_socket(server)
 
 
 async def serve_api(
