@@ -12,6 +12,7 @@ from brisk.structured.spec import StructuredOutputs
 # Integers cross the process boundary as msgpack int64/uint64; these bounds keep every field encodable.
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**64 - 1  # torch generators take uint64 seeds; the API caps seeds lower so seed + i fits
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 
 @dataclass
@@ -34,6 +35,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_seq_len; 0: prefill only (e.g. for prompt_logprobs)
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per output token (0: sampled token only)
+    # vLLM's: the alternatives are these token ids' logprobs (in this order), not the likeliest tokens'; logprobs is
+    # then their count
+    logprob_token_ids: list[int] | None = None
     # Top logprobs per prompt token (0: the prompt token's own only); the prompt is then computed in full (no
     # prefix-cache hit), as its logits are needed.
     prompt_logprobs: int | None = None
@@ -47,12 +51,16 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            self.logprobs = len(self.logprob_token_ids)
         self.validate()
 
     def check_max_logprobs(self, limit: int) -> None:
         """The engine's max_logprobs (vLLM's --max-logprobs): asking for more is an InvalidRequest naming the field."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if name == "logprobs" and self.logprob_token_ids is not None:
+                continue  # chosen ids are bounded by MAX_LOGPROB_TOKEN_IDS, as in vLLM, not by max_logprobs
             if value is not None and value > limit:
                 raise InvalidRequest(name, f"{name} {value} is more than this server's max_logprobs ({limit}).")
 
@@ -94,7 +102,20 @@ class SamplingParams:
         if self.min_tokens and self.structured_outputs is not None:
             # The grammar decides where the output ends: masking its stop tokens could leave no token allowed.
             raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides the length)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.logprob_token_ids is not None:
+            if not 1 <= len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise InvalidRequest(
+                    "logprob_token_ids", f"logprob_token_ids must hold 1 to {MAX_LOGPROB_TOKEN_IDS} token ids."
+                )
+            if any(not -MAX_INT32 <= t <= MAX_INT32 for t in self.logprob_token_ids):
+                raise InvalidRequest("logprob_token_ids", "logprob_token_ids must hold token ids.")
+            if self.logprobs != len(self.logprob_token_ids):
+                raise InvalidRequest(
+                    "logprob_token_ids",
+                    f"logprobs ({self.logprobs}) must equal the number of logprob_token_ids "
+                    f"({len(self.logprob_token_ids)}) when both are given.",
+                )
+        elif self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", "must be in [0, 20]")
@@ -127,6 +148,7 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or ())),
             ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("logprob_token_ids", self.logprob_token_ids or ()),
         ):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:

@@ -112,6 +112,22 @@ def test_logprobs(llm):
     assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
 
 
+def test_logprob_token_ids(llm):
+    """Each output position lists the sampled token's logprob, then the chosen ids' in their order, with the values
+    the top-n alternatives would show; the tokens are those sampled without them."""
+    params = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    full = llm.generate(PROMPTS[0], SamplingParams(**params, logprobs=20))[0].outputs[0]
+    chosen = [t for t in reversed(full.logprobs[0]) if t != full.token_ids[0]][:3]  # position 0's least likely first
+    out = llm.generate(PROMPTS[0], SamplingParams(**params, logprob_token_ids=chosen))[0].outputs[0]
+    assert out.token_ids == full.token_ids
+    for tok, lps, reference in zip(out.token_ids, out.logprobs, full.logprobs):
+        assert list(lps) == [tok, *(t for t in chosen if t != tok)]
+        assert lps[tok] == pytest.approx(reference[tok], abs=1e-5)
+        for t in set(lps) & set(reference):
+            assert lps[t] == pytest.approx(reference[t], abs=1e-5)
+    assert all(out.logprobs[0][t] == pytest.approx(full.logprobs[0][t], abs=1e-5) for t in chosen)
+
+
 def test_chat_uses_the_chat_template(llm):
     messages = [{"role": "user", "content": "Hello there"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

@@ -245,16 +245,24 @@ def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path,
         dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, logit_bias={5: 2.0, 9: -3.0}),
         dict(temperature=0.0, logit_bias={7: 1.5}, logprobs=2),
         dict(temperature=0.7, logprobs=3, seed=4),
+        dict(temperature=0.5, logprob_token_ids=[4, 8, 1]),
         dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3),
         dict(temperature=0.9, allowed_token_ids=[3, 5, 9, 12], min_tokens=2),
     ],
-    ids=["truncation-logit-bias", "greedy-bias-logprobs", "seeded-logprobs", "penalties", "allowed-min-tokens"],
+    ids=[
+        "truncation-logit-bias",
+        "greedy-bias-logprobs",
+        "seeded-logprobs",
+        "chosen-logprob-ids",
+        "penalties",
+        "allowed-min-tokens",
+    ],
 )
 def test_sampling_under_overlap_never_waits_for_the_device(tmp_path, monkeypatch, params):
     """A step's sampling runs right behind its forward on a GPU, before the previous step's result is read
     (overlap scheduling): a host sync there would make the host wait for the forward. With the GPU's backends bound
     (no C kernels), sampling with temperature, top-k / top-p / min-p, logit_bias, logprobs, a seed, penalties,
-    min_tokens and allowed_token_ids makes none; its results reach the host through the step's one copy
+    min_tokens, allowed_token_ids and logprob_token_ids makes none; its results reach the host through the step's one copy
     (HostCopy). (Penalties read the previous step's tokens first, `record_history`, outside sampling: that wait is
     for the step before, whose kernels precede this step's forward.)"""
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
@@ -269,7 +277,7 @@ def test_sampling_under_overlap_never_waits_for_the_device(tmp_path, monkeypatch
         monkeypatch.setattr(sampling, "pick", lambda *args: watched(pick, syncs)(*args))
         outputs = llm.generate(_prompts(), SamplingParams(max_tokens=6, ignore_eos=True, **params))
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
-    if params.get("logprobs"):
+    if params.get("logprobs") or params.get("logprob_token_ids"):
         assert all(len(o.outputs[0].logprobs) == 6 for o in outputs)
     if params.get("allowed_token_ids"):
         assert all(set(o.outputs[0].token_ids) <= set(params["allowed_token_ids"]) for o in outputs)

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from brisk.errors import InvalidRequest
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch, _token_occurrences
 from brisk.sampling_params import SamplingParams
@@ -218,6 +219,40 @@ def test_logprobs_are_raw_log_softmax_and_top_logprobs_sorted() -> None:
 
     without = sample(logits, [SamplingParams()] * 3)
     assert without.logprobs is None and without.top_logprobs is None
+
+
+def test_logprob_token_ids_replace_the_likeliest_alternatives_of_their_row_only() -> None:
+    """A row that chose its logprob token ids gets those ids' raw logprobs in its order; a row beside it still gets
+    its own top-n, though the batch's width is the chosen row's."""
+    logits = torch.randn(3, 50)
+    chosen = [7, 2, 40]
+    params = [
+        SamplingParams(temperature=1.0, logprob_token_ids=chosen),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0),
+    ]
+    out = sample(logits, params)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert params[0].logprobs == 3
+    assert out.top_logprobs is not None
+    assert [t for t, _ in out.top_logprobs[0]] == chosen
+    assert [v for _, v in out.top_logprobs[0]] == pytest.approx(expected[0, chosen].tolist(), abs=1e-5)
+    values, token_ids = expected[1].topk(2)
+    assert [t for t, _ in out.top_logprobs[1]] == token_ids.tolist()
+    assert [v for _, v in out.top_logprobs[1]] == pytest.approx(values.tolist(), abs=1e-5)
+    assert out.top_logprobs[2] == []
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingBatch.build([SamplingParams(logprob_token_ids=[50])], [[]], [[]], [None], [set()], 50, "cpu")
+
+
+def test_logprob_token_ids_are_checked() -> None:
+    with pytest.raises(InvalidRequest, match="must equal"):
+        SamplingParams(logprobs=1, logprob_token_ids=[1, 2])
+    with pytest.raises(InvalidRequest, match="1 to 128"):
+        SamplingParams(logprob_token_ids=list(range(129)))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        SamplingParams(logprob_token_ids=[3, 60]).check_for_model([1], vocab_size=50, max_seq_len=100)
+    SamplingParams(logprob_token_ids=list(range(128))).check_max_logprobs(20)  # vLLM's bound, not max_logprobs
 
 
 def test_logits_are_not_modified() -> None:

@@ -454,6 +454,40 @@ def test_request_id_names_the_completion_as_in_vllm(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
+def test_logprob_token_ids_list_the_chosen_ids(server):
+    """vLLM's logprob_token_ids: chat's top_logprobs and a completion's top_logprobs hold the sampled token's entry,
+    then the chosen ids' (in order) with the logprobs a wide top-n shows; they need logprobs (400 naming the field)."""
+    url, chosen = server.url, [11, 3, 29]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    chat |= {"logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    names = [f"token_id:{t}" for t in chosen]
+    picked = httpx.post(f"{url}/v1/chat/completions", json={**chat, "logprob_token_ids": chosen}).json()["choices"][0]
+    wide = httpx.post(f"{url}/v1/chat/completions", json={**chat, "top_logprobs": 20}).json()["choices"][0]
+    assert picked["token_ids"] == wide["token_ids"]
+    for entry, reference in zip(picked["logprobs"]["content"], wide["logprobs"]["content"]):
+        top = [t["token"] for t in entry["top_logprobs"]]
+        assert top == [entry["token"], *(n for n in names if n != entry["token"])]
+        known = {t["token"]: t["logprob"] for t in reference["top_logprobs"]}
+        for t in entry["top_logprobs"]:
+            if t["token"] in known:
+                assert t["logprob"] == pytest.approx(known[t["token"]], abs=1e-4)
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    body |= {"return_tokens_as_token_ids": True, "logprob_token_ids": chosen}
+    choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    for token, top in zip(choice["logprobs"]["tokens"], choice["logprobs"]["top_logprobs"]):
+        assert list(top) == [token, *(n for n in names if n != token)]
+    refusals = [
+        ("/v1/chat/completions", {**chat, "logprobs": False, "logprob_token_ids": chosen}),
+        ("/v1/completions", {**body, "logprobs": None}),
+        ("/v1/completions", {**body, "echo": True, "max_tokens": 0}),
+        ("/v1/completions", {**body, "logprob_token_ids": [10**7]}),
+        ("/v1/completions", {**body, "logprob_token_ids": []}),
+    ]
+    for route, refused in refusals:
+        r = httpx.post(f"{url}{route}", json=refused)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text
+
+
 def test_logprobs_name_tokens_by_id(server):
     """return_tokens_as_token_ids: each logprob's token is `token_id:N` of the output's own ids; a completion's
     text offsets stay offsets into its text."""

@@ -124,6 +124,7 @@ def test_stops_n_and_logprobs_inside_accepted_runs(models, references):
     stop_token = ref[0][6]  # the oracle drafts straight through it
     cases = [
         _greedy(stop_token_ids=[stop_token], n=2, logprobs=2),
+        _greedy(logprob_token_ids=[ref[0][3], 5, 1]),  # verified positions' chosen ids, each in its row
         _greedy(max_tokens=7),
         # penalties and min_tokens see the drafts before each verified position (stop = the reference's 3rd token)
         _greedy(repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=4, stop_token_ids=[ref[0][2]]),

@@ -79,6 +79,15 @@ class MaskedStopTokens:
 
 
 @dataclass
+class ChosenLogprobIds:
+    """Rows whose logprob alternatives are token ids the request chose (vLLM's logprob_token_ids), in its order,
+    instead of the likeliest tokens."""
+
+    rows: torch.Tensor  # [B, 1] bool: the row's alternatives are its chosen ids
+    token_ids: torch.Tensor  # [B, max_num_logprobs] int64: a row's chosen ids, 0 past them (cut by its count)
+
+
+@dataclass
 class RepetitionPenalty:
     penalty: torch.Tensor  # [B, 1]; 1.0 where disabled
     seen_token_mask: torch.Tensor  # [B, V] bool: token occurs in the prompt or the output
@@ -115,6 +124,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; only used on sampled (non-greedy) rows
     num_logprobs: list[int | None]  # per row: params.logprobs
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    chosen_logprob_ids: ChosenLogprobIds | None = None  # None when no row chose its logprob token ids
     plain_greedy: bool = False  # every row samples_plain_greedy: an argmax of the raw logits
 
     @classmethod
@@ -226,6 +236,14 @@ class SamplingBatch:
             output_penalties = OutputPenalties(presence, frequency, output_token_counts)
         num_logprobs = [p.logprobs for p in params]
         requested_logprobs = [n for n in num_logprobs if n is not None]
+        chosen_logprob_ids = None
+        if any(p.logprob_token_ids for p in params):
+            chosen = np.zeros((batch_size, max(requested_logprobs)), dtype=np.int64)
+            for row, p in enumerate(params):
+                ids = [_checked_token_id(t, vocab_size, "logprob_token_ids") for t in p.logprob_token_ids or ()]
+                chosen[row, : len(ids)] = ids
+            has_chosen = np.array([p.logprob_token_ids is not None for p in params])[:, None]
+            chosen_logprob_ids = ChosenLogprobIds(to_device(has_chosen, device), to_device(chosen, device))
         return cls(
             batch_size=batch_size,
             vocab_size=vocab_size,
@@ -248,6 +266,7 @@ class SamplingBatch:
             generators=[g if s else None for g, s in zip(generators, sampled)],
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
+            chosen_logprob_ids=chosen_logprob_ids,
             plain_greedy=all(map(samples_plain_greedy, params)),
         )
 
@@ -496,8 +515,23 @@ class LogprobTensors:
         sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         if not batch.max_num_logprobs:
             return cls(sampled, None, None)
-        top_values, top_token_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)  # sorted, best first
+        top_values, top_token_ids = top_alternatives(raw_logprobs, batch.max_num_logprobs, batch.chosen_logprob_ids)
         return cls(sampled, top_values, top_token_ids)
+
+
+def top_alternatives(
+    raw_logprobs: torch.Tensor, width: int, chosen: ChosenLogprobIds | None, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, token ids) [B, width] of each row's alternatives: the likeliest first, or a row's chosen ids in its
+    order. `rows` picks the batch rows of raw_logprobs' rows (verification gathers some positions)."""
+    top_values, top_token_ids = raw_logprobs.topk(width, dim=-1)  # sorted, best first
+    if chosen is None:
+        return top_values, top_token_ids
+    has_chosen, chosen_ids = (
+        (chosen.rows, chosen.token_ids) if rows is None else (chosen.rows[rows], chosen.token_ids[rows])
+    )
+    top_token_ids = torch.where(has_chosen, chosen_ids[:, :width], top_token_ids)
+    return raw_logprobs.gather(1, top_token_ids), top_token_ids
 
 
 def logprobs_output(

@@ -33,6 +33,7 @@ from brisk.model_runner.sampler import (
     logprobs_output,
     row_max_and_argmax,
     samples_plain_greedy,
+    top_alternatives,
 )
 from brisk.scheduler.output import SchedulerOutput, TokenLogprobs
 from brisk.structured.matcher import GrammarBitmaskApplier
@@ -263,7 +264,7 @@ def _verified_logprobs(
     width = batch.max_num_logprobs or 0  # the batch's widest top-n (its rows are these requests', expanded)
     top_ids, top_values = [], []
     if width:
-        values, ids = raw[rows_t].topk(width, dim=-1)
+        values, ids = top_alternatives(raw[rows_t], width, batch.chosen_logprob_ids, rows_t)
         top_ids, top_values = ids.tolist(), values.tolist()
     out: list[RowLogprobs] = [None] * len(states)
     at = 0

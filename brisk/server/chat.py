@@ -78,7 +78,8 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         for _ in range(params.n)
     ]
     rid, created, model = state.completion_id("chatcmpl-", raw, req.request_id), int(time.time()), state.model_name
-    top_n = req.top_logprobs or 0
+    # logprob_token_ids (vLLM's): every entry, in the engine's order (the sampled token's, then the chosen ids')
+    top_n = None if req.logprob_token_ids is not None else req.top_logprobs or 0
     as_token_ids = state.tokens_as_token_ids(req.return_tokens_as_token_ids)
     # a harmony parser decodes the tokens itself: the engine client's text would go unread
     deltas = state.generate(

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from brisk.errors import InvalidRequest
-from brisk.sampling_params import SamplingParams
+from brisk.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 from brisk.structured.spec import StrictTool, StructuredOutputs
 
 MAX_INT32 = 2**31 - 1
@@ -288,9 +288,8 @@ class _SamplingFields(_GenerationFields):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)
     truncation_side: Literal["left", "right"] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
-    logprob_token_ids: Annotated[
-        Any, refused("logprobs of chosen token ids are not available; top_logprobs lists the likeliest tokens.")
-    ] = None
+    # vLLM's: these ids' logprobs at each output position (after the sampled token's), not the likeliest tokens'
+    logprob_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (None: the server's)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids beside the text
     return_token_offsets: Annotated[Any, only((False,), "brisk's responses carry no token offsets.")] = None
@@ -455,7 +454,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs logprobs: true.")
         if self.reasoning_logprobs and not self.include_reasoning:
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs include_reasoning: true.")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise InvalidRequest("logprob_token_ids", "logprob_token_ids needs logprobs: true.")
+        # vLLM's: chosen ids take precedence over top_logprobs
+        logprobs = (self.top_logprobs or 0) if self.logprobs and self.logprob_token_ids is None else None
         answer = self._response_format_answer()
         offered = self.tools if self.tool_choice != "none" else None  # "none": the prompt offers no tools
         tools = [(t.function.name, t.function.parameters, t.function.strict) for t in offered or []]
@@ -464,6 +466,7 @@ class ChatCompletionRequest(_SamplingFields):
             logprobs,
             defaults,
             structured_outputs=combine_structured(answer, tools),
+            logprob_token_ids=self.logprob_token_ids,
         )
 
     def field_names(self) -> dict[str, str]:
@@ -490,14 +493,20 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # max_tokens 0 (with echo) is a prefill-only request: nothing is sampled
         prompt_logprobs = self.prompt_logprobs
+        if self.logprob_token_ids is not None:
+            if self.logprobs is None:
+                raise InvalidRequest("logprob_token_ids", "logprob_token_ids needs logprobs set.")
+            if self.echo and self.max_tokens == 0:
+                raise InvalidRequest("logprob_token_ids", "with echo and max_tokens 0 no output token has logprobs.")
         if self.echoes_logprobs:
             prompt_logprobs = max(self.logprobs or 0, prompt_logprobs or 0)
         return self.sampling_params(
             self.max_tokens,
-            self.logprobs,
+            self.logprobs if self.logprob_token_ids is None else None,  # vLLM's: chosen ids take precedence
             defaults,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self._response_format_answer(),
+            logprob_token_ids=self.logprob_token_ids,
         )
 
 
