@@ -127,13 +127,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`. continue_final_message: the last message is continued (a prefill), not answered."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs)}
+            {
+                "prompt_token_ids": self.render_chat(
+                    conv, add_generation_prompt, tools, chat_template_kwargs, continue_final_message
+                )
+            }
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -153,7 +159,9 @@ class LLM:
         if spec is not None:
             self.engine.structured.compiler().compile(spec)
 
-    def render_chat(self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None) -> list[int]:
+    def render_chat(
+        self, messages, add_generation_prompt=True, tools=None, chat_template_kwargs=None, continue_final_message=False
+    ) -> list[int]:
         """The prompt ids of a conversation, rendered as the server renders it (harmony for gpt-oss).
         Raises ValueError for what cannot be rendered (an unknown role, non-text content)."""
         is_harmony = is_harmony_model(self.engine.model_config.hf_config.model_type, self.tokenizer)
@@ -164,6 +172,7 @@ class LLM:
             tools=tools,
             template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -270,6 +270,73 @@ def test_render_rejects_unknown_options(tokenizer: PreTrainedTokenizerFast) -> N
         render_with_template(tokenizer, [{"role": "user", "content": "Hi"}], builtin_tools=["shell"])
 
 
+@pytest.mark.parametrize(
+    "last",
+    [
+        {"role": "assistant", "content": "The answer is"},
+        {"role": "assistant", "content": ""},  # the answer at once, no more reasoning
+        {"role": "assistant", "content": None, "reasoning_content": "The user asks"},
+        {"role": "assistant", "content": "It is", "reasoning_content": "Easy."},
+    ],
+    ids=["answer", "empty-answer", "reasoning", "reasoning-then-answer"],
+)
+def test_continue_final_message_leaves_the_assistants_turn_open(
+    tokenizer: PreTrainedTokenizerFast, encoding: Any, last: dict[str, Any]
+) -> None:
+    """The conversation before, rendered by openai-harmony for completion (ending in <|start|>assistant), then the
+    assistant's messages as openai-harmony writes them, less that <|start|>assistant and the last <|end|>."""
+    from openai_harmony import Message, Role
+
+    from brisk.harmony.chat import render_chat
+
+    messages = [{"role": "user", "content": "What is 2+2?"}, last]
+    turn = []
+    if last.get("reasoning_content"):
+        turn.append(Message.from_role_and_content(Role.ASSISTANT, last["reasoning_content"]).with_channel("analysis"))
+    if last["content"] is not None:
+        turn.append(Message.from_role_and_content(Role.ASSISTANT, last["content"]).with_channel("final"))
+    written = [t for message in turn for t in encoding.render(message)]
+    assert written[:2] == [SPECIAL_IDS["<|start|>"], tokenizer.convert_tokens_to_ids("assistant")]
+    assert written[-1] == SPECIAL_IDS["<|end|>"]
+    while True:  # the template stamps today's date
+        day = datetime.now().strftime(DATE_FORMAT)
+        ours = render_chat(tokenizer, messages, harmony=True, continue_final_message=True)
+        before = render_with_harmony(messages[:1], conversation_start_date=day, encoding=encoding)
+        if datetime.now().strftime(DATE_FORMAT) == day:
+            break
+    assert ours == before + written[2:-1]
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+    ],
+    ids=["user", "nothing-to-continue", "tool-call"],
+)
+def test_continue_final_message_needs_an_assistant_message_to_continue(
+    tokenizer: PreTrainedTokenizerFast, last: dict[str, Any]
+) -> None:
+    from brisk.harmony.chat import render_chat
+
+    with pytest.raises(ValueError, match="continue"):
+        render_chat(tokenizer, [{"role": "user", "content": "Q"}, last], harmony=True, continue_final_message=True)
+
+
+def test_continue_final_message_with_a_tokenizers_template(tmp_path: Path) -> None:
+    """Other models: the tokenizer's template renders the conversation with the last message left open (no end
+    of turn, no generation prompt), as transformers' continue_final_message does."""
+    from brisk.harmony.chat import render_chat
+
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    whole = tokenizer.decode(render_chat(tokenizer, messages, harmony=False, add_generation_prompt=False))
+    opened = tokenizer.decode(render_chat(tokenizer, messages, harmony=False, continue_final_message=True))
+    assert opened.endswith("Once upon") and whole.startswith(opened) and len(whole) > len(opened)
+
+
 @pytest.mark.parametrize("harmony", [True, False], ids=["harmony", "template"])
 def test_a_requests_reasoning_effort_comes_before_the_template_kwargs(
     tokenizer: PreTrainedTokenizerFast, harmony: bool

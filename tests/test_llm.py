@@ -135,6 +135,12 @@ def test_chat_uses_the_chat_template(llm):
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert out.prompt_token_ids == list(expected)
     assert len(out.outputs[0].token_ids) == 4
+    # vLLM's continue_final_message: the template's rendering with the last message open, as transformers writes it
+    begun = [*messages, {"role": "assistant", "content": "Once upon"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)[0]
+    expected = llm.tokenizer.apply_chat_template(begun, continue_final_message=True, tokenize=True)
+    assert out.prompt_token_ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
 
 
 def test_too_long_prompt_is_rejected_without_leaking(llm):

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from brisk.harmony import render_with_harmony
 from tests.harmony_tokenizer import TIKTOKEN_DIR, make_gpt_oss_tokenizer
@@ -34,11 +35,17 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss_harmony")
     make_tiny_model("gpt_oss", path, seed=0, vocab_size=201088)
     shutil.copy(SHARED / "models" / "gpt-oss-20b" / "generation_config.json", path / "generation_config.json")
     make_gpt_oss_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    path = model_dir
     # The tool-call grammars over the real 201,088-token vocabulary take seconds to compile on a loaded 2-core
     # machine: the default 10 s limit (a 400) is not what these tests are about.
     srv = RunningServer(
@@ -106,6 +113,58 @@ def test_return_token_ids_holds_every_output_token(server, harmony):
     assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
     streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
     assert streamed == whole["choices"][0]["token_ids"]
+
+
+def test_continue_final_message_continues_the_assistants_answer(server, harmony, model_dir):
+    """continue_final_message (vLLM's): the prompt is the conversation so far plus the assistant's answer begun,
+    left open (no <|end|>, no new turn), and the output is parsed as that answer's continuation: its text tokens
+    are `content`, with no reasoning. echo leads the answer with the begun text, streamed or not; the reasoning
+    channel is continued the same way."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    url = f"{server.url}/v1/chat/completions"
+    words = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" sea", " blue", " waves", " and", ".")]
+    question = {"role": "user", "content": "Tell me about the sea."}
+    body = {"model": "gpt-oss-tiny", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    body |= {"continue_final_message": True, "allowed_token_ids": words}  # text tokens only, whatever the weights
+
+    answer = {"role": "assistant", "content": "The sea is"}
+    whole = httpx.post(url, json={**body, "messages": [question, answer]}, timeout=60).json()
+    before = harmony([question])  # ends in <|start|>assistant
+    opened = tokenizer.encode("<|channel|>final<|message|>The sea is", add_special_tokens=False)
+    assert whole["prompt_token_ids"] == before + opened
+    choice = whole["choices"][0]
+    assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"])
+    assert not choice["message"].get("reasoning_content")
+
+    echoed = httpx.post(url, json={**body, "messages": [question, answer], "echo": True}, timeout=60).json()
+    assert echoed["choices"][0]["message"]["content"] == "The sea is" + choice["message"]["content"]
+    stream = {**body, "messages": [question, answer], "echo": True, "stream": True}
+    with httpx.stream("POST", url, json=stream, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    assert text == echoed["choices"][0]["message"]["content"]
+
+    thinking = {"role": "assistant", "content": None, "reasoning_content": "The user asks"}
+    thought = httpx.post(url, json={**body, "messages": [question, thinking]}, timeout=60).json()
+    opened = tokenizer.encode("<|channel|>analysis<|message|>The user asks", add_special_tokens=False)
+    assert thought["prompt_token_ids"] == before + opened
+    message = thought["choices"][0]["message"]
+    assert message["reasoning_content"] == tokenizer.decode(thought["choices"][0]["token_ids"])
+    assert not message.get("content")
+
+    tokenized = httpx.post(
+        f"{server.url}/tokenize", json={"messages": [question, answer], "continue_final_message": True}, timeout=60
+    ).json()
+    assert tokenized["tokens"] == whole["prompt_token_ids"]
+
+    refused = [
+        ({"messages": [question, answer], "add_generation_prompt": True}, "continue_final_message"),
+        ({"messages": [question]}, "messages"),  # a user message is not the assistant's to continue
+        ({"messages": [question, {"role": "assistant", "content": None}]}, "messages"),
+    ]
+    for extra, param in refused:
+        r = httpx.post(url, json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_streaming_and_non_streaming_agree(client):

@@ -52,9 +52,9 @@ def to_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str
         role = message.get("role")
         index += 1
         if role in ("system", "developer"):
-            instructions.append(_text(message.get("content"), role))
+            instructions.append(message_text(message.get("content"), role))
         elif role == "user":
-            converted.append({"role": "user", "content": _text(message.get("content"), role)})
+            converted.append({"role": "user", "content": message_text(message.get("content"), role)})
         elif role == "assistant" and message.get("tool_calls"):
             # The tool results answering these calls follow the assistant message.
             results_end = index
@@ -63,8 +63,8 @@ def to_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str
             converted.extend(_tool_call_turns(message, messages[index:results_end], call_names))
             index = results_end
         elif role == "assistant":
-            turn = {"role": "assistant", "content": _text(message.get("content"), role)}
-            reasoning = _reasoning(message)
+            turn = {"role": "assistant", "content": message_text(message.get("content"), role)}
+            reasoning = message_reasoning(message)
             if reasoning:
                 turn["thinking"] = reasoning
             converted.append(turn)
@@ -271,8 +271,8 @@ def _tool_call_turns(
         if position == 0:
             # The template renders either field as the turn's analysis message and refuses both; reasoning wins,
             # content (a user-facing preamble) is the template's fallback for clients that put reasoning there.
-            reasoning = _reasoning(message)
-            content = _text(message.get("content"), "assistant")
+            reasoning = message_reasoning(message)
+            content = message_text(message.get("content"), "assistant")
             if reasoning:
                 turn["thinking"] = reasoning
             elif content:
@@ -289,16 +289,16 @@ def _tool_call_turns(
 
 
 def _tool_result(message: Mapping[str, Any], name: str) -> dict[str, Any]:
-    content = _parsed_json(_text(message.get("content"), "tool"))
+    content = _parsed_json(message_text(message.get("content"), "tool"))
     return {"role": "tool", "name": name, "tool_call_id": message.get("tool_call_id"), "content": content}
 
 
-def _reasoning(message: Mapping[str, Any]) -> str:
+def message_reasoning(message: Mapping[str, Any]) -> str:
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     return reasoning if isinstance(reasoning, str) else ""
 
 
-def _text(content: Any, role: str) -> str:
+def message_text(content: Any, role: str) -> str:
     """A message's text: a string, None, or a list of text parts."""
     if content is None:
         return ""

@@ -67,7 +67,14 @@ async def tokenize(req: TokenizeRequest, state: ServerState = Depends(server_sta
     if req.prompt is not None:
         tokens = await state.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
     else:
-        tokens = await state.render_chat(req.messages or [], None, None, {}, req.add_generation_prompt)
+        tokens = await state.render_chat(
+            req.messages or [],
+            None,
+            None,
+            {},
+            req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )
     return TokenizeResult(tokens=tokens, count=len(tokens), max_model_len=state.info.max_seq_len)
 
 

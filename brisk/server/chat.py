@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
+from brisk.harmony.chat import continued_message_header
 from brisk.server.completions import prompt_logprobs_body
 from brisk.server.errors import APIError
 from brisk.server.logprobs import logprob_entries
@@ -62,11 +63,21 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         req.chat_template_kwargs or {},
         req.add_generation_prompt,
         may_truncate=req.truncate_prompt_tokens is not None,
+        continue_final_message=req.continue_final_message,
     )
     prompt_ids = req.truncated(prompt_ids, state.info.max_seq_len)
     state.check_prompt(prompt_ids, params, req.field_names())
+    if req.continue_final_message and plan.forces_call:
+        raise APIError(400, "continue_final_message cannot be combined with a forced tool call.", param="tool_choice")
     forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout, req.cache_salt)
     prompt_ids += forced
+    # What the parser reads first, as the model's own: a forced call's start, or the header of the message the
+    # prompt leaves open (continue_final_message)
+    parser_prefix = forced
+    if req.continue_final_message and state.is_harmony:
+        header = continued_message_header(req.messages[-1])
+        parser_prefix = state.tokenizer.encode(header, add_special_tokens=False)
+    echoed = req.echoed_text
     state.check_prompt(prompt_ids, params, req.field_names())
     # gpt-oss: stop strings apply to `content` only, so the harmony parsers apply them, not the engine (it would
     # match them in the reasoning too); a completion whose content hit one is cut there.
@@ -74,7 +85,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     if stop:
         params.stop = []
     parsers = [
-        make_choice_parser(state, forced, stop, params.include_stop_str_in_output, req.include_reasoning)
+        make_choice_parser(state, parser_prefix, stop, params.include_stop_str_in_output, req.include_reasoning)
         for _ in range(params.n)
     ]
     rid, created, model = state.completion_id("chatcmpl-", raw, req.request_id), int(time.time()), state.model_name
@@ -129,7 +140,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         await deltas.aclose()
         choices = []
         for i, parser in enumerate(parsers):
-            message = ChatMessage(**parser.finish())
+            fields = parser.finish()
+            if echoed:
+                fields["content"] = echoed + (fields.get("content") or "")
+            message = ChatMessage(**fields)
             choice = ChatChoice(
                 index=i,
                 message=message,
@@ -190,6 +204,9 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
             if req.return_token_ids and i == 0:  # vLLM's: in the stream's first chunk
                 body.prompt_token_ids = prompt_ids
             yield sse(body)
+        for i in range(params.n if echoed else 0):  # vLLM's: the echo in a chunk of its own after the roles
+            echo = ChatChunkChoice(index=i, delta=ChatDelta(content=echoed), logprobs=None, finish_reason=None)
+            yield chunk([echo], usage(0) if continuous_usage else None)
         try:
             async for delta in deltas:
                 num_cached = delta.output.num_cached_tokens

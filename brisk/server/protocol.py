@@ -417,11 +417,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: Annotated[
         Any, only((False,), "the chat template writes the special tokens a chat prompt has; none are added.")
     ] = None
-    echo: Annotated[Any, only((False,), "echo is not available on chat completions; /v1/completions has it.")] = None
-    continue_final_message: Annotated[
-        Any,
-        only((False,), "brisk renders a chat to a new assistant turn; continuing the last message is not available."),
-    ] = None
+    echo: bool = False  # vLLM's: the answer leads with the last message's content when that is the assistant's
+    # vLLM's: the last message is left open and the model continues it (a prefill), instead of a new turn
+    continue_final_message: bool = False
     documents: Annotated[Any, refused("chat templates' documents are not available; put them in the messages.")] = None
     chat_template: Annotated[
         Any, refused("brisk renders every request with the server's chat template (--chat-template).")
@@ -447,7 +445,27 @@ class ChatCompletionRequest(_SamplingFields):
                 )
         return messages
 
+    @property
+    def echoed_text(self) -> str:
+        """vLLM's chat echo: the last message's text when it is the assistant's (the answer's role), else none."""
+        last = self.messages[-1]
+        if not self.echo or last.get("role") != "assistant":
+            return ""
+        content = last.get("content") or ""
+        return content if isinstance(content, str) else "\n".join(str(p.get("text", "")) for p in content)
+
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        # vLLM's rule: add_generation_prompt given true beside continue_final_message is a 400 (its default gives way)
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise InvalidRequest(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true: the one continues the last "
+                "message, the other starts a new assistant turn.",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true.")
         if self.reasoning_logprobs and not self.logprobs:
@@ -516,6 +534,7 @@ class TokenizeRequest(_Body):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's, as on chat completions
 
 
 class DetokenizeRequest(_Body):

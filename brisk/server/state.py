@@ -283,6 +283,7 @@ class ServerState:
         add_generation_prompt: bool = True,
         param: str = "messages",
         may_truncate: bool = False,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Prompt ids of a conversation (on a worker thread when its text is large). A conversation that cannot
         fit the context is a 400 before it is rendered, unless the caller `may_truncate` it to fit."""
@@ -298,6 +299,7 @@ class ServerState:
             reasoning_effort=reasoning_effort,
             template_kwargs={**(self.server.default_chat_template_kwargs or {}), **template_kwargs},
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
         try:
             return await asyncio.to_thread(render) if num_chars >= OFF_LOOP_CHARS else render()
