@@ -15,7 +15,8 @@
 # that `tools/wheelhouse.sh --have tools/gpu_image_packages.txt --out .whl` built and the device tool carried),
 # BRISK_COMMIT (the checkout's commit, for the report).
 #
-# Before the suite: the processes already holding GPU memory (a previous run's leftovers) are listed and ended, and
+# Before the suite: the processes holding GPU memory are listed, brisk's own among them (a previous run's leftovers)
+# ended, and
 # brisk's own imports are checked against the installed packages; where one fails the script stops there (exit 3).
 set -uo pipefail
 
@@ -31,13 +32,23 @@ window() {
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
     # A step killed at the device tool's limit runs on, holding its memory (dummy 120b: ~65 GB): ended before the
     # suite starts, so a rerun on the warm machine gets the whole GPU.
-    local leftovers
-    leftovers=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | grep -E '^[0-9]+$')
+    local leftovers="" pid
+    for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | grep -E '^[0-9]+$'); do
+        # brisk's own only (the suite, its steps' processes, a served engine): whatever else holds the GPU is not
+        # this script's to end
+        if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE 'gpu_suite|suite_offline|brisk|pytest'; then
+            leftovers="$leftovers $pid"
+        fi
+    done
     if [ -n "$leftovers" ]; then
         echo "gpu_window.sh: ending them: $(echo $leftovers)"
         kill -9 $leftovers 2>/dev/null
         for _ in $(seq 40); do  # until the driver has their memory back (at most ~20 s)
-            [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
+            local holding
+            holding=" $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ' ')"
+            local left=0
+            for pid in $leftovers; do [[ $holding == *" $pid "* ]] && left=1; done
+            [ "$left" -eq 0 ] && break
             sleep 0.5
         done
     fi
@@ -52,7 +63,7 @@ window() {
         echo "gpu_window.sh: no wheels in $wheels: the image's packages alone (the env step lists what is missing)"
     fi
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    python3 -c "import pydantic, msgspec, zmq, fastapi, xgrammar, openai_harmony" || {
+    python3 -c "import pydantic, msgspec, zmq, fastapi, xgrammar, openai_harmony, jsonschema" || {
         echo "gpu_window.sh: brisk's dependencies do not import (above): the suite would only fail; not run."
         echo "gpu_window.sh: rebuild the wheelhouse (tools/wheelhouse.sh, README: On a GPU) and carry it as $wheels"
         return 3
@@ -62,6 +73,10 @@ window() {
     # SIGTERM at the limit: the suite ends the running step's processes and keeps its report; SIGKILL 15 s later
     timeout --kill-after=15 "$limit" python3 benchmarks/gpu_suite.py --quick --out "$out" --work "$work" "$@"
     local status=$?
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then  # the device tool reads 124/137 as its own time-out
+        echo "gpu_window.sh: the suite was stopped at its own $limit s limit (report.* hold what it measured)"
+        status=2
+    fi
     echo "gpu_window.sh: exit $status after $((SECONDS - start)) s; $out holds: $(ls "$out" | tr '\n' ' ')"
     return $status
 }

@@ -139,7 +139,9 @@ def test_gpu_image_wheelhouse_holds_only_what_the_image_lacks_and_runs_beside_it
     names = build(wheels, "--have", GPU_IMAGE)
     have = {re.split(r"[\s=]", line, maxsplit=1)[0].lower() for line in open(GPU_IMAGE) if line[:1].isalnum()}
     assert not [n for n in names if project(n) in have], names
-    assert {"pydantic", "fastapi", "xgrammar", "openai-harmony", "msgspec", "pyzmq"} <= {project(n) for n in names}
+    assert {"pydantic", "fastapi", "xgrammar", "openai-harmony", "msgspec", "pyzmq", "jsonschema"} <= {
+        project(n) for n in names
+    }
     assert sum(os.path.getsize(wheels / n) for n in names) < GPU_IMAGE_LIMIT_MB * 1_000_000
     skipped = (wheels / "SKIPPED.txt").read_text()
     assert re.search(
@@ -168,3 +170,13 @@ def test_gpu_image_wheelhouse_holds_only_what_the_image_lacks_and_runs_beside_it
     ran = subprocess.run([python, "-c", check], capture_output=True, text=True, env=env, cwd=REPO)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert os.path.join(REPO, "brisk") in ran.stdout  # brisk from the checkout, as on the GPU box
+    # Every test the quick plan names collects there (a module skipped at import, for a package the box lacks,
+    # would make pytest refuse the step's whole command line).
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        from suite_quick import E2E_TESTS, KERNEL_TESTS
+    finally:
+        sys.path.pop(0)
+    collect = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS, *E2E_TESTS]
+    listed = subprocess.run(collect, capture_output=True, text=True, env=env, cwd=REPO)
+    assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]

@@ -56,6 +56,7 @@ if ! [[ $py_version =~ ^3\.[0-9]+$ ]]; then
     exit 2
 fi
 mkdir -p "$out"
+rm -f "$out"/*.whl "$out"/SKIPPED.txt  # an earlier build's wheels would travel and install too (two versions: no install)
 
 "$python" - "$here/pyproject.toml" "$py_version" "$out" "$extras" "$have" <<'EOF'
 import os
@@ -82,9 +83,10 @@ for extra in filter(None, extras.split(",")):
     if extra not in optional:
         sys.exit(f"wheelhouse.sh: pyproject.toml has no extra '{extra}' (it has: {', '.join(optional)})")
     wanted += optional[extra]
-# benchmarks/gpu_suite.py runs the GPU tests (pytest, hypothesis) and `brisk bench serve` (httpx): the dev extra's
-# versions of these; matplotlib, the rest of [bench], only with --extras bench.
-wanted += [r for r in optional.get("dev", []) if re.match(r"(pytest|hypothesis|httpx)\b", r)]
+# benchmarks/gpu_suite.py runs the GPU tests (pytest, hypothesis; jsonschema, which the structured-output tests
+# import) and `brisk bench serve` (httpx): the dev extra's versions of these; matplotlib, the rest of [bench], only
+# with --extras bench.
+wanted += [r for r in optional.get("dev", []) if re.match(r"(pytest|hypothesis|httpx|jsonschema)\b", r)]
 bench_rest = [r for r in optional.get("bench", []) if r not in wanted]
 wanted += ["setuptools>=68", "wheel"]  # pip builds brisk from the checkout, offline, with these
 
