@@ -53,7 +53,7 @@ def expert_bytes(layer: dict[str, torch.Tensor | None]) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 512, 8192])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 128, 256, 512, 8192])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--hidden", type=int, default=2880)

@@ -135,6 +135,7 @@ STARTUP_STAGES = {  # brisk/model_runner/startup.py's stages, as the report name
     "kv_sizing": "KV sizing (a profiling step at max_num_tokens on a GPU)",
     "kv_allocation": "KV cache allocation",
     "graph_capture": "CUDA graph capture",
+    "kernel_warm_up": "kernel warm-up (eager steps' Triton variants: MoE tiers, mixed decode)",
 }
 
 

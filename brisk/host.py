@@ -5,6 +5,7 @@ collector's view of a long-lived engine process."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -106,6 +107,15 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` made the calling thread's current CUDA device while inside (CUDA's current device is per thread, and
+    Triton launches and graph replays go to the current one: an offline LLM on cuda:1 driven from another thread
+    than the one that built it would launch on cuda:0); nothing on a CPU."""
+    import torch
+
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def cpu_threads_per_rank(tp_size: int, num_cpu_threads: int | None = None) -> int:
     """torch threads for one CPU rank of a served model: `num_cpu_threads` where given (EngineConfig's), else the
     cores but one, shared among the tp_size ranks. The one left is the API server's (and a local client's): when every core runs an
@@ -173,7 +183,9 @@ class HostCopy:
             buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             buffers.append(buffer.copy_(t, non_blocking=True))
         event = torch.cuda.Event()
-        event.record()  # on the current stream: the one that computed the tensors and copies them
+        # on the tensors' device's current stream (the one that computed and copies them), whatever device is the
+        # calling thread's current one
+        event.record(torch.cuda.current_stream(next(t.device for t in tensors if t.is_cuda)))
         return cls(tuple(buffers), event)
 
     def get(self) -> tuple[torch.Tensor, ...]:

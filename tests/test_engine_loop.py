@@ -248,3 +248,22 @@ def test_min_tokens_under_overlap_never_waits_for_the_previous_step(model, monke
         out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [3, 4]}], sampling)
     assert all(len(o.outputs[0].token_ids) >= 4 for o in out)
     assert (reads_inside[0] > 0) == waits
+
+
+@pytest.mark.parametrize("graphs", [None, PADDED], ids=["eager", "padded"])
+def test_the_attention_plan_is_built_once_a_step(model, monkeypatch, graphs):
+    """The step's attention plan (the backend's per-step metadata) is built once and read by every layer: a layer
+    that found it built by another backend would build its own again, each step."""
+    from brisk.model_runner.runner import ModelRunner
+
+    forwards: list[int] = []
+    plans: list[int] = []
+    with LLM(model, **_options(model, False, graphs)) as llm:
+        runner = llm.engine.executor.runner
+        backend = runner.kernels.attention
+        prepare, forward = backend.prepare, runner.model.forward
+        monkeypatch.setattr(backend, "prepare", lambda meta: (plans.append(1), prepare(meta))[1])
+        monkeypatch.setattr(runner.model, "forward", lambda *a, **k: (forwards.append(1), forward(*a, **k))[1])
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert isinstance(runner, ModelRunner) and len(forwards) == 5 and len(plans) == len(forwards)

@@ -88,3 +88,37 @@ def test_cpu_threads_leave_one_core_to_the_api_server(monkeypatch):
         monkeypatch.setattr(host.os, "cpu_count", lambda cores=cores: cores)
         assert cpu_threads_per_rank(tp_size) == expected
     assert cpu_threads_per_rank(1, num_cpu_threads=5) == 5
+
+
+def test_a_step_runs_with_its_gpu_current_on_any_thread(tmp_path, monkeypatch):
+    """CUDA's current device is per thread, and Triton launches and graph replays go to it: the runner makes its own
+    device current around each step (on a GPU), whichever thread drives the engine."""
+    import contextlib
+    import threading
+
+    from brisk import LLM, SamplingParams
+    from brisk.model_runner import runner as runner_module
+    from tests.tiny_models import make_tiny_model
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    assert isinstance(host.on_device(torch.device("cpu")), contextlib.nullcontext)
+    on_gpu = host.on_device(torch.device("cuda", 1))
+    assert isinstance(on_gpu, torch.cuda.device) and on_gpu.idx == 1
+    entered: list[tuple[torch.device, str]] = []
+
+    @contextlib.contextmanager
+    def recorded(device):
+        entered.append((device, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(runner_module, "on_device", recorded)
+    path = make_tiny_model("llama", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    with LLM(path, dtype="float32", max_seq_len=64) as llm:
+        entered.clear()
+        worker = threading.Thread(
+            target=llm.generate, args=([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True)), name="driver"
+        )
+        worker.start()
+        worker.join()
+    assert entered and all(e == (torch.device("cpu"), "driver") for e in entered)

@@ -333,3 +333,40 @@ def test_host_rows_on_the_cpu_are_the_packed_tensor_read_when_asked():
     packed[1, 0] = 6
     assert rows.get() == [[3, 0], [6, 0]]
     assert host_rows(None).get() == []
+
+
+@pytest.mark.parametrize("options", [{}, dict(speculative_config=NGRAM)], ids=["plain", "ngram"])
+def test_the_warm_up_runs_the_eager_variants_and_leaves_nothing_behind(tmp_path, monkeypatch, options):
+    """A GPU's start-up warm-up (setup.warm_up_eager_steps): a prompt of each MoE tile tier's largest batch below
+    max_num_tokens (the tiny model: 4 experts, top 2: tiers up to 16, 48, 192 tokens), then a mixed step whose decode
+    runs through the decode kernel eagerly. Afterwards the runner holds no request and generates what the CPU
+    reference does."""
+    import brisk.layers.attention_triton as attention_triton
+    import brisk.layers.moe_triton as moe_triton
+
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=True)
+    make_tiny_tokenizer(path)
+    reference = _reference(path)
+    kernels = _triton_kernels(split_k=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(setup, "make_kernels", lambda config, device: kernels)
+        llm = LLM(path, **OPTIONS, **options, cuda_graph_config=GRAPHS)
+    with llm:
+        runner = llm.engine.executor.runner
+        moe_batches: list[int] = []
+        decodes: list[int] = []
+        fused, decode = moe_triton.fused_experts, attention_triton.paged_decode_attention
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                moe_triton, "fused_experts", lambda h, *a, **k: (moe_batches.append(len(h)), fused(h, *a, **k))[1]
+            )
+            patch.setattr(
+                attention_triton,
+                "paged_decode_attention",
+                lambda q, *a, **k: (decodes.append(len(q)), decode(q, *a, **k))[1],
+            )
+            setup.warm_up_eager_steps(runner)
+        assert sorted(set(moe_batches)) == [2, 3, 16, 48]  # the decode's first prompt, the mixed step, the tiers
+        assert decodes and runner.batch.num_rows == 0 and not runner.states
+        assert _greedy_tokens(llm) == reference
+        assert llm.engine.kv.pool.num_used == 0

@@ -121,7 +121,9 @@ def test_mxfp4_nibble_order_low_first():
 # ---------------------------------------------------------------- alignment
 
 
-def check_alignment(topk_ids: torch.Tensor, block_m: int, num_experts: int, one_program_max_slots: int = 1024) -> None:
+def check_alignment(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, one_program_max_slots: int | None = 1024
+) -> None:
     align = moe_align_block_size(topk_ids.to(DEVICE), block_m, num_experts, one_program_max_slots)
     flat = topk_ids.reshape(-1).cpu()
     num_slots = flat.numel()
@@ -154,13 +156,36 @@ def test_moe_align_block_size(t, k, e, block_m, one_program_max_slots):
     check_alignment(ids, block_m, e, one_program_max_slots)
 
 
+@pytest.mark.parametrize("t,e,over_programs", [(32, 128, False), (33, 128, True), (128, 32, False), (129, 32, True)])
+def test_alignment_takes_one_program_up_to_two_chunks(monkeypatch, t, e, over_programs):
+    """One launch up to two chunks of slots (E = 128: 64 slots a chunk; E = 32: 256), three past them: a captured
+    decode batch of 256 rows would otherwise walk 16 chunks twice in one program."""
+    import brisk.kernels.triton_moe as triton_moe
+
+    launched: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str) -> None:
+            self.name, self.kernel = name, getattr(triton_moe, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_moe_align_kernel", "_moe_count_kernel"):
+        monkeypatch.setattr(triton_moe, name, Spy(name))
+    ids, _ = routing(t, e, 4, seed=t)
+    check_alignment(ids, 16, e, one_program_max_slots=None)
+    assert launched == (["_moe_count_kernel"] if over_programs else ["_moe_align_kernel"])
+
+
 @pytest.mark.parametrize("t,k,e,block_m", [(700, 4, 8, 16), (300, 4, 128, 64), (50, 3, 6, 2)])
 def test_moe_align_over_programs_equals_one_program(t, k, e, block_m):
     # Several chunks (E = 8: 1024 slots a chunk; E = 128: 64), a partial last one and EP's -1 ids: every output
     # buffer, padding included, is the one program's.
     ids, _ = routing(t, e, k, seed=t)
     ids[::7, 0] = -1  # slots of another EP rank's experts
-    one = moe_align_block_size(ids.to(DEVICE), block_m, e)
+    one = moe_align_block_size(ids.to(DEVICE), block_m, e, one_program_max_slots=1 << 20)
     many = moe_align_block_size(ids.to(DEVICE), block_m, e, one_program_max_slots=0)
     for a, b in zip(
         (one.sorted_token_ids, one.expert_ids, one.num_tokens_post_padded),

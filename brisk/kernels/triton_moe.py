@@ -70,10 +70,12 @@ class MoEAlignment:
     num_slots: int
 
 
-# At most this many slots (tokens x top_k) are aligned by one program (decode, small prefills: one launch); more
-# are split over programs of ALIGN_CHUNK_ELEMS one-hot elements each (a long prefill: 32k slots at 8k tokens would
-# be a serial loop of a millisecond or more a layer on one SM).
-ONE_PROGRAM_MAX_SLOTS = 1024
+# At most this many chunks of slots (tokens x top_k) are aligned by one program (one launch: batch 1 and small
+# batches); more are split over programs of a chunk each (three launches), since one program walks its chunks in
+# turn, twice (count, scatter): at E = 128 a chunk is 64 slots, and a decode batch of 256 rows (1024 slots) would be
+# 16 + 16 serial iterations with block-wide reductions each, estimated 40-70 us a layer from the sm_90 code (the
+# three launches: ~10-15 us); a long prefill (32k slots) a millisecond or more.
+ONE_PROGRAM_MAX_CHUNKS = 2
 ALIGN_CHUNK_ELEMS = 8192  # slots x experts of one one-hot tile: keeps registers in check at E = 128 (64 slots)
 
 
@@ -227,10 +229,11 @@ def max_num_blocks(num_slots: int, block_m: int, num_experts: int) -> int:
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int, one_program_max_slots: int = ONE_PROGRAM_MAX_SLOTS
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, one_program_max_slots: int | None = None
 ) -> MoEAlignment:
     """Group the slots of topk_ids [T, k] by expert, padded per expert to block_m (see MoEAlignment).
-    Up to one_program_max_slots slots in one launch, more over programs of a chunk each (three launches)."""
+    Up to one_program_max_slots slots (default ONE_PROGRAM_MAX_CHUNKS chunks) in one launch, more over programs of a
+    chunk each (three launches)."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -243,6 +246,8 @@ def moe_align_block_size(
     # One chunk size per expert count whatever the batch (a batch-dependent constexpr would compile per batch).
     chunk = max(16, ALIGN_CHUNK_ELEMS // e_p2)
     runs = (sorted_ids, expert_ids, num_post_padded)
+    if one_program_max_slots is None:
+        one_program_max_slots = ONE_PROGRAM_MAX_CHUNKS * chunk
     if num_slots <= one_program_max_slots:
         _moe_align_kernel[(1,)](
             ids, *runs, num_slots, num_experts, max_blocks, BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, FILL=1024,
@@ -473,6 +478,16 @@ class MoEConfig:
     num_stages: int = 3
 
 
+# default_config's tiers: the expected slots per expert up to which each tile set is used (the last one: beyond).
+SLOTS_PER_EXPERT_TIERS = (8, 24, 96)
+
+
+def tier_token_counts(top_k: int, num_experts: int) -> list[int]:
+    """The largest token count of each tile tier but the last (default_config): a batch of each compiles that
+    tier's GEMM variants (gpt-oss-120b: 256, 768, 3072 tokens; 20b: 64, 192, 768)."""
+    return [bound * num_experts // top_k for bound in SLOTS_PER_EXPERT_TIERS]
+
+
 def default_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, *, mxfp4: bool) -> MoEConfig:
     """Heuristic Hopper tiles for one GEMM with n weight rows and k inputs (untuned first guesses).
 
@@ -486,11 +501,12 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int
     per_expert = num_tokens * top_k / max(num_experts, 1)
     # Small batches: a K step reads whole 128-byte lines per weight row (256 MXFP4 values; 128 bf16 values).
     small_n, small_k = (32, 256) if mxfp4 else (64, 128)
-    if per_expert <= 8:
+    smallest, small, medium = SLOTS_PER_EXPERT_TIERS
+    if per_expert <= smallest:
         cfg = MoEConfig(16, small_n, small_k, group_m=1, num_warps=4, num_stages=4)
-    elif per_expert <= 24:
+    elif per_expert <= small:
         cfg = MoEConfig(32, small_n, small_k, group_m=4, num_warps=4, num_stages=4)
-    elif per_expert <= 96:
+    elif per_expert <= medium:
         cfg = MoEConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
     else:
         cfg = MoEConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)

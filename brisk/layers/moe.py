@@ -78,6 +78,11 @@ class MoEBackend:
         """topk_ids are local expert indices; -1 marks a slot routed to another rank's expert."""
         raise NotImplementedError
 
+    def variant_token_counts(self, layer: FusedMoE) -> list[int]:
+        """Batch sizes (tokens) that together run every kernel variant this backend picks by batch size, for the
+        start-up warm-up (JIT-compiled kernels); none where nothing is compiled at run time."""
+        return []
+
 
 class TorchMoEBackend(MoEBackend):
     """Reference, and the CPU path: the (token, k) slots sorted by expert, one matmul pair per expert that

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from brisk.kernels import interpreting
-from brisk.kernels.triton_moe import fused_experts
+from brisk.kernels.triton_moe import fused_experts, tier_token_counts
 from brisk.layers.moe import FusedMoE, MoEBackend, TorchMoEBackend
 
 
@@ -30,6 +30,10 @@ class TritonMoEBackend(MoEBackend):
     @classmethod
     def create(cls, auto: bool) -> TritonMoEBackend:
         return cls(torch_fallback=auto)
+
+    def variant_token_counts(self, layer: FusedMoE) -> list[int]:
+        # each tile tier's largest batch (a tier's variants are one whatever its batch), on this rank's experts
+        return tier_token_counts(layer.top_k, layer.num_local_experts)
 
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

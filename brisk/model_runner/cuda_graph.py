@@ -235,14 +235,16 @@ class DecodeGraphs:
             return hidden[:n]
         meta = self._meta(padded, t, width)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
-        meta.attn_plan = self.target.attention.prepare(meta)
+        meta.plan_for(self.target.attention)
         return self.target.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple[int, int]]:
-        """(requests, tokens per request) of every graph, in capture order: largest first, so that the smaller
-        ones reuse the pool's memory."""
-        return [(size, t) for t in self.query_lens for size in reversed(self.sizes)]
+        """(requests, tokens per request) of every graph, in capture order: most tokens first (a verify graph of
+        k + 1 tokens a request before the decode graphs it outgrows), so that the smaller ones reuse the pool's
+        memory."""
+        shapes = [(size, t) for t in self.query_lens for size in self.sizes]
+        return sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]), reverse=True)
 
     def capture_args(self, size: int, t: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The model's arguments that one graph captures: views of the static buffers and metadata whose attention
@@ -251,7 +253,7 @@ class DecodeGraphs:
         meta = self._meta(size, t, self.max_blocks)
         meta.seq_lens = [t] * size
         self.seq_lens[:size] = t
-        meta.attn_plan = self.target.attention.prepare(meta)
+        meta.plan_for(self.target.attention)
         return self.input_ids[: size * t], self.positions[: size * t], meta
 
     def capture_all(self) -> None:
@@ -260,6 +262,10 @@ class DecodeGraphs:
             return
         model, device = self.target.model, self.target.device
         start = time.perf_counter()
+        # What torch's allocator caches (the profiling step's KV, freed since) counts as free: each capture empties
+        # the cache anyway, so "graph memory" measured from a full cache would come out short.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         free_before, _ = torch.cuda.mem_get_info(device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)

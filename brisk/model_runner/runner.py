@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import torch
 
 from brisk.config import EngineConfig
-from brisk.host import to_device
+from brisk.host import on_device, to_device
 from brisk.kv_cache.manager import cdiv
 from brisk.layers.attention import Attention, AttentionMetadata
 from brisk.model_config import ModelConfig, ParallelConfig
@@ -141,6 +141,10 @@ class ModelRunner:
         SchedulerOutput. Launches the step and returns at once: its tokens stay on the device (the next step reads
         them from there) until `StepResult.result()` brings them to the host (with speculation: before it returns,
         for the drafter)."""
+        with on_device(self.device):
+            return self._execute_model(scheds)
+
+    def _execute_model(self, scheds: list[SchedulerOutput]) -> StepResult:
         p = self.parallel
         sched = scheds[p.dp_rank]
         if sched.kv_block_copies and self.host_kv is not None:  # host tier: before the forward (it waits for them)
@@ -281,13 +285,15 @@ class ModelRunner:
             dp_num_tokens=step.dp_num_tokens,
             decode_only=step.decode_only,  # the backends' plans skip their per-sequence scan of the query lengths
         )
-        meta.attn_plan = self.kernels.attention.prepare(meta)
+        meta.plan_for(self.kernels.attention)  # once a step: every layer reads it
         step.meta = meta
         return self.model(input_ids, to_device(step.positions, dev), meta)
 
     def forget(self, req_ids: list[str]) -> None:
-        """Drop requests this rank holds without a scheduler having finished them (the start-up profiling step)."""
+        """Drop requests this rank holds without a scheduler having finished them (the start-up steps)."""
         self.batch.remove(req_ids)
+        if self.drafter is not None:
+            self.drafter.forget(req_ids)
         for rid in req_ids:
             self.states.pop(rid, None)
         self._previous = None

@@ -20,6 +20,7 @@ from brisk.config import EngineConfig
 from brisk.distributed.comm import agree_min
 from brisk.distributed.launch import ranks_on_this_machine
 from brisk.kv_cache.manager import cdiv
+from brisk.layers.moe import FusedMoE
 from brisk.model_config import ModelConfig, ParallelConfig
 from brisk.model_runner.binding import bind, make_kernels, prepare_for_cpu
 from brisk.model_runner.cuda_graph import DecodeGraphs, GraphedModel, effective_graph_config, graph_batch_sizes
@@ -29,7 +30,7 @@ from brisk.model_runner.memory import KVGroupLayout, log_plan, measure_profile_r
 from brisk.model_runner.runner import ModelRunner
 from brisk.model_runner.startup import StartupTimes
 from brisk.sampling_params import SamplingParams
-from brisk.scheduler.output import NewRequestData, SchedulerOutput
+from brisk.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from brisk.spec_decode.registry import make_proposer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ def load_model_runner(
     startup.mark("kv_allocation")
     try:
         set_up_graphs(runner, startup)
+        if device.type == "cuda":  # (CPU kernels are compiled before the model is loaded)
+            warm_up_eager_steps(runner)
+            startup.mark("kernel_warm_up")
     except BaseException:
         runner.close()  # unpins the host KV tier (a range left registered would refuse the next one)
         raise
@@ -123,6 +127,60 @@ def profile_sampling_params(max_logprobs: int) -> SamplingParams:
     )
 
 
+def _dummy_request(
+    runner: ModelRunner, req_id: str, num_tokens: int, params: SamplingParams, table: list[int]
+) -> NewRequestData:
+    """A start-up step's request, which no scheduler sees: a prompt of num_tokens on these blocks (every KV group's
+    table the same)."""
+    vocab = runner.model_config.vocab_size
+    return NewRequestData(
+        req_id, [t % vocab for t in range(num_tokens)], params, None, [table] * len(runner.kv_groups), 0
+    )
+
+
+def _prefill_step(new: list[NewRequestData]) -> SchedulerOutput:
+    return SchedulerOutput(
+        new_requests=new,
+        num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new},
+        total_num_scheduled_tokens=sum(len(r.token_ids) for r in new),
+        sampled_req_ids=[r.req_id for r in new],
+    )
+
+
+def _run_dummy_step(runner: ModelRunner, sched: SchedulerOutput, keep: bool = False) -> None:
+    """One start-up step on every rank (each DP rank the same requests), read; its requests forgotten unless kept."""
+    runner.execute_model([sched] * runner.parallel.dp_size).result()
+    if not keep:
+        runner.forget([*(r.req_id for r in sched.new_requests), *sched.cached_requests.req_ids])
+
+
+def warm_up_eager_steps(runner: ModelRunner) -> None:
+    """Compile, at start-up, the kernel variants of eager steps that neither the profiling step (a small temporary
+    cache, max_num_tokens tokens) nor the graph captures (decode steps) ran: Triton compiles a missing variant in the
+    step that first needs it, the whole batch waiting (0.3-1 s a kernel). Dummy steps on the real cache (block
+    offsets past 2**31 elements are variants of their own): a prompt of each MoE tile tier's largest batch below
+    max_num_tokens (MoEBackend.variant_token_counts), then a mixed step, a decode beside a prompt (attention's
+    one-partition decode, which the graphs' split-K decodes never take). Their blocks are the pool's first ones,
+    which the scheduler has not handed out yet."""
+    moe = next((m for m in runner.model.modules() if isinstance(m, FusedMoE)), None)
+    counts = runner.kernels.moe.variant_token_counts(moe) if moe is not None else []
+    block_size = runner.block_size
+    room = (runner.num_blocks - 3) * block_size  # block 0 is the null block; the mixed step takes two
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for n in sorted({c for c in counts if 2 < c < min(runner.config.max_num_tokens, room)}):
+        table = list(range(1, 1 + cdiv(n, block_size)))
+        _run_dummy_step(runner, _prefill_step([_dummy_request(runner, f"warm-up-{n}", n, params, table)]))
+    decoding = _dummy_request(runner, "warm-up-decode", 2, params, [1])
+    _run_dummy_step(runner, _prefill_step([decoding]), keep=True)
+    prompt = _dummy_request(runner, "warm-up-prompt", 2, params, [2])
+    mixed = _prefill_step([prompt])
+    mixed.cached_requests = CachedRequestData([decoding.req_id], [[[] for _ in runner.kv_groups]])
+    mixed.num_scheduled_tokens[decoding.req_id] = 1
+    mixed.total_num_scheduled_tokens += 1
+    mixed.sampled_req_ids.insert(0, decoding.req_id)
+    _run_dummy_step(runner, mixed)
+
+
 def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     """One forward pass at max_num_tokens on a temporary cache just big enough for it, measured; the pool gets
     kv_cache_free_gpu_memory_fraction of what is left, or what is left of gpu_memory_utilization of the device
@@ -141,23 +199,14 @@ def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     # A real step (the scheduler's message, the persistent batch, forward, logits, sampling) over dummy
     # prompts that fill max_num_tokens; their rows leave the batch afterwards.
     params = profile_sampling_params(config.max_logprobs)
-    vocab = runner.model_config.vocab_size
     groups = runner.kv_groups
     new = [
-        NewRequestData(f"kv-profile-{i}", [t % vocab for t in range(n)], params, None, [table] * len(groups), 0)
-        for i, (n, table) in enumerate(zip(lengths, tables))
+        _dummy_request(runner, f"kv-profile-{i}", n, params, table) for i, (n, table) in enumerate(zip(lengths, tables))
     ]
-    sched = SchedulerOutput(
-        new_requests=new,
-        num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new},
-        total_num_scheduled_tokens=sum(lengths),
-        sampled_req_ids=[r.req_id for r in new],
-    )
-    profile_ids = [r.req_id for r in new]
+    sched = _prefill_step(new)
 
     def profile_step() -> None:
-        runner.execute_model([sched] * runner.parallel.dp_size).result()
-        runner.forget(profile_ids)
+        _run_dummy_step(runner, sched)
 
     measured = measure_profile_run(device, weights, profile_step)
     runner.release_kv_cache()  # the temporary cache (allocated before the profile's baseline: not counted)
