@@ -188,3 +188,28 @@ def test_bf16_prepacked_weights_generate_what_plain_matmuls_generate(tiny):
     assert model.lm_head.packed_weight is not None
     assert all(getattr(m, "packed_weight", None) is None for m in plain_llm.engine.executor.runner.model.modules())
     assert packed == plain
+
+
+def test_repetition_penalty_matches_transformers(tiny):
+    """The repetition penalty over prompt and outputs (HF's semantics): a batch whose rows join and leave (a pool
+    small enough to preempt, so a resumed request's prompt is read again) generates what transformers does."""
+    _, path, hf = tiny
+    prompts = _prompts(5)
+    with torch.no_grad():
+        expected = [
+            hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                repetition_penalty=1.5,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.5)
+    # as test_preemption_matches: one long request fits, the batch does not
+    with LLM(path, seed=0, tokens_per_block=4, kv_cache_config={"max_blocks": 40}, max_num_tokens=32) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert llm.engine.stats().num_preemptions > 0, "the pool was meant to preempt"
+        llm.engine.kv.check_invariants()
+    assert [o.outputs[0].token_ids for o in outs] == expected

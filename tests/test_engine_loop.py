@@ -267,3 +267,21 @@ def test_the_attention_plan_is_built_once_a_step(model, monkeypatch, graphs):
         out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
     assert isinstance(runner, ModelRunner) and len(forwards) == 5 and len(plans) == len(forwards)
+
+
+def test_a_repetition_penalty_reads_each_prompt_once(model, monkeypatch):
+    """The repetition penalty's view of a prompt is built when its request is first sampled and kept: decoding
+    reads only the outputs each step (a step used to rebuild every prompt, host work of the batch's whole context)."""
+    from brisk.model_runner import sampling_stage
+
+    built: list[int] = []
+    mask = sampling_stage.prompt_token_mask
+    monkeypatch.setattr(
+        sampling_stage, "prompt_token_mask", lambda prompts, *a: (built.append(len(prompts)), mask(prompts, *a))[1]
+    )
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    with LLM(model, **_options(model, True, None)) as llm:
+        outs = llm.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert sum(built) == len(prompts)

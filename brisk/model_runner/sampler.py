@@ -138,8 +138,12 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         num_output_tokens: Sequence[int] | None = None,
+        prompt_seen: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """Gather the per-row parameters into tensors on `device`.
+
+        prompt_seen: [B, V] bool, the tokens of each row's prompt where it has a repetition penalty (else none),
+        built once by the caller and kept while the rows are the same requests; prompt_ids are then not read.
 
         output_ids[i]: request i's outputs so far, read by the penalties (empty where it has none).
         num_output_tokens[i]: how many outputs request i has before this row's token (default len(output_ids[i])):
@@ -207,11 +211,14 @@ class SamplingBatch:
         seen_token_mask = None
         if any(r != 1.0 for r in repetition_penalties):
             # Rows without the penalty contribute no tokens: their penalty of 1.0 would be a no-op anyway.
-            seen = [
-                [*prompt, *out] if penalty != 1.0 else []
-                for prompt, out, penalty in zip(prompt_ids, output_ids, repetition_penalties)
-            ]
-            seen_token_mask = _token_occurrences(seen, vocab_size, device) > 0
+            if prompt_seen is None:
+                prompt_seen = prompt_token_mask(
+                    [prompt if penalty != 1.0 else () for prompt, penalty in zip(prompt_ids, repetition_penalties)],
+                    vocab_size,
+                    device,
+                )
+            outputs = [out if penalty != 1.0 else () for out, penalty in zip(output_ids, repetition_penalties)]
+            seen_token_mask = prompt_seen | (_token_occurrences(outputs, vocab_size, device) > 0)
 
         presence_penalties = [p.presence_penalty for p in params]
         frequency_penalties = [p.frequency_penalty for p in params]
@@ -552,7 +559,12 @@ def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, batch: S
     return logprobs_output(token_ids.tolist(), tuple(t.cpu() for t in tensors.as_tuple()), batch.num_logprobs)
 
 
-def _token_occurrences(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+def prompt_token_mask(prompts: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[B, V] bool: the tokens each prompt holds (what the repetition penalty sees of it)."""
+    return _token_occurrences(prompts, vocab_size, torch.device(device)) > 0
+
+
+def _token_occurrences(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[B, V] float32 count of each token id in each row, by scatter_add over a padded [B, L] id tensor."""
     width = max(map(len, rows), default=0)
     # Padding uses the extra column vocab_size, dropped at the end, so pads are counted nowhere.

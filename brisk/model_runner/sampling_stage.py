@@ -31,6 +31,7 @@ from brisk.model_runner.sampler import (
     SamplerOutput,
     SamplingBatch,
     logprobs_output,
+    prompt_token_mask,
     row_max_and_argmax,
     samples_plain_greedy,
     top_alternatives,
@@ -59,6 +60,12 @@ class SamplingStage:
         self.grammar_masker = GrammarBitmaskApplier(torch.get_num_threads(), cpu_kernels)  # structured outputs
         self._cached_key: tuple | None = None
         self._cached: SamplingBatch | None = None
+        # The repetition penalty's view of prompts: each request's prompt tokens as a [V] bool row, read from its
+        # prompt once (not every step), and the sampled rows' stack of them, kept while the rows are the same
+        # requests in the same order.
+        self._prompt_masks: dict[str, torch.Tensor] = {}
+        self._prompt_seen_key: tuple | None = None
+        self._prompt_seen: torch.Tensor | None = None
 
     def close(self) -> None:
         self.grammar_masker.close()
@@ -130,17 +137,39 @@ class SamplingStage:
         num_outputs = _outputs_before(batch, sample_rows, states, 0)
         built = SamplingBatch.build(
             params=[s.params for s in states],
-            prompt_ids=[s.host_token_ids[: s.num_prompt_tokens] if s.needs_history else () for s in states],
+            prompt_ids=[()] * len(states),  # prompt_seen holds what the penalty reads of them
             output_ids=[s.output_token_ids if s.needs_history else () for s in states],
             generators=[s.generator for s in states],
             stop_ids=[s.stop_ids for s in states],
             vocab_size=vocab_size,
             device=self.device,
             num_output_tokens=num_outputs,
+            prompt_seen=self._prompts_seen(batch, states, vocab_size, key),
         )
         reusable = not any(s.needs_history or n < s.params.min_tokens for s, n in zip(states, num_outputs))
         self._cached_key, self._cached = (key, built) if reusable else (None, None)
         return built
+
+    def _prompts_seen(
+        self, batch: InputBatch, states: list[RequestState], vocab_size: int, key: tuple
+    ) -> torch.Tensor | None:
+        """[B, V] bool: the prompt tokens of each of these requests with a repetition penalty (the others' rows
+        none); None where none has one. Kept while `key` (the rows' requests and order) holds."""
+        if all(s.params.repetition_penalty == 1.0 for s in states):
+            return None
+        if key == self._prompt_seen_key:
+            return self._prompt_seen
+        masks = self._prompt_masks
+        for req_id in [r for r in masks if r not in batch.row_of]:  # requests that left the batch
+            del masks[req_id]
+        new = [s for s in states if s.params.repetition_penalty != 1.0 and s.req_id not in masks]
+        if new:
+            built = prompt_token_mask([s.host_token_ids[: s.num_prompt_tokens] for s in new], vocab_size, self.device)
+            masks.update((s.req_id, row) for s, row in zip(new, built))
+        none = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+        seen = torch.stack([masks[s.req_id] if s.params.repetition_penalty != 1.0 else none for s in states])
+        self._prompt_seen_key, self._prompt_seen = key, seen
+        return seen
 
     # ---- verification --------------------------------------------------------------------------
     def _verify(
@@ -162,7 +191,9 @@ class SamplingStage:
         if all(samples_plain_greedy(s.params) for s in states):
             return Picked(self._verify_plain_greedy(logits, draft_lists), None)
         num_outputs = _outputs_before(batch, sample_rows, states, num_drafts)
-        sampling = self._expanded_batch(states, draft_lists, num_outputs, logits.shape[-1])
+        vocab_size = logits.shape[-1]
+        prompts_seen = self._prompts_seen(batch, states, vocab_size, (batch.version, sample_rows.tobytes(), vocab_size))
+        sampling = self._expanded_batch(states, draft_lists, num_outputs, vocab_size, prompts_seen)
         counts = num_drafts + 1
         row_bad = ~torch.isfinite(logits.amax(dim=-1))
         logits = torch.where(row_bad[:, None], 0.0, logits)
@@ -206,20 +237,30 @@ class SamplingStage:
         return to_device(packed, logits.device)  # pinned: a pageable upload would wait on the stream
 
     def _expanded_batch(
-        self, states: list[RequestState], draft_lists: list[list[int]], num_outputs: list[int], vocab_size: int
+        self,
+        states: list[RequestState],
+        draft_lists: list[list[int]],
+        num_outputs: list[int],
+        vocab_size: int,
+        prompts_seen: torch.Tensor | None,
     ) -> SamplingBatch:
         """One sampling row per verified position: request i's row j sees its outputs plus drafts[:j] (num_outputs[i]
-        + j of them)."""
-        params, prompts, outputs, counts, generators, stops = [], [], [], [], [], []
+        + j of them); prompts_seen (a row per request) repeated for its positions."""
+        params, outputs, counts, generators, stops = [], [], [], [], []
         for state, drafts, num_out in zip(states, draft_lists, num_outputs):
             for j in range(len(drafts) + 1):
                 params.append(state.params)
-                prompts.append(state.host_token_ids[: state.num_prompt_tokens] if state.needs_history else ())
                 outputs.append([*state.output_token_ids, *drafts[:j]] if state.needs_history else ())
                 counts.append(num_out + j)
                 generators.append(state.generator)
                 stops.append(state.stop_ids)
-        return SamplingBatch.build(params, prompts, outputs, generators, stops, vocab_size, self.device, counts)
+        if prompts_seen is not None:
+            positions = np.repeat(np.arange(len(states)), [len(d) + 1 for d in draft_lists])
+            prompts_seen = prompts_seen[to_device(positions, self.device)]
+        prompts = [()] * len(params)
+        return SamplingBatch.build(
+            params, prompts, outputs, generators, stops, vocab_size, self.device, counts, prompt_seen=prompts_seen
+        )
 
 
 def _outputs_before(
