@@ -283,5 +283,7 @@ def test_a_repetition_penalty_reads_each_prompt_once(model, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
     with LLM(model, **_options(model, True, None)) as llm:
         outs = llm.generate(prompts, params)
+        llm.generate([{"prompt_token_ids": [9, 9]}], SamplingParams(max_tokens=2))  # the finished ones leave
+        assert not llm.engine.executor.runner.sampling._prompt_masks  # their rows freed
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert sum(built) == len(prompts)

@@ -224,6 +224,7 @@ class ModelRunner:
         batch = self.batch
         batch.remove(sched.finished_req_ids)
         batch.remove(sched.preempted_req_ids)
+        self.sampling.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
         if self.drafter is not None:
             self.drafter.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
         for rid in sched.finished_req_ids:
@@ -292,6 +293,7 @@ class ModelRunner:
     def forget(self, req_ids: list[str]) -> None:
         """Drop requests this rank holds without a scheduler having finished them (the start-up steps)."""
         self.batch.remove(req_ids)
+        self.sampling.forget(req_ids)
         if self.drafter is not None:
             self.drafter.forget(req_ids)
         for rid in req_ids:

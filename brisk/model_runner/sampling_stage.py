@@ -70,6 +70,12 @@ class SamplingStage:
     def close(self) -> None:
         self.grammar_masker.close()
 
+    def forget(self, req_ids: list[str]) -> None:
+        """Requests that left the batch (finished, preempted, dropped): their prompts' rows are freed."""
+        for req_id in req_ids:
+            if self._prompt_masks.pop(req_id, None) is not None:
+                self._prompt_seen_key = self._prompt_seen = None
+
     @staticmethod
     def needs_history(step: StepBatch, batch: InputBatch) -> bool:
         """Whether some request this step samples reads its past outputs (penalties): they must be on the host
@@ -160,8 +166,6 @@ class SamplingStage:
         if key == self._prompt_seen_key:
             return self._prompt_seen
         masks = self._prompt_masks
-        for req_id in [r for r in masks if r not in batch.row_of]:  # requests that left the batch
-            del masks[req_id]
         new = [s for s in states if s.params.repetition_penalty != 1.0 and s.req_id not in masks]
         if new:
             built = prompt_token_mask([s.host_token_ids[: s.num_prompt_tokens] for s in new], vocab_size, self.device)
