@@ -407,6 +407,25 @@ def test_backend_ep_rank_skips_other_ranks_experts(mxfp4):
     assert_matches(out, ref, torch.float32)
 
 
+def test_backend_sizes_tiles_by_all_ranks_experts_under_ep(monkeypatch):
+    """Under EP a rank's experts get 1 / ep_size of the slots: the tiles are sized by the slots an expert can expect
+    (tokens x top_k over all experts), as the start-up warm-up's tiers are."""
+    import brisk.kernels.triton_moe as triton_moe
+
+    layer = make_layer(8, 2, 64, 64, mxfp4=True, seed=54, parallel=ParallelConfig.for_rank(1, 2, ep_size=2))
+    sized: list[int] = []
+    config = triton_moe.default_config
+    monkeypatch.setattr(
+        triton_moe, "default_config", lambda t, k, e, *a, **kw: (sized.append(e), config(t, k, e, *a, **kw))[1]
+    )
+    ids, weights = routing(9, 8, 2, seed=55)
+    local = torch.where(ids >= 4, ids - 4, -1)
+    hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(56)).to(DEVICE)
+    TritonMoEBackend().forward(layer, hidden, local, weights * (local >= 0))
+    assert sized == [8, 8]  # gate_up and down: all 8 experts, not this rank's 4
+    assert TritonMoEBackend().variant_token_counts(layer) == triton_moe.tier_token_counts(2, 8)
+
+
 def test_fused_moe_layer_with_triton_backend():
     layer = make_layer(8, 4, 64, 64, mxfp4=True, seed=61)
     triton_layer = FusedMoE(8, 4, 64, 64, quantization="mxfp4")

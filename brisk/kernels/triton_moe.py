@@ -666,9 +666,12 @@ def fused_experts(
     swiglu_limit: float,
     configs: tuple[MoEConfig, MoEConfig] | None = None,
     unrouted_slots: bool = False,
+    num_routed_experts: int | None = None,
 ) -> torch.Tensor:
     """The MoE layer: hidden [T, H] routed by topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype.
     With unrouted_slots, topk_ids may hold -1 (an expert on another EP rank): such a slot adds nothing.
+    num_routed_experts: the experts the slots are spread over (all EP ranks'; default this rank's), which sizes
+    the tiles by the slots an expert can expect.
 
     Weights are MXFP4 (blocks + scales) or plain (scales None), per projection. configs overrides the
     (gate_up, down) tiles; both must share block_m.
@@ -680,9 +683,10 @@ def fused_experts(
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     num_experts, two_i = gate_up.shape[:2]
     if configs is None:
+        spread = num_routed_experts or num_experts
         configs = (
-            default_config(num_tokens, top_k, num_experts, two_i, h, mxfp4=gate_up_scales is not None),
-            default_config(num_tokens, top_k, num_experts, h, two_i // 2, mxfp4=down_scales is not None),
+            default_config(num_tokens, top_k, spread, two_i, h, mxfp4=gate_up_scales is not None),
+            default_config(num_tokens, top_k, spread, h, two_i // 2, mxfp4=down_scales is not None),
         )
     up_cfg, down_cfg = configs
     if up_cfg.block_m != down_cfg.block_m:

@@ -32,8 +32,8 @@ class TritonMoEBackend(MoEBackend):
         return cls(torch_fallback=auto)
 
     def variant_token_counts(self, layer: FusedMoE) -> list[int]:
-        # each tile tier's largest batch (a tier's variants are one whatever its batch), on this rank's experts
-        return tier_token_counts(layer.top_k, layer.num_local_experts)
+        # each tile tier's largest batch (a tier's variants are one whatever its batch), as `forward` sizes tiles
+        return tier_token_counts(layer.top_k, layer.num_experts)
 
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -62,4 +62,6 @@ class TritonMoEBackend(MoEBackend):
             swiglu_alpha=layer.swiglu_alpha,
             swiglu_limit=layer.swiglu_limit,
             unrouted_slots=layer.parallel.ep_size > 1,
+            # under EP a rank's experts get 1 / ep_size of the slots: tiles sized by all experts, not its own
+            num_routed_experts=layer.num_experts,
         )
