@@ -335,6 +335,26 @@ def test_host_rows_on_the_cpu_are_the_packed_tensor_read_when_asked():
     assert host_rows(None).get() == []
 
 
+def test_greedy_verification_rows_built_on_the_host_are_read_there(tmp_path, monkeypatch):
+    """Greedy verification builds its packed rows on the host (after its argmax's one sync): the step reads those,
+    with no copy of the uploaded tensor back to the host (on a GPU: an upload, a download and a second wait)."""
+    import numpy as np
+
+    from brisk.model_runner import runner as runner_module
+
+    on_host = np.array([[4, 5, 2, 0]])
+    rows = host_rows(torch.tensor([[-1, -1, -1, -1]]), on_host)
+    assert rows.get() == [[4, 5, 2, 0]]
+    started: list[bool] = []
+    read = runner_module.host_rows
+    monkeypatch.setattr(runner_module, "host_rows", lambda p, h=None: (started.append(h is not None), read(p, h))[1])
+    path = make_tiny_model("llama", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    with LLM(path, **OPTIONS, speculative_config=NGRAM) as llm:
+        tokens = _greedy_tokens(llm)
+    assert any(started) and tokens == _reference(path)  # verification steps read their host-built rows
+
+
 @pytest.mark.parametrize("options", [{}, dict(speculative_config=NGRAM)], ids=["plain", "ngram"])
 def test_the_warm_up_runs_the_eager_variants_and_leaves_nothing_behind(tmp_path, monkeypatch, options):
     """A GPU's start-up warm-up (setup.warm_up_eager_steps): a prompt of each MoE tile tier's largest batch below

@@ -166,7 +166,7 @@ class ModelRunner:
         if sched.needs_prompt_logprobs:  # only steps that compute prompt positions some request asked about
             mine_prompt_logprobs = prompt_logprobs(self.model, self.batch, step, hidden, self.device)
         # 4. sample or verify (the ranks that sample: rank 0, or every attention-DP rank its own rows)
-        packed, logprobs = None, None
+        packed, logprobs, built_on_host = None, None, None
         if step.num_sampled:
             logits = self.model.compute_logits(hidden[step.logits_indices])  # vocab-parallel: every TP rank
             if p.dp_size > 1 or p.rank == 0:
@@ -176,7 +176,7 @@ class ModelRunner:
                 if self.drafter is not None and step.num_drafts is not None:
                     draft_probs = self.drafter.take_draft_probs(sched.sampled_req_ids)
                 picked = self.sampling.pick(logits, sched, step, self.batch, draft_probs)
-                packed, logprobs = picked.packed, picked.logprobs
+                packed, logprobs, built_on_host = picked.packed, picked.logprobs, picked.host
         # 5. publish
         num_sampled_all = [s.num_sampled_requests for s in scheds]
         if p.world_size > 1:
@@ -187,8 +187,9 @@ class ModelRunner:
                 offset = sum(num_sampled_all[: p.dp_rank])
                 mine = packed[offset : offset + step.num_sampled]
             self.batch.last_sampled[step.sample_rows_tensor] = last_tokens(mine, self.k)
-        # The packed rows are final: on a GPU their copy to the host starts now, behind this step's kernels only.
-        rows = host_rows(packed)
+        # The packed rows are final: on a GPU their copy to the host starts now, behind this step's kernels only
+        # (rows the sampling stage built on the host are read there: every rank's rows are this rank's, p.dp_size 1).
+        rows = host_rows(packed, built_on_host if p.dp_size == 1 else None)
         host, drafts = None, None
         if self.drafter is not None:
             host = rows.get()  # the step's host sync: the drafter needs the tokens

@@ -49,6 +49,7 @@ class Picked:
     packed: torch.Tensor  # [n, k + 3] int64, on the device: see the module's docstring
     # per request, when some asked for logprobs: pending (a sampling step) or on the host (a verification)
     logprobs: list[RowLogprobs] | HostResult[list[RowLogprobs]] | None
+    host: np.ndarray | None = None  # the packed rows where they were built on the host (greedy verification)
 
 
 class SamplingStage:
@@ -193,7 +194,8 @@ class SamplingStage:
         states = [batch.states[r] for r in sample_rows.tolist()]
         draft_lists = [sched.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
         if all(samples_plain_greedy(s.params) for s in states):
-            return Picked(self._verify_plain_greedy(logits, draft_lists), None)
+            rows = self._verify_plain_greedy(logits, draft_lists)
+            return Picked(to_device(rows, logits.device), None, rows)  # pinned: a pageable upload would wait
         num_outputs = _outputs_before(batch, sample_rows, states, num_drafts)
         vocab_size = logits.shape[-1]
         prompts_seen = self._prompts_seen(batch, states, vocab_size, (batch.version, sample_rows.tobytes(), vocab_size))
@@ -214,7 +216,7 @@ class SamplingStage:
             return Picked(packed, None)
         return Picked(packed, _verified_logprobs(logits, sampling, verified, first, states))
 
-    def _verify_plain_greedy(self, logits: torch.Tensor, draft_lists: list[list[int]]) -> torch.Tensor:
+    def _verify_plain_greedy(self, logits: torch.Tensor, draft_lists: list[list[int]]) -> np.ndarray:
         """Every request greedy on the raw logits (the common case): one argmax over all rows, the comparison with
         the drafts on the host (the step synchronises anyway). On CPU numpy's argmax: a few rows of a vocabulary
         take ~20 us there against ~50-350 us through torch's ops (a decode step's budget is ~2 ms)."""
@@ -238,7 +240,7 @@ class SamplingStage:
             packed[i, k + 1] = a + 1
             packed[i, k + 2] = not all(finite[at : at + m + 1])
             at += m + 1
-        return to_device(packed, logits.device)  # pinned: a pageable upload would wait on the stream
+        return packed
 
     def _expanded_batch(
         self,

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -141,9 +142,11 @@ def packed_rows(*packed: torch.Tensor) -> list[list[int]]:
     return packed[0].tolist() if packed else []
 
 
-def host_rows(packed: torch.Tensor | None) -> HostResult[list[list[int]]]:
+def host_rows(packed: torch.Tensor | None, on_host: np.ndarray | None = None) -> HostResult[list[list[int]]]:
     """The packed rows' one copy to the host, started where the packed tensor is final (after the runner's
-    last_sampled write); read as lists once."""
+    last_sampled write); read as lists once. on_host: the same rows, built on the host (no copy back)."""
+    if on_host is not None:
+        return HostResult(HostCopy((torch.from_numpy(on_host),)), packed_rows)
     return HostResult(HostCopy.start(*(() if packed is None else (packed,))), packed_rows)
 
 
