@@ -262,9 +262,8 @@ def test_sampling_under_overlap_never_waits_for_the_device(tmp_path, monkeypatch
     """A step's sampling runs right behind its forward on a GPU, before the previous step's result is read
     (overlap scheduling): a host sync there would make the host wait for the forward. With the GPU's backends bound
     (no C kernels), sampling with temperature, top-k / top-p / min-p, logit_bias, logprobs, a seed, penalties,
-    min_tokens, allowed_token_ids and logprob_token_ids makes none; its results reach the host through the step's one copy
-    (HostCopy). (Penalties read the previous step's tokens first, `record_history`, outside sampling: that wait is
-    for the step before, whose kernels precede this step's forward.)"""
+    min_tokens, allowed_token_ids and logprob_token_ids makes none; its results reach the host through the step's
+    one copy (HostCopy). Penalties count the previous step's token where it is, on the device."""
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
     make_tiny_tokenizer(path)
     syncs = HostSyncs()

@@ -139,11 +139,15 @@ class SamplingBatch:
         device: torch.device | str,
         num_output_tokens: Sequence[int] | None = None,
         prompt_seen: torch.Tensor | None = None,
+        pending_tokens: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """Gather the per-row parameters into tensors on `device`.
 
         prompt_seen: [B, V] bool, the tokens of each row's prompt where it has a repetition penalty (else none),
         built once by the caller and kept while the rows are the same requests; prompt_ids are then not read.
+        pending_tokens: [B] int64 on `device`, each row's latest output where output_ids does not hold it yet (the
+        previous step's token, still on the device under overlap scheduling), vocab_size where none: the penalties
+        count it from there, so the host never waits for it.
 
         output_ids[i]: request i's outputs so far, read by the penalties (empty where it has none).
         num_output_tokens[i]: how many outputs request i has before this row's token (default len(output_ids[i])):
@@ -218,7 +222,7 @@ class SamplingBatch:
                     device,
                 )
             outputs = [out if penalty != 1.0 else () for out, penalty in zip(output_ids, repetition_penalties)]
-            seen_token_mask = prompt_seen | (_token_occurrences(outputs, vocab_size, device) > 0)
+            seen_token_mask = prompt_seen | (_token_occurrences(outputs, vocab_size, device, pending_tokens) > 0)
 
         presence_penalties = [p.presence_penalty for p in params]
         frequency_penalties = [p.frequency_penalty for p in params]
@@ -228,7 +232,7 @@ class SamplingBatch:
                 list(out) if presence or frequency else []
                 for out, presence, frequency in zip(output_ids, presence_penalties, frequency_penalties)
             ]
-            output_token_counts = _token_occurrences(counted, vocab_size, device)
+            output_token_counts = _token_occurrences(counted, vocab_size, device, pending_tokens)
 
         logit_bias = None
         if bias_rows:
@@ -564,8 +568,11 @@ def prompt_token_mask(prompts: Sequence[Sequence[int]], vocab_size: int, device:
     return _token_occurrences(prompts, vocab_size, torch.device(device)) > 0
 
 
-def _token_occurrences(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float32 count of each token id in each row, by scatter_add over a padded [B, L] id tensor."""
+def _token_occurrences(
+    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device, extra: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, V] float32 count of each token id in each row, by scatter_add over a padded [B, L] id tensor; extra
+    ([B] on `device`, vocab_size for none): one more token a row, counted where it is."""
     width = max(map(len, rows), default=0)
     # Padding uses the extra column vocab_size, dropped at the end, so pads are counted nowhere.
     # Built on the host and copied pinned, asynchronously (a pageable copy would wait for the step in flight).
@@ -573,6 +580,8 @@ def _token_occurrences(rows: Sequence[Sequence[int]], vocab_size: int, device: t
     for i, row in enumerate(rows):
         padded_host[i, : len(row)] = row
     padded = to_device(padded_host, torch.device(device))
+    if extra is not None:
+        padded = torch.cat((padded, extra[:, None]), dim=1)
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]

@@ -79,9 +79,9 @@ class SamplingStage:
 
     @staticmethod
     def needs_history(step: StepBatch, batch: InputBatch) -> bool:
-        """Whether some request this step samples reads its past outputs (penalties): they must be on the host
-        before `pick`."""
-        if not batch.num_needs_history:
+        """Whether some request this step verifies reads its past outputs (penalties): they must be on the host
+        before `pick`. (A sampling step counts the previous step's tokens on the device: `_pending_tokens`.)"""
+        if not batch.num_needs_history or step.num_drafts is None:
             return False
         return any(batch.states[r].needs_history for r in step.rows[step.sample_idx].tolist())
 
@@ -142,6 +142,7 @@ class SamplingStage:
             return self._cached
         states = [batch.states[r] for r in sample_rows.tolist()]
         num_outputs = _outputs_before(batch, sample_rows, states, 0)
+        pending = self._pending_tokens(step, batch, states, num_outputs, vocab_size)
         built = SamplingBatch.build(
             params=[s.params for s in states],
             prompt_ids=[()] * len(states),  # prompt_seen holds what the penalty reads of them
@@ -152,10 +153,26 @@ class SamplingStage:
             device=self.device,
             num_output_tokens=num_outputs,
             prompt_seen=self._prompts_seen(batch, states, vocab_size, key),
+            pending_tokens=pending,
         )
         reusable = not any(s.needs_history or n < s.params.min_tokens for s, n in zip(states, num_outputs))
         self._cached_key, self._cached = (key, built) if reusable else (None, None)
         return built
+
+    def _pending_tokens(
+        self, step: StepBatch, batch: InputBatch, states: list[RequestState], num_outputs: list[int], vocab_size: int
+    ) -> torch.Tensor | None:
+        """[B]: the output a request's history lacks on the host, where it lacks one: under overlap scheduling the
+        previous step's token, read by nobody yet, which is the row's last sampled token on the device; vocab_size
+        for the others. None where no history lacks one. (At most one: a step's result is read before the step after
+        next is launched.)"""
+        lacking = [s.needs_history and len(s.output_token_ids) < n for s, n in zip(states, num_outputs)]
+        if not any(lacking):
+            return None
+        if any(s.needs_history and n - len(s.output_token_ids) > 1 for s, n in zip(states, num_outputs)):
+            raise RuntimeError("a penalised request's history lacks more than the previous step's token")
+        last = batch.last_sampled[step.sample_rows_tensor]
+        return torch.where(to_device(np.array(lacking), self.device), last, vocab_size)
 
     def _prompts_seen(
         self, batch: InputBatch, states: list[RequestState], vocab_size: int, key: tuple
