@@ -125,8 +125,13 @@ def main() -> None:
         name: Conversations(args.conversations, args.first_len, args.user_len, vocab, 0) for name in engines
     }
     results: dict[str, list[dict]] = {name: [] for name in engines}
+    for name, llm in engines.items():  # untimed: first launches (kernel variants, allocator growth) on both alike
+        warm = Conversations(2, args.first_len, args.user_len, vocab, 1)
+        run_turn(llm, f"{name}-warm-up", 0, warm.next_prompts(), params)
     for turn in range(args.turns):
-        for name, llm in engines.items():  # interleaved: the machine's load drift hits both alike
+        # interleaved, in alternating order: the machine's load drift and the one going first hit both alike
+        order = list(engines.items()) if turn % 2 == 0 else list(reversed(engines.items()))
+        for name, llm in order:
             conv = conversations[name]
             prompts = conv.next_prompts()
             r = run_turn(llm, name, turn, prompts, params)

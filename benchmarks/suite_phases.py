@@ -269,6 +269,14 @@ def phase_b(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 def run_tests(rec: PhaseRecord, targets: list[str], budget: float, **summary: str) -> int:
     """pytest on `targets` (files, node ids, options) until the step's deadline, one row per test as each ends; on
     a timeout the tests that finished are reported and the node ids named in `targets` that never ran are listed."""
+    status, counts = test_status(rec, targets, rec.left(), **summary)
+    return rec.finish(status, **({"counts": counts} if counts else {}))
+
+
+def test_status(
+    rec: PhaseRecord, targets: list[str], limit: float, **summary: str
+) -> tuple[str, dict[str, int] | None]:
+    """run_tests' pytest run, within `limit` seconds, its sections added to `rec`: its status and counts."""
     results = rec.path.parent / f"{rec.path.stem.removeprefix('phase_')}_results.jsonl"
     results.unlink(missing_ok=True)
     base = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "suite_pytest_plugin"]
@@ -284,17 +292,22 @@ def run_tests(rec: PhaseRecord, targets: list[str], budget: float, **summary: st
     rec.on_stop = stopped
     cuda = has_cuda()  # torch imported now, not after pytest: the time left after it is the record's
     overran = False
+    deadline = time.monotonic() + min(limit, rec.left())
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
     try:
         # until the deadline; the reserve after it: the time to write the report
-        if run_logged(command, rec.left()).returncode == USAGE_ERROR and not read_results(results):
+        if run_logged(command, left()).returncode == USAGE_ERROR and not read_results(results):
             # A node id pytest cannot collect here (its module skipped at import: a package this machine lacks)
             # stops the whole run before any test: the others run without it.
-            collectable = collectable_targets(targets, rec.left())
+            collectable = collectable_targets(targets, left())
             missing = [t for t in targets if t not in collectable]
             if missing and any("::" in t for t in collectable):
                 rec.data["notes"].append("not collected here (see the log), left out: " + ", ".join(missing))
                 targets = collectable
-                run_logged([*base, *collectable], rec.left())
+                run_logged([*base, *collectable], left())
     except subprocess.TimeoutExpired:
         overran = True
         rec.data["notes"].append("pytest overran the step's budget: the tests that finished are below")
@@ -302,12 +315,12 @@ def run_tests(rec: PhaseRecord, targets: list[str], budget: float, **summary: st
     tests, counts, not_run = _test_sections(rec, results, targets, shown, cuda, summary)
     failed = counts.get("failed", 0) + counts.get("error", 0)
     if not tests:
-        return rec.finish(
+        return (
             "timeout: no test ended within the budget" if overran else "failed: no test results (see the log)"
-        )
+        ), None
     if failed:
-        return rec.finish(f"failed: {failed} test(s) failed", counts=counts)
-    return rec.finish("ok" if not not_run else f"timeout: {len(not_run)} test(s) not run", counts=counts)
+        return f"failed: {failed} test(s) failed", counts
+    return ("ok" if not not_run else f"timeout: {len(not_run)} test(s) not run"), counts
 
 
 USAGE_ERROR = 4  # pytest's exit code for a command line it refuses, such as a node id it cannot collect
