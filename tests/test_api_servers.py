@@ -521,3 +521,27 @@ def test_uds_serves_on_a_unix_socket(tmp_path, count):
         server.wait(timeout=60)
         client.close()
     assert not os.path.exists(path)
+
+
+def test_a_child_whose_parent_died_before_it_could_ask_to_end_with_it_ends_at_once():
+    """The engine (and an API-server process) asks the kernel to kill it when its parent ends, seconds after it was
+    spawned (its imports come first): a parent that died in between left it to init, where the engine would run on
+    holding its GPU. The parent's pid, given at spawn, tells it; the child then ends at once."""
+    code = "import os, sys; from brisk.engine.process import end_with_parent; end_with_parent(int(sys.argv[1])); print('on')"
+    orphaned = subprocess.run([sys.executable, "-c", code, "1"], capture_output=True, text=True, timeout=60)
+    assert orphaned.returncode == 1 and "on" not in orphaned.stdout, orphaned.stdout + orphaned.stderr
+    kept = subprocess.run([sys.executable, "-c", code, str(os.getpid())], capture_output=True, text=True, timeout=60)
+    assert kept.returncode == 0 and kept.stdout.strip() == "on", kept.stdout + kept.stderr
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_state_dir_that_cannot_keep_responses_is_a_start_up_error_not_a_hang(tmp_path, count):
+    """--state-dir under a regular file: one line naming it and exit 2, before the engine serves; it used to fail
+    after the engine started, outside the shutdown that ends it, and the exit waited for the engine forever."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    command = [sys.executable, "-m", "brisk.cli", "serve", str(Path(brisk.__file__).parent / "demo_model")]
+    command += ["--state-dir", str(blocker / "sub"), "--port", "0", "--api-server-count", str(count)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"--state-dir {blocker / 'sub'}: stored Responses cannot be kept there" in done.stderr

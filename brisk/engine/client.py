@@ -73,7 +73,7 @@ def engine_process(config: EngineConfig, ipc_dir: str, num_clients: int) -> mult
     """The engine-core process (not started) serving `num_clients` API-server processes."""
     return multiprocessing.get_context("spawn").Process(
         target=run_engine_process,
-        args=(encode_config(config), [engine_endpoints(ipc_dir, i) for i in range(num_clients)]),
+        args=(encode_config(config), [engine_endpoints(ipc_dir, i) for i in range(num_clients)], os.getpid()),
         name="brisk-engine-core",
         daemon=True,
     )

@@ -61,26 +61,30 @@ def encode_config(config: EngineConfig) -> bytes:
     return config.model_dump_json(exclude_unset=True).encode()
 
 
-def end_with_parent() -> None:
+def end_with_parent(parent_pid: int) -> None:
     """On Linux, have the kernel SIGKILL this process when its parent (the API server, or the supervisor of several)
     ends, however it ends: a parent killed outright runs no cleanup, and an engine blocked sending to an API server
-    would never see getppid() change."""
+    would never see getppid() change. `parent_pid`: the parent that started this process, as it said: one that died
+    before this call (a spawned child imports for seconds first) has left this process to init, where it would run
+    on alone holding its GPU; it ends now instead."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
-        pass  # not Linux: the getppid() check of the loop remains
+        pass  # not Linux: the getppid() checks remain
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def run_engine_process(config_json: bytes, endpoints: list[tuple[str, str]]) -> None:
+def run_engine_process(config_json: bytes, endpoints: list[tuple[str, str]], parent_pid: int) -> None:
     """The engine-core process's main: `endpoints` are the (to engine, from engine) addresses of each API-server
-    process, in the order of their `client_index`."""
+    process, in the order of their `client_index`; `parent_pid`, the process that started it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     # tqdm's default lock (the weight loader's progress bar) is a multiprocessing semaphore: this process ends by
     # SIGKILL or a start-up error, and the parent's resource tracker then warns about it on the user's terminal.
     tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    end_with_parent()
+    end_with_parent(parent_pid)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)  # fair-queued from every API-server process
     outboxes = []
@@ -102,7 +106,7 @@ def run_engine_process(config_json: bytes, endpoints: list[tuple[str, str]]) -> 
                 outbox.close(linger=10_000)  # delivered before the process goes
             sys.exit(STARTUP_ERROR_EXIT)
         freeze_startup_heap()
-        _serve(core, inbox, OutputRouter(outboxes))
+        _serve(core, inbox, OutputRouter(outboxes), parent_pid)
     except Exception:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         sys.exit(1)
@@ -146,7 +150,7 @@ class OutputRouter:
                 self.outboxes[index].send(self.encoder.encode(part))
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket, router: OutputRouter) -> None:
+def _serve(core: EngineCore, inbox: zmq.Socket, router: OutputRouter, parent_pid: int) -> None:
     decoder = msgspec.msgpack.Decoder(ToEngine)
     mc = core.model_config
     router.broadcast(
@@ -159,11 +163,10 @@ def _serve(core: EngineCore, inbox: zmq.Socket, router: OutputRouter) -> None:
             core.num_kv_groups,
         )
     )
-    server_pid = os.getppid()
     profiler = EngineProfiler()
     iteration_tokens: list[int] = []  # tokens of each step since stats were last sent (a step may send nothing)
     batcher = StreamIntervalBatcher(core.config.stream_interval)  # outputs held as the API's stream would hold them
-    while os.getppid() == server_pid:  # re-parented: the API server is gone
+    while os.getppid() == parent_pid:  # re-parented: the API server is gone
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
         batch = EngineOutputs([])
         while inbox.poll(timeout):

@@ -93,7 +93,7 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
             receiver, sender = spawn.Pipe(duplex=False)
             child = spawn.Process(
                 target=run_api_server,
-                args=(model, config, server, Peers(ipc_dir, index, count), engine.pid, sock, sender),
+                args=(model, config, server, Peers(ipc_dir, index, count), engine.pid, sock, sender, os.getpid()),
                 name=f"brisk-api-server-{index}",
             )
             child.start()
@@ -230,12 +230,13 @@ def run_api_server(
     engine_pid: int,
     sock: socket.socket,
     ready: Connection,
+    supervisor_pid: int,
 ) -> None:
     """One API-server process of several (its main): serves `sock` (and its private socket) until drained or the
     engine dies; tells the supervisor through `ready` when it serves, or why it could not start."""
     os.setpgid(0, 0)  # signals come from the supervisor, once each (a terminal's Ctrl-C goes to its group)
     faulthandler.enable()  # a crash in native code (tokenizers, ZMQ) says where, as the supervisor sees only its code
-    end_with_parent()
+    end_with_parent(supervisor_pid)
     configure_logging(server.log_format, server.log_level, quiet_requests=server.disable_log_requests)
     use_multiprocess_metrics(peers.metrics_dir)
     private_path = peers.socket_path(os.getpid())

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,7 @@ async def serve_api(
         if "server" in server_box:
             server_box["server"].should_exit = True
 
+    store = response_store_for(server)  # before the engine: a --state-dir that cannot serve fails at once
     link = None if peers is None or engine_pid is None else EngineLink(peers.ipc_dir, peers.index, engine_pid)
     client = AsyncEngineClient(config, plan.tokenizer, on_engine_death, link)
     try:
@@ -246,42 +248,44 @@ async def serve_api(
     except EngineDeadError as exc:
         logger.error("%s", exc)
         await client.shutdown()
+        store.close()
         sock.close()
         return 1
     except BaseException:  # a start-up error the engine reported (ConfigError): the caller prints it
         await client.shutdown()
+        store.close()
         sock.close()
         raise
-    state = ServerState(
-        client,
-        plan.tokenizer,
-        config,
-        plan.names[0],
-        plan.generation_defaults,
-        plan.is_harmony,
-        server=server,
-        api_key=plan.api_key,
-        model_aliases=tuple(plan.names[1:]),
-        response_store=response_store_for(server),
-        observability=observability,
-        peers=peers,
-    )
-    app = build_app(state)
-    http = DrainingServer(
-        http_config(with_server_send(app), server),
-        state,
-        server.shutdown_timeout,
-        on_listening=functools.partial(on_ready or functools.partial(announce_ready, plan), info),
-    )
-    server_box["server"] = http
+    # From here the engine runs (on a GPU, holding it): whatever fails ends it too, not only a served life.
     try:
+        state = ServerState(
+            client,
+            plan.tokenizer,
+            config,
+            plan.names[0],
+            plan.generation_defaults,
+            plan.is_harmony,
+            server=server,
+            api_key=plan.api_key,
+            model_aliases=tuple(plan.names[1:]),
+            response_store=store,
+            observability=observability,
+            peers=peers,
+        )
+        app = build_app(state)
+        http = DrainingServer(
+            http_config(with_server_send(app), server),
+            state,
+            server.shutdown_timeout,
+            on_listening=functools.partial(on_ready or functools.partial(announce_ready, plan), info),
+        )
+        server_box["server"] = http
         await http.serve(sockets=[sock] if private_sock is None else [sock, private_sock])
     finally:
         await client.shutdown()
         if observability.tracer_provider is not None:
             observability.tracer_provider.shutdown()  # flushes the spans still batched
-        if state.response_store is not None:
-            state.response_store.close()
+        store.close()
     return exit_code["value"]
 
 
@@ -293,7 +297,11 @@ def observability_for(server: ServerConfig) -> ObservabilityConfig:
 
 def response_store_for(server: ServerConfig) -> ResponseStore:
     """The stored Responses of a server: under --state-dir, kept --response-ttl seconds, --max-stored-responses."""
-    return ResponseStore(server.state_dir or default_state_dir(), server.response_ttl, server.max_stored_responses)
+    where = server.state_dir or default_state_dir()
+    try:
+        return ResponseStore(where, server.response_ttl, server.max_stored_responses)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(f"--state-dir {where}: stored Responses cannot be kept there ({exc})") from None
 
 
 def default_state_dir() -> Path:
