@@ -1171,6 +1171,9 @@ def check_fits_machine(config: EngineConfig, model_config: ModelConfig, launched
             import torch
 
             devices, what = torch.cuda.device_count(), "GPUs"
+            index = torch.device(config.device).index
+            if index is not None and index >= devices:  # before the engine starts, not as its start-up failure
+                raise ConfigError(f"device {config.device} does not exist: this machine has {devices} GPUs (--device)")
         else:
             devices, what = os.cpu_count() or 1, "CPU cores (no CUDA GPU; one CPU rank a core)"
         if config.tp_size > devices:

@@ -545,3 +545,23 @@ def test_a_state_dir_that_cannot_keep_responses_is_a_start_up_error_not_a_hang(t
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"--state-dir {blocker / 'sub'}: stored Responses cannot be kept there" in done.stderr
+
+
+def test_one_profile_for_all_api_server_processes(tmp_path):
+    """The engine's profile is the API-server processes' together: started through one, it is stopped through the
+    other (and a second start through either is refused while it runs); each stop writes a trace of its own."""
+    srv = _serve(tmp_path / "state", "--api-server-count", "2", "--profile-dir", str(tmp_path / "profiles"))
+    try:
+        procs = Processes(srv)
+        traces = []
+        for first, second in ((0, 1), (1, 0), (0, 1)):
+            with procs.client(first, timeout=60) as a, procs.client(second, timeout=180) as b:
+                assert a.post("/start_profile").status_code == 200
+                assert b.post("/start_profile").status_code == 409
+                stopped = b.post("/stop_profile")
+                assert stopped.status_code == 200, stopped.text
+                assert a.post("/stop_profile").status_code == 409
+            traces.append(stopped.json()["trace_path"])
+        assert len(set(traces)) == 3 and all(os.path.getsize(t) > 0 for t in traces)
+    finally:
+        srv.stop()

@@ -160,3 +160,17 @@ def test_cpu_dtype_is_bf16_where_native_and_big_enough(tmp_path, monkeypatch, na
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cpu").dtype == expected
         assert ModelConfig.from_pretrained(str(tmp_path), "auto", "cuda").dtype == torch.bfloat16
         assert ModelConfig.from_pretrained(str(tmp_path), "float32", "cpu").dtype == torch.float32
+
+
+def test_a_gpu_the_machine_does_not_have_is_refused_before_anything_starts(monkeypatch, tmp_path):
+    import torch
+
+    from brisk.config import check_fits_machine
+    from tests.tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "m", seed=0)
+    model_config = ModelConfig.from_pretrained(str(path), dtype="float32")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_fits_machine(EngineConfig(model=str(path), device="cuda:1"), model_config, launched_externally=False)
+    with pytest.raises(ConfigError, match=r"device cuda:3 does not exist: this machine has 2 GPUs"):
+        check_fits_machine(EngineConfig(model=str(path), device="cuda:3"), model_config, launched_externally=False)

@@ -94,9 +94,9 @@ def run_engine_process(config_json: bytes, endpoints: list[tuple[str, str]], par
         outboxes[-1].connect(from_engine_addr)
     try:
         config = EngineConfig.model_validate_json(config_json)
-        if resolve_device(config.device).type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
         try:
+            if resolve_device(config.device).type == "cpu":  # (a GPU that does not exist: a ConfigError)
+                torch.set_num_threads(cpu_threads_per_rank(config.tp_size, config.num_cpu_threads))
             core = EngineCore(config)
         except (ConfigError, torch.cuda.OutOfMemoryError) as exc:
             message = str(exc) if isinstance(exc, ConfigError) else OUT_OF_MEMORY.format(config=config)

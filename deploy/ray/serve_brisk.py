@@ -202,8 +202,10 @@ def build_app(
     routing: str = "prefix",
     served_model_name: str = "brisk",
     target_ongoing_requests: float = 8.0,
+    gpus_per_replica: float = 0,
 ) -> Any:
-    """The Ray Serve application: `serve.run(build_app(...))`."""
+    """The Ray Serve application: `serve.run(build_app(...))`. gpus_per_replica: the GPUs Ray gives each replica's
+    `brisk serve` (its tp_size; Ray hides the GPUs of an actor that asks for none)."""
     from ray import cloudpickle
     from ray.serve.config import RequestRouterConfig
 
@@ -229,7 +231,7 @@ def build_app(
         name="BriskEngine",
         max_ongoing_requests=64,
         health_check_period_s=2,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "num_gpus": gpus_per_replica},
         request_router_config=router_config,
         **scaling,
     ).bind(model, serve_args)
@@ -258,6 +260,21 @@ def build_app(
     return Ingress.bind(engine, served_model_name)
 
 
+def default_gpus_per_replica(serve_args: list[str]) -> int:
+    """A replica's GPUs by default: its `brisk serve`'s tensor-parallel size where CUDA is present, else none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    for i, arg in enumerate(serve_args):
+        for flag in ("--tp_size", "--tp-size", "--tensor-parallel-size", "-tp"):
+            if arg == flag and i + 1 < len(serve_args):
+                return int(serve_args[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.partition("=")[2])
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?")
@@ -267,9 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default="brisk")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        help="GPUs Ray gives each replica (default: the --tp_size after -- where this machine has CUDA, else 0)",
+    )
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for each `brisk serve`")
     args = parser.parse_args(argv)
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else default_gpus_per_replica(serve_args)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(
         build_app(
@@ -279,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             max_replicas=args.max_replicas,
             routing=args.routing,
             served_model_name=args.served_model_name,
+            gpus_per_replica=gpus,
         ),
         blocking=True,
     )
