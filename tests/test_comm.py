@@ -60,3 +60,46 @@ def test_collectives_match_one_process(flat: bool, counts: list[int]) -> None:
             p.terminate()
     errors = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
     assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
+
+
+def _channel_ranks(rank: int, port: int, failures) -> None:
+    from brisk.distributed.channel import StepChannel
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        channel = StepChannel(rank, None, over_tcp=False)
+        if rank == 0:
+            for payload in (b"one", b"two"):
+                channel.publish(payload)
+            channel._sequence += 1  # a step ZeroMQ dropped (a subscriber's connection down while it was published)
+            channel.publish(b"four")
+            channel.publish_stop()
+        else:
+            assert [bytes(channel.receive()), bytes(channel.receive())] == [b"one", b"two"]
+            with pytest.raises(RuntimeError, match="step 3 from rank 0 was lost"):
+                channel.receive()
+        dist.barrier()
+        channel.close()
+        dist.destroy_process_group()
+    except BaseException as exc:
+        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def test_a_step_the_channel_lost_stops_the_rank_instead_of_running_the_next():
+    """A rank that missed a step would apply the next to a batch that no longer matches rank 0's, and its
+    collectives would differ in size (NCCL: a hang or wrong results): each step is numbered, a gap is an error."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    procs = [ctx.Process(target=_channel_ranks, args=(r, port, failures)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.terminate()
+    errors = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])

@@ -29,6 +29,7 @@ class StepChannel:
     def __init__(self, rank: int, cpu_group: dist.ProcessGroup | None, over_tcp: bool) -> None:
         self._ctx = zmq.Context()
         self._ipc_dir = None
+        self._sequence = 0  # steps published (rank 0) or received (the others)
         endpoint = None
         if rank == 0:
             self._socket = self._ctx.socket(zmq.PUB)
@@ -59,18 +60,26 @@ class StepChannel:
                 break
 
     def publish(self, payload: bytes) -> None:
-        self._socket.send_multipart([STEP, payload], copy=False)
+        self._sequence += 1
+        self._socket.send_multipart([STEP, self._sequence.to_bytes(8, "little"), payload], copy=False)
 
     def publish_stop(self) -> None:
         self._socket.send(STOP)
 
     def receive(self) -> memoryview | None:
-        """The next step's payload; None when rank 0 stops the job."""
+        """The next step's payload; None when rank 0 stops the job. A step missed is an error: ZeroMQ drops what rank
+        0 publishes while a subscriber's TCP connection is down (and reconnects silently), and a rank that went on
+        from a later step would issue collectives of other sizes than its peers (NCCL does not check them: a hang or
+        wrong results)."""
         while True:
             frames = self._socket.recv_multipart(copy=False)
             kind = frames[0].bytes
             if kind == STEP:
-                return frames[1].buffer
+                sequence = int.from_bytes(frames[1].bytes, "little")
+                if sequence != self._sequence + 1:
+                    raise RuntimeError(f"step {self._sequence + 1} from rank 0 was lost (step {sequence} came next)")
+                self._sequence = sequence
+                return frames[2].buffer
             if kind == STOP:
                 return None
             # a leftover HELLO from the handshake

@@ -96,3 +96,14 @@ def agree_min(value: int, group: dist.ProcessGroup | None) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+def abort_if_nccl() -> bool:
+    """After a step that failed half-way: abort the default group where it is NCCL (True). Destroying it would
+    first wait for the step's queued collectives, which the killed peers never join (about 10 minutes, until the
+    watchdog aborts the whole process and the step's error is lost). gloo's collectives fail without peers: it is
+    left to be destroyed as usual (False)."""
+    if dist.get_backend() != "nccl":
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from brisk.config import EngineConfig
+from brisk.distributed.comm import abort_if_nccl
 from brisk.distributed.launch import rank0_place
 from brisk.distributed.worker import WorkerSpec, join_world
 from brisk.host import resolve_device
@@ -109,11 +110,14 @@ class DistributedExecutor:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        aborted = False
         if self._in_step:
             # A step failed half-way on this rank: the workers wait in a collective that will never
-            # complete, so there is no orderly stop to broadcast.
+            # complete, so there is no orderly stop to broadcast. This rank's own queued collectives of the step
+            # never complete either: the group is ended before anything waits on the device.
             for proc in self._workers:
                 proc.kill()
+            aborted = abort_if_nccl()
         else:
             self.channel.publish_stop()  # ends the workers' loops
         for proc in self._workers:
@@ -125,7 +129,8 @@ class DistributedExecutor:
                 proc.stdin.close()
         self.runner.close()
         self.channel.close()
-        dist.destroy_process_group()
+        if not aborted:
+            dist.destroy_process_group()
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device, max_seq_len: int):
