@@ -127,3 +127,38 @@ def test_torchrun_launch(model_and_expected):
     finally:
         server.stop()
     assert wait_until(lambda: not any(_alive(p) for p in ranks), timeout=30), "a rank outlived torchrun"
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().split(") ")[-1].split()[1])
+    except FileNotFoundError:
+        return None
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except (FileNotFoundError, PermissionError):
+        return None
+    rank = env.get(b"RANK")
+    return int(rank) if rank is not None and b"TORCHELASTIC_RUN_ID" in env else None
+
+
+def test_torchrun_ranks_end_when_rank_0_alone_is_stopped(model_and_expected):
+    """SIGTERM to rank 0's `brisk serve` only (not to torchrun, which would pass it to every rank): it drains and
+    tells the other ranks to stop, so the whole job ends; the other ranks used to wait for a next step forever."""
+    path, _ = model_and_expected
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    server = RunningServer(path, *SERVE_ARGS, launcher=[*launcher, "-m", "brisk.cli", "serve"])
+    try:
+        # torchrun's own children (rank 0's engine process, a grandchild, has its RANK too)
+        ranks = {_rank_of(p): p for p in _descendants(server.proc.pid) if _parent_of(p) == server.proc.pid}
+        assert 0 in ranks and 1 in ranks, ranks
+        os.kill(ranks[0], signal.SIGTERM)
+        assert wait_until(lambda: server.proc.poll() is not None, timeout=90), server.log()[-4000:]
+        assert not _alive(ranks[1])
+    finally:
+        server.stop()

@@ -35,6 +35,7 @@ from brisk.engine.messages import (
     FromEngine,
     ProfileRequest,
     SchedulerStats,
+    StopEngine,
 )
 from brisk.engine.output_processor import CompletionDelta, OutputProcessor
 from brisk.engine.process import encode_config, run_engine_process
@@ -43,6 +44,7 @@ from brisk.sampling_params import SamplingParams
 
 logger = logging.getLogger("brisk.server")
 LIVENESS_POLL_S = 0.5  # how often a quiet output loop checks that the engine process is alive
+STOP_TIMEOUT_S = 30.0  # an engine with other ranks: the time it has to stop them and end, before a SIGKILL
 # A consumer this many deltas behind (a slow SSE reader) gets its pending deltas merged (see DeltaBuffer).
 MAX_PENDING_DELTAS = 64
 STATS_FRESH_S = 1.0  # scheduler stats older than this say nothing about the engine's load now
@@ -214,6 +216,10 @@ class AsyncEngineClient:
     async def shutdown(self) -> None:
         if self._output_task is not None:
             self._output_task.cancel()
+        if self._proc is not None and self._proc.is_alive() and self.config.tp_size > 1:
+            # Ranks on other processes wait for the engine's next step: it tells them to stop, then ends.
+            await self._to_engine.send(self._encoder.encode(StopEngine()))
+            await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S)
         if self._proc is not None and self._proc.is_alive():
             # The engine ignores SIGTERM/SIGINT (a signal to the whole process group must not kill it
             # before the server has drained), so it is stopped with SIGKILL; it holds nothing to flush.

@@ -57,6 +57,11 @@ class ProfileRequest(msgspec.Struct, tag=True):
     trace_path: str = ""  # stop: where the engine writes the Chrome trace JSON
 
 
+class StopEngine(msgspec.Struct, tag=True):
+    """End the engine in order: with ranks on other processes (tensor parallel), they are told to stop, where a
+    SIGKILL of rank 0 would leave launcher-started ranks (torchrun, mpirun) waiting for the next step forever."""
+
+
 class EngineInfo(msgspec.Struct, tag=True):
     """Sent once by the engine process when the model is loaded and the KV cache allocated."""
 
@@ -107,5 +112,5 @@ class EngineOutputs(msgspec.Struct, tag=True):
     stats: SchedulerStats = SchedulerStats()
 
 
-ToEngine = AddRequest | AbortRequests | ProfileRequest
+ToEngine = AddRequest | AbortRequests | ProfileRequest | StopEngine
 FromEngine = EngineInfo | EngineStartupError | EngineOutputs

@@ -35,6 +35,7 @@ from brisk.engine.messages import (
     EngineOutputs,
     EngineStartupError,
     ProfileRequest,
+    StopEngine,
     ToEngine,
 )
 from brisk.engine.output_batcher import StreamIntervalBatcher
@@ -189,6 +190,10 @@ def _serve(core: EngineCore, inbox: zmq.Socket, router: OutputRouter, parent_pid
                 profiler.start()
             elif isinstance(msg, ProfileRequest):
                 profiler.stop(msg.trace_path)
+            elif isinstance(msg, StopEngine):
+                core.shutdown()  # the other ranks stop too
+                logger.info("the engine core stopped")
+                return
         if core.has_unfinished_requests():
             step = core.step()
             batch.outputs.extend(batcher.add(step.outputs))
