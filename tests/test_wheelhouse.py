@@ -31,7 +31,7 @@ SCRIPT = os.path.join(REPO, "tools", "wheelhouse.sh")
 GPU_IMAGE = os.path.join(REPO, "tools", "gpu_image_packages.txt")
 # what every target has: torch (with the packages it needs and brisk does not) and triton (xgrammar needs it)
 TORCH_ONLY = ("torch", "sympy", "mpmath", "networkx", "triton")
-LIMIT_MB = 60
+LIMIT_MB = 64  # tools/wheelhouse.sh --max-mb
 GPU_IMAGE_LIMIT_MB = 20  # beside a checkout of a few MB, well under the device tool's 64 MiB
 # brisk on the target: the offline API on the bundled demo model, and the server and benchmark modules import
 RUN_BRISK = (
