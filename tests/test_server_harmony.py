@@ -165,6 +165,7 @@ def test_continue_final_message_continues_the_assistants_answer(server, harmony,
     for extra, param in refused:
         r = httpx.post(url, json={**body, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "continue" in r.json()["error"]["message"], r.text  # says what cannot be continued
 
 
 def test_streaming_and_non_streaming_agree(client):

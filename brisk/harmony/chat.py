@@ -58,8 +58,9 @@ def render_chat(
         # The turns before, ending in `<|start|>assistant`, then the last message's own channels, left open. Its
         # text is tokenized as the template's is (special tokens' text read as them), split at special tokens both
         # ways, so the joint is where a whole rendering would put it.
+        turn = _continued_turn(messages[-1])  # first: a last message that cannot be continued says so
         before = render_with_template(tokenizer, messages[:-1], tools, effort, **kwargs)
-        return before + list(tokenizer.encode(_continued_turn(messages[-1]), add_special_tokens=False))
+        return before + list(tokenizer.encode(turn, add_special_tokens=False))
     if reasoning_effort is not None or kwargs_effort is not None:
         kwargs["reasoning_effort"] = reasoning_effort or kwargs_effort
     if continue_final_message:
