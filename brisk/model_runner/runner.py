@@ -223,11 +223,11 @@ class ModelRunner:
 
     def _update_batch(self, sched: SchedulerOutput) -> None:
         batch = self.batch
-        batch.remove(sched.finished_req_ids)
-        batch.remove(sched.preempted_req_ids)
-        self.sampling.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
+        left = [*sched.finished_req_ids, *sched.preempted_req_ids]
+        batch.remove(left)
+        self.sampling.forget(left)
         if self.drafter is not None:
-            self.drafter.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
+            self.drafter.forget(left)
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
         for new in sched.new_requests:

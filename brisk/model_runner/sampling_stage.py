@@ -137,7 +137,7 @@ class SamplingStage:
         """The sampler's per-row tensors, reused while the sampled rows are the same requests in the same order,
         none of them samples with its history (penalties) and none is still short of its min_tokens."""
         sample_rows = step.rows[step.sample_idx]
-        key = (batch.version, sample_rows.tobytes(), vocab_size)
+        key = _rows_key(batch, sample_rows, vocab_size)
         if self._cached_key == key and self._cached is not None:
             return self._cached
         states = [batch.states[r] for r in sample_rows.tolist()]
@@ -215,7 +215,7 @@ class SamplingStage:
             return Picked(to_device(rows, logits.device), None, rows)  # pinned: a pageable upload would wait
         num_outputs = _outputs_before(batch, sample_rows, states, num_drafts)
         vocab_size = logits.shape[-1]
-        prompts_seen = self._prompts_seen(batch, states, vocab_size, (batch.version, sample_rows.tobytes(), vocab_size))
+        prompts_seen = self._prompts_seen(batch, states, vocab_size, _rows_key(batch, sample_rows, vocab_size))
         sampling = self._expanded_batch(states, draft_lists, num_outputs, vocab_size, prompts_seen)
         counts = num_drafts + 1
         row_bad = ~torch.isfinite(logits.amax(dim=-1))
@@ -284,6 +284,12 @@ class SamplingStage:
         return SamplingBatch.build(
             params, prompts, outputs, generators, stops, vocab_size, self.device, counts, prompt_seen=prompts_seen
         )
+
+
+def _rows_key(batch: InputBatch, sample_rows: np.ndarray, vocab_size: int) -> tuple:
+    """What per-row tensors built for a step hold for as long as it is the same: the sampled rows' requests, in
+    order (the batch's version moves whenever rows join, leave or move)."""
+    return batch.version, sample_rows.tobytes(), vocab_size
 
 
 def _outputs_before(

@@ -243,21 +243,17 @@ async def serve_api(
     store = response_store_for(server)  # before the engine: a --state-dir that cannot serve fails at once
     link = None if peers is None or engine_pid is None else EngineLink(peers.ipc_dir, peers.index, engine_pid)
     client = AsyncEngineClient(config, plan.tokenizer, on_engine_death, link)
+    # Once started, the engine runs (on a GPU, holding it): whatever fails from here ends it, not only a served life.
     try:
-        info = await client.start()
-    except EngineDeadError as exc:
-        logger.error("%s", exc)
-        await client.shutdown()
-        store.close()
-        sock.close()
-        return 1
-    except BaseException:  # a start-up error the engine reported (ConfigError): the caller prints it
-        await client.shutdown()
-        store.close()
-        sock.close()
-        raise
-    # From here the engine runs (on a GPU, holding it): whatever fails ends it too, not only a served life.
-    try:
+        try:
+            info = await client.start()
+        except EngineDeadError as exc:
+            logger.error("%s", exc)
+            sock.close()
+            return 1
+        except BaseException:  # a start-up error the engine reported (ConfigError): the caller prints it
+            sock.close()
+            raise
         state = ServerState(
             client,
             plan.tokenizer,
