@@ -1171,7 +1171,8 @@ def check_fits_machine(config: EngineConfig, model_config: ModelConfig, launched
             import torch
 
             devices, what = torch.cuda.device_count(), "GPUs"
-            index = torch.device(config.device).index
+            # "auto" and "cuda" name no index (the launcher's rank picks one); only "cuda:N" is checked here
+            index = None if config.device == "auto" else torch.device(config.device).index
             if index is not None and index >= devices:  # before the engine starts, not as its start-up failure
                 raise ConfigError(f"device {config.device} does not exist: this machine has {devices} GPUs (--device)")
         else:

@@ -174,3 +174,7 @@ def test_a_gpu_the_machine_does_not_have_is_refused_before_anything_starts(monke
     check_fits_machine(EngineConfig(model=str(path), device="cuda:1"), model_config, launched_externally=False)
     with pytest.raises(ConfigError, match=r"device cuda:3 does not exist: this machine has 2 GPUs"):
         check_fits_machine(EngineConfig(model=str(path), device="cuda:3"), model_config, launched_externally=False)
+    # the default device on a CUDA machine ("auto": the first run on an H100 found it unchecked) and a bare "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("auto", "cuda"):
+        check_fits_machine(EngineConfig(model=str(path), device=device), model_config, launched_externally=False)

@@ -142,7 +142,9 @@ def test_an_overlapped_step_never_waits_for_the_device(tmp_path):
             warnings.simplefilter("always")
             outputs = llm.generate(prompts, params)
         assert all(o.outputs[0].token_ids for o in outputs)
-    syncs = sorted({str(w.message)[:200] for w in seen if "synchroniz" in str(w.message)})
+    # the mode's own "is a prototype feature" notice is no synchronisation; each caught one reads "called a
+    # synchronizing CUDA operation"
+    syncs = sorted({str(w.message)[:200] for w in seen if "called a synchronizing" in str(w.message)})
     assert not syncs, syncs
 
 
