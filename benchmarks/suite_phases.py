@@ -240,8 +240,12 @@ def _git_commit() -> str:
         )
     except (OSError, subprocess.TimeoutExpired):
         return f"{given} (BRISK_COMMIT; no git)" if given else "unknown (no git)"
-    if out.stdout.strip():
-        return out.stdout.strip()
+    found = out.stdout.strip()
+    if found and given and not found.startswith(given) and not given.startswith(found):
+        # the first H100 run's copy carried a .git of an earlier commit: the caller's word is the checkout's
+        return f"{given} (BRISK_COMMIT; the copy's git says {found})"
+    if found:
+        return found
     return f"{given} (BRISK_COMMIT; not a git checkout)" if given else "unknown (not a git checkout; no BRISK_COMMIT)"
 
 

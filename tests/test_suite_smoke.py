@@ -486,3 +486,15 @@ def test_a_listed_test_this_machine_cannot_collect_leaves_the_others_to_run(tmp_
     listed = [t for t in _suite_module("suite_quick").KERNEL_TESTS if "test_structured_engine.py" not in t]
     assert all(any(t.split("::")[1].split("[")[0] in r for r in ran) for t in listed), ran
     assert not any("test_structured_engine" in r for r in ran), ran
+
+
+def test_the_callers_commit_names_the_copy_where_its_git_says_another(monkeypatch):
+    # the first H100 run: the lent machine's copy carried a .git of an earlier commit, and the report named that one
+    phases = _suite_module("suite_phases")
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if not here.stdout.strip():
+        pytest.skip("not a git checkout: the copy's git cannot disagree")
+    monkeypatch.setenv("BRISK_COMMIT", "0000000")
+    assert phases._git_commit() == f"0000000 (BRISK_COMMIT; the copy's git says {here.stdout.strip()})"
+    monkeypatch.setenv("BRISK_COMMIT", here.stdout.strip())
+    assert phases._git_commit() == here.stdout.strip()
