@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused Triton MoE layer at gpt-oss shapes (GPU only).
 
-    python benchmarks/bench_moe.py [--batch 1 8 64 512] [--bf16-weights] [--out moe.json]
+    python benchmarks/bench_moe.py [--batch 1 8 64 512] [--bf16-weights] [--kernels auto gemm gemv] [--out moe.json]
 
 For each batch size T: random router logits -> top-k routing (outside the timing), then the timed
 `fused_experts` (alignment, gate_up + SwiGLU, down + routing weight, sum over k) with random MXFP4 weights
@@ -11,6 +11,9 @@ For each batch size T: random router logits -> top-k routing (outside the timing
     align us      the alignment alone (slots grouped by expert; one program up to 1024 slots, three launches past
                   that): its share of a layer at prefill sizes.
     copy GB/s     a device-to-device copy of a large buffer, (read + write bytes) / time: the practical ceiling.
+--kernels times each batch with each named kernel, in one run: auto (default_config's choice), gemm (the
+grouped tl.dot GEMM at every batch) and gemv (the MXFP4 decode GEMV at every batch; MXFP4 only), and prints
+each against the first named (`vs first`).
 Weights of --layers distinct layers are cycled through so each call finds its experts cold in L2, as in a real
 forward pass. Timing replays a CUDA graph of all the layers (no launch overhead) unless --eager.
 """
@@ -62,6 +65,9 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--bf16-weights", action="store_true", help="unquantized experts instead of MXFP4")
     p.add_argument("--eager", action="store_true", help="time eager launches instead of a CUDA graph replay")
+    p.add_argument(
+        "--kernels", nargs="+", choices=["auto", "gemm", "gemv"], default=["auto"], help="compare kernels, same run"
+    )
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
 
@@ -87,31 +93,47 @@ def main() -> int:
         f"{per_expert / 1e6:.1f} MB per expert, copy {peak:.0f} GB/s, {'eager' if args.eager else 'CUDA graph'}"
     )
     print(
-        f"{'T':>5} {'experts':>7} {'block_m':>7} {'us/layer':>9} {'weight GB/s':>11} {'% copy':>7} {'TFLOP/s':>8} "
-        f"{'align us':>8}"
+        f"{'T':>5} {'kernel':>6} {'experts':>7} {'block_m':>7} {'us/layer':>9} {'weight GB/s':>11} {'% copy':>7} "
+        f"{'TFLOP/s':>8} {'align us':>8} {'vs first':>8}"
     )
+    gemv_up_to = {"auto": None, "gemm": -1.0, "gemv": float("inf")}
 
     rows = []
-    for t in args.batch:
+    for t, kernel in ((t, kernel) for t in args.batch for kernel in args.kernels):
         hidden = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16, generator=gen)
         topk_ids, topk_weights = select_experts(logits, k)
         touched = int(topk_ids.unique().numel())
 
-        def forward(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights) -> None:
+        mxfp4 = not args.bf16_weights
+        up_cfg = default_config(t, k, e, 2 * i, h, mxfp4=mxfp4, gemv_up_to=gemv_up_to[kernel])
+        down_cfg = default_config(t, k, e, h, i, mxfp4=mxfp4, gemv_up_to=gemv_up_to[kernel])
+
+        def forward(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, cfgs=(up_cfg, down_cfg)) -> None:
             for layer in layers:
-                fused_experts(hidden, topk_ids, topk_weights, **layer, swiglu_alpha=1.702, swiglu_limit=7.0)
+                fused_experts(
+                    hidden, topk_ids, topk_weights, **layer, swiglu_alpha=1.702, swiglu_limit=7.0, configs=cfgs
+                )
 
         ms = time_ms(forward, args.iters, graph=not args.eager) / len(layers)
         gbps = touched * per_expert / ms / 1e6
         tflops = 2 * t * k * (2 * i * h + h * i) / ms / 1e9
-        cfg = default_config(t, k, e, 2 * i, h, mxfp4=not args.bf16_weights)
-        align_ms = time_ms(
-            lambda ids=topk_ids, m=cfg.block_m: moe_align_block_size(ids, m, e), args.iters, graph=not args.eager
+        cfg = up_cfg
+        align_ms = (
+            0.0  # the GEMV launches no alignment
+            if cfg.gemv
+            else time_ms(
+                lambda ids=topk_ids, m=cfg.block_m: moe_align_block_size(ids, m, e), args.iters, graph=not args.eager
+            )
         )
+        first = next((r for r in rows if r["batch"] == t), None)
+        vs_first = first["us_per_layer"] / (ms * 1e3) if first else 1.0  # > 1: this kernel is faster
         rows.append(
             dict(
                 batch=t,
+                kernel=kernel,
+                gemv=cfg.gemv,
+                speedup_vs_first=vs_first,
                 experts_touched=touched,
                 us_per_layer=ms * 1e3,
                 weight_gbps=gbps,
@@ -122,8 +144,8 @@ def main() -> int:
             )
         )
         print(
-            f"{t:>5} {touched:>7} {cfg.block_m:>7} {ms * 1e3:>9.1f} {gbps:>11.0f} {100 * gbps / peak:>6.1f}% "
-            f"{tflops:>8.1f} {align_ms * 1e3:>8.1f}"
+            f"{t:>5} {kernel + ('*' if cfg.gemv else ''):>6} {touched:>7} {cfg.block_m:>7} {ms * 1e3:>9.1f} "
+            f"{gbps:>11.0f} {100 * gbps / peak:>6.1f}% {tflops:>8.1f} {align_ms * 1e3:>8.1f} {vs_first:>7.2f}x"
         )
 
     if args.out:

@@ -452,6 +452,8 @@ def moe_rows(data: dict[str, Any], ceil: dict[str, float]) -> list[dict]:
     return [
         dict(
             batch=r["batch"],
+            kernel=r.get("kernel", "auto") + (" (gemv)" if r.get("gemv") else ""),
+            vs_first=f"{r.get('speedup_vs_first', 1.0):.2f}x",
             experts=r["experts_touched"],
             us_per_layer=round(r["us_per_layer"], 1),
             weight_gbps=round(r["weight_gbps"]),

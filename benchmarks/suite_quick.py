@@ -48,6 +48,7 @@ from suite_phases import (
     _rounded,
     ceilings,
     has_cuda,
+    moe_rows,
     phase_a,
     run_logged,
     run_tests,
@@ -65,6 +66,7 @@ KERNEL_TESTS = (
     "tests/test_triton_moe.py::test_mxfp4_nibble_order_low_first",
     "tests/test_triton_attention.py::test_real_decode[128-None-8]",
     "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-1]",
+    "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-8]",
     "tests/test_triton_attention.py::test_real_chunked_prefill[128-8]",
     "tests/test_triton_moe.py::test_gpt_oss_120b_shapes_on_gpu[True-640]",
     "tests/test_structured_gpu_kernel.py::test_gpu_mask_kernel_matches_reference_and_cpu_kernel",
@@ -154,7 +156,32 @@ def step_env(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 
 
 def step_kernels(rec: PhaseRecord, smoke: bool, budget: float) -> int:
-    return run_tests(rec, list(KERNEL_TESTS), budget)
+    """The kernel tests, then (on a GPU) the MoE kernels side by side in the time kept for them."""
+    bench = has_cuda() and not smoke
+    status, counts = test_status(rec, list(KERNEL_TESTS), rec.left() - (MOE_BENCH_S if bench else 0))
+    if bench:
+        moe_kernels_side_by_side(rec)
+    return rec.finish(status, **({"counts": counts} if counts else {}))
+
+
+# The decode GEMV against the grouped GEMM at gpt-oss-120b's layer, one run (the first H100 run had the GEMM's
+# batch 1 at ~15% of the bandwidth); 32 tokens is the GEMV's last default batch, 64 the GEMM's first.
+MOE_BENCH = ("--batch", "1", "8", "32", "64", "--kernels", "gemm", "gemv", "--layers", "4", "--iters", "20")
+MOE_BENCH_S = 25  # kept for it after the kernel tests
+
+
+def moe_kernels_side_by_side(rec: PhaseRecord) -> None:
+    out = rec.path.parent / "moe_kernels.json"
+    out.unlink(missing_ok=True)
+    title = "MoE kernels side by side: grouped GEMM vs decode GEMV, gpt-oss-120b layer (vs_first: GEMV / GEMM speed)"
+    shown = shlex.join(["python", "benchmarks/bench_moe.py", *MOE_BENCH, "--out", "DIR/moe_kernels.json"])
+    try:
+        run_logged([sys.executable, "benchmarks/bench_moe.py", *MOE_BENCH, "--out", str(out)], rec.left() - 2)
+        rows = moe_rows(json.loads(out.read_text()), ceilings(rec.path.parent))
+    except (subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as exc:
+        rec.section(title, shown, [], f"not measured: {type(exc).__name__}: {exc}"[:300])
+    else:
+        rec.section(title, shown, rows)
 
 
 def step_e2e(rec: PhaseRecord, smoke: bool, budget: float) -> int:
@@ -372,9 +399,9 @@ def step_served(rec: PhaseRecord, smoke: bool, budget: float) -> int:
 
 STEPS = (
     Step("env", "environment and ceilings", 25, 10, (10, 5), step_env),
-    Step("kernels", "correctness: Triton kernels vs torch at gpt-oss shapes", 70, 22, (30, 8), step_kernels),
-    Step("e2e", "correctness: Triton vs torch end to end, CUDA graphs, overlap", 80, 16, (30, 8), step_e2e),
-    Step("speed_120b", "speed: dummy gpt-oss-120b offline", 200, 25, (60, 15), step_speed_120b),
+    Step("kernels", "correctness: Triton kernels vs torch at gpt-oss shapes", 95, 22, (30, 8), step_kernels),
+    Step("e2e", "correctness: Triton vs torch end to end, CUDA graphs, overlap", 75, 16, (30, 8), step_e2e),
+    Step("speed_120b", "speed: dummy gpt-oss-120b offline", 180, 25, (60, 15), step_speed_120b),
     Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 100, 32, (45, 15), step_served),
     Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (90, 8), step_speed_20b),
     Step("kv_fp8", "KV dtype: dummy gpt-oss-120b, bf16 vs FP8 KV (by name)", 420, 50, (120, 20), step_kv_fp8, False),

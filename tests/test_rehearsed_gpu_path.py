@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 import brisk
 from brisk import LLM, SamplingParams
 from brisk.host import HostCopy, HostResult
+from brisk.kernels.triton_norm import rms_norm as triton_rms_norm
 from brisk.layers.attention import TorchAttentionBackend
 from brisk.layers.attention_triton import TritonAttentionBackend
 from brisk.layers.moe import TorchMoEBackend
@@ -196,7 +197,7 @@ def _triton_kernels(split_k: bool = True) -> Kernels:
     attention = (
         TritonAttentionBackend(decode_block_n=16, decode_partition_size=16) if split_k else TritonAttentionBackend()
     )
-    return Kernels(attention, TritonMoEBackend(), None)
+    return Kernels(attention, TritonMoEBackend(), None, triton_rms_norm)  # the norm a GPU binds too
 
 
 CASES: dict[str, tuple[str, bool, bool, dict[str, Any]]] = {  # (architecture, MXFP4 experts, split-K decode, options)

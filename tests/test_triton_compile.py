@@ -77,7 +77,8 @@ def test_fp8_kv_compiles_for_an_a100_as_codes(tmp_path) -> None:
 def test_batch_shapes_do_not_compile_variants_of_their_own(report) -> None:
     # Token counts, partition counts and block-table widths change with every batch: a kernel specialized on them
     # (a value of 1, a multiple of 16) would compile anew in the middle of serving. One split-K decode variant and
-    # one reduce variant per attention case, whatever its batches; MoE at 1 and 16 tokens (one tile tier) share.
+    # one reduce variant per attention case, whatever its batches; the MoE GEMV at 1 and 16 tokens shares one, the
+    # 16-row GEMM (and its alignment) at 48 and 64.
     by_case: dict[tuple[str, str], int] = {}
     for v in report["variants"]:
         for case in v["cases"]:
@@ -85,8 +86,10 @@ def test_batch_shapes_do_not_compile_variants_of_their_own(report) -> None:
     attention = [case for kernel, case in by_case if kernel == "_decode_reduce_kernel"]
     assert attention and all(by_case["_decode_reduce_kernel", case] == 1 for case in attention)
     assert all(by_case["_decode_kernel", case] == 2 for case in attention)  # split-K and one partition
-    for kernel in ("_moe_align_kernel", "_moe_gemm_kernel"):
-        for v in report["variants"]:
-            if v["kernel"] == kernel:
-                tokens = {case.rsplit("tokens=", 1)[1] for case in v["cases"]}
-                assert ("1" in tokens) == ("16" in tokens), (kernel, v["cases"])
+    shared = {"_moe_gemv_kernel": ("1", "16"), "_moe_align_kernel": ("48", "64"), "_moe_gemm_kernel": ("48", "64")}
+    for kernel, (fewer, more) in shared.items():
+        variants = [v for v in report["variants"] if v["kernel"] == kernel]
+        assert variants, kernel
+        for v in variants:
+            tokens = {case.rsplit("tokens=", 1)[1] for case in v["cases"]}
+            assert (fewer in tokens) == (more in tokens), (kernel, v["cases"])

@@ -384,6 +384,45 @@ def test_backend_tile_shapes(configs):
     compare_backends(layer, hidden, *routing(t, e, k, seed=43), configs=configs)
 
 
+GEMV = (MoEConfig(1, 32, 64, gemv=True), MoEConfig(1, 64, 32, gemv=True))  # H = I = 96: K and N tails
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k", [(1, 4), (3, 2), (17, 2)])
+def test_gemv_matches_torch(monkeypatch, dtype, t, k):
+    """The decode GEMV (one slot a program, no alignment): masked K tails (96 inputs, 64 a step), N tails (96
+    outputs, 64 a tile), biases, the SwiGLU pairs and the routing weight, slots sharing an expert (t = 17)."""
+    import brisk.kernels.triton_moe as triton_moe
+
+    monkeypatch.setattr(triton_moe, "moe_align_block_size", lambda *a, **kw: pytest.fail("GEMV needs no alignment"))
+    e, h, i = 6, 96, 96
+    layer = make_layer(e, k, h, i, mxfp4=True, dtype=dtype, seed=70 + t)
+    hidden = torch.randn(t, h, generator=torch.Generator().manual_seed(71)).to(DEVICE, dtype)
+    ids, weights = routing(t, e, k, seed=72, dtype=dtype)
+    compare_backends(layer, hidden, ids, weights, dtype=dtype, configs=GEMV)
+
+
+def test_gemv_keeps_nan_and_skips_other_ranks_experts():
+    layer = make_layer(8, 2, 96, 96, mxfp4=True, seed=73, swiglu_limit=7.0)
+    hidden = torch.randn(5, 96, generator=torch.Generator().manual_seed(74)).to(DEVICE)
+    hidden[2] = float("nan")
+    ids, weights = routing(5, 8, 2, seed=75)
+    local = torch.where(ids >= 4, ids - 4, -1)  # as an EP rank of two sees them: -1 adds nothing
+    local[0] = torch.tensor([0, 1])  # one token wholly local
+    local[2, 0] = 2  # the NaN token has a local expert
+    assert (local < 0).any()
+    weights = weights * (local >= 0)
+    w = layer_weights(layer)
+    kw = dict(swiglu_alpha=layer.swiglu_alpha, swiglu_limit=layer.swiglu_limit, unrouted_slots=True, configs=GEMV)
+    out = fused_experts(
+        hidden, local, weights, **w, gate_up_bias=layer.gate_up_proj_bias, down_bias=layer.down_proj_bias, **kw
+    )
+    ref = TorchMoEBackend().forward(layer, hidden, local.clamp(min=0), weights)
+    rows = [r for r in range(5) if r != 2]
+    assert out[2].isnan().all() and torch.isfinite(out[rows]).all()
+    assert_matches(out[rows], ref[rows], torch.float32)
+
+
 def test_backend_tp_rank_without_down_bias():
     layer = make_layer(4, 2, 64, 128, mxfp4=True, seed=51, parallel=ParallelConfig.for_rank(1, 2))
     assert layer.intermediate_size == 64 and layer.moe_tp_rank == 1
@@ -463,11 +502,16 @@ def test_backend_choice(monkeypatch):
 
 
 def test_default_config_block_m_follows_slots_per_expert():
-    assert default_config(1, 4, 128, 5760, 2880, mxfp4=True).block_m == 16
+    # MXFP4 decode up to a slot per expert: the GEMV (120b: 32 tokens; 20b: 8); bf16 weights never take it
+    assert default_config(1, 4, 128, 5760, 2880, mxfp4=True).gemv
+    assert default_config(32, 4, 128, 5760, 2880, mxfp4=True).gemv
+    assert not default_config(33, 4, 128, 5760, 2880, mxfp4=True).gemv
+    assert not default_config(1, 4, 128, 5760, 2880, mxfp4=False).gemv
+    assert default_config(1, 4, 128, 5760, 2880, mxfp4=False).block_m == 16
     assert default_config(64, 4, 128, 5760, 2880, mxfp4=True).block_m == 16
     assert default_config(8192, 4, 128, 5760, 2880, mxfp4=True).block_m == 128
     # Decode: block_m covers each expert's slots, so every touched expert is one block (weights read once).
-    for t in (1, 8, 64):
+    for t in (48, 64):
         ids, _ = routing(t, 128, 4, seed=t)
         align = moe_align_block_size(ids, default_config(t, 4, 128, 5760, 2880, mxfp4=True).block_m, 128)
         touched = int(ids.unique().numel())

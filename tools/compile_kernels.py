@@ -4,7 +4,7 @@ The CPU tests run the kernels in Triton's interpreter, which executes their Pyth
 compiler. A kernel can pass every interpreter test and still, on the GPU, fail to compile (a layout or dtype
 the backend rejects), fail to launch (more shared memory than the device gives a block) or run slowly
 (registers spilled to local memory). GPU time is short, so this finds those here: it calls the real wrappers of
-`brisk.kernels.triton_attention` and `brisk.kernels.triton_moe`, and xgrammar's mask kernel (structured outputs
+`brisk.kernels.triton_attention`, `.triton_moe` and `.triton_norm`, and xgrammar's mask kernel (structured outputs
 on CUDA logits), at the shapes a GPU run launches (gpt-oss-20b and -120b at TP 1-8, bf16 and FP8 KV, fp32 as the
 GPU tests use it, Llama/Qwen3-like heads, decode to prefill batch sizes), with every launch turned into a compile
 for the target, and reads each variant's registers and local memory from its cubin (Triton's own `cuobjdump`).
@@ -223,7 +223,7 @@ def _moe_cases(full: bool) -> list[tuple[str, Callable[[], None]]]:
     cases: list[tuple[str, Callable[[], None]]] = []
     for ex in EXPERTS if full else EXPERTS[:1]:
         for mxfp4 in (True, False):
-            for t in BATCHES if full else (1, 16, 640):  # 1 and 16: one tile tier, other token counts
+            for t in BATCHES if full else (1, 16, 48, 64, 640):  # the GEMV (1, 16), the 16-row (48, 64), the 64-row
                 label = f"moe {ex.name} {'mxfp4' if mxfp4 else 'bf16'} tokens={t}"
                 cases.append((label, _moe_case(tm, ex, mxfp4, t)))
     cases.append(("mxfp4 dequantize gpt-oss", lambda: tm.mxfp4_dequantize(
@@ -256,6 +256,20 @@ def _moe_case(tm, ex: Experts, mxfp4: bool, tokens: int):
         )  # fmt: skip
 
     return run
+
+
+def _norm_cases() -> list[tuple[str, Callable[[], None]]]:
+    """The one-launch RMSNorm at gpt-oss's width (weight in fp32) and a Llama/Qwen3-like one (rounded first)."""
+    from brisk.kernels.triton_norm import rms_norm
+
+    def case(d: int, dtype: torch.dtype, weight_in_fp32: bool) -> Callable[[], None]:
+        return lambda: rms_norm(torch.empty((8, d), dtype=dtype), torch.empty(d, dtype=dtype), 1e-5, weight_in_fp32)
+
+    return [
+        ("norm gpt-oss bfloat16", case(2880, torch.bfloat16, True)),
+        ("norm llama bfloat16", case(4096, torch.bfloat16, False)),
+        ("norm gpt-oss float32", case(2880, torch.float32, True)),
+    ]
 
 
 def _mask_cases() -> list[tuple[str, Callable[[], None]]]:
@@ -330,7 +344,7 @@ def compile_all(arch: int = 90, full: bool = True, only: str = "") -> Report:
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.run = compile_only  # type: ignore[method-assign]
     try:
-        for label, case in _attention_cases(full, arch) + _moe_cases(full) + _mask_cases():
+        for label, case in _attention_cases(full, arch) + _moe_cases(full) + _norm_cases() + _mask_cases():
             if only and only not in label:
                 continue
             current[0] = label

@@ -6,6 +6,8 @@ Pipeline for hidden [T, H] and a routing topk_ids / topk_weights [T, k] ("slot" 
     moe_align_block_size  one Triton program: slots grouped by expert, each expert's run padded to BLOCK_M,
                           the expert of every BLOCK_M block. Experts nobody picked get no blocks. Sized by an
                           upper bound, so there is no host sync and the pipeline can be captured in a CUDA graph.
+    decode (MXFP4, up to a slot per expert): no alignment; _moe_gemv_kernel runs gate_up, then down, a slot a
+                          program, on the CUDA cores (see its docstring for why), epilogues as below.
     fused_moe_gate_up     grouped GEMM per block: hidden rows @ gate_up[e]^T + bias, clamped SwiGLU in the
                           epilogue -> act [T*k, I] (bf16, one row per slot).
     fused_moe_down        grouped GEMM: act @ down[e]^T + bias, times the routing weight -> [T*k, H], then a
@@ -270,14 +272,20 @@ def moe_align_block_size(
 
 
 @triton.jit
-def _e2m1_to_f32(nibble):
+def _e2m1_raw(nibble):
     # E2M1 nibble = sign | exponent (2 bits, bias 1) | mantissa (1 bit). Put the sign at fp16 bit 15 and the other
     # three bits at fp16 bits 11..9 (exponent field's low bits + mantissa's top bit): the fp16 number is exactly
-    # value * 2^-14 (0.5 becomes an fp16 subnormal, which the conversion to fp32 handles exactly). Shifts, an or,
-    # a conversion and an exact multiply: no table lookup. (Folding the 2^14 into the scale would save the
-    # multiply but overflow scales above 240.)
+    # value * 2^-14 (0.5 becomes an fp16 subnormal, which the conversion to fp32 handles exactly). Shifts, an or
+    # and a conversion: no table lookup.
     bits = ((nibble & 0x8).to(tl.uint16) << 12) | ((nibble & 0x7).to(tl.uint16) << 9)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_to_f32(nibble):
+    # The value itself: an exact multiply. (Folding the 2^14 into the scale would save it but overflow scales
+    # above 240; the GEMV folds it into the activations instead.)
+    return _e2m1_raw(nibble) * 16384.0
 
 
 @triton.jit
@@ -466,9 +474,104 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & out_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_slots"])
+def _moe_gemv_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    routing_ptr,
+    topk_ids_ptr,
+    num_slots,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_om,
+    swiglu_alpha,
+    swiglu_limit,
+    A_ROW_DIV: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTING: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """out[slot, n-tile] for one slot x BLOCK_N MXFP4 weight rows, without tensor cores (decode).
+
+    The first H100 run had the tl.dot kernel at ~15% of the bandwidth at batch 1: 15 of its 16 MMA rows are
+    padding, and each K step shuffles the dequantized tile into the MMA's operand layout. Here each thread takes
+    whole 16-byte groups (32 weights, one scale) and multiplies them by the slot's activations in place: the
+    nibbles' low / high halves meet the even / odd activations, products add up in fp32 per element, and the
+    tile is summed once after the K loop. The expert comes from topk_ids directly (no alignment launch); the
+    programs of one N tile are consecutive over the slots, so slots that share an expert read its tile from L2.
+    """
+    pid = tl.program_id(0)
+    slot = pid % num_slots
+    pid_n = pid // num_slots
+    expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+    if expert < 0:  # another EP rank's expert: the output row stays as the caller zeroed it
+        return
+    GROUPS: tl.constexpr = BLOCK_K // _GROUP
+    HALF: tl.constexpr = _GROUP // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_g = tl.arange(0, GROUPS)
+    offs_j = tl.arange(0, HALF)
+    a_row = a_ptr + (slot // A_ROW_DIV).to(tl.int64) * stride_am
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros([BLOCK_N, GROUPS, HALF], dtype=tl.float32)
+    # the loop's own stages: the sm_90 compile pipelines these loads (cp.async, 4.5 KB of shared memory) only so
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        groups = k0 // _GROUP + offs_g  # [GROUPS]
+        g_mask = n_mask[:, None]
+        if not EVEN_K:  # K is a multiple of 32: the tail is whole groups
+            g_mask = g_mask & (groups < K // _GROUP)[None, :]
+        packed = tl.load(
+            w_rows + (groups[:, None] * HALF + offs_j[None, :])[None, :, :], mask=g_mask[:, :, None], other=0
+        )
+        scale = _e8m0_to_f32(tl.load(s_rows + groups[None, :], mask=g_mask, other=127))
+        a_offs = groups[:, None] * _GROUP + 2 * offs_j[None, :]  # [GROUPS, HALF]: byte j holds inputs 2j, 2j+1
+        a_mask = (groups < K // _GROUP)[:, None]
+        # 2^14 undoes _e2m1_to_f32's fp16 offset exactly (a power of two), on the few activations, not the weights
+        a_even = tl.load(a_row + a_offs, mask=a_mask, other=0.0).to(tl.float32) * 16384.0
+        a_odd = tl.load(a_row + a_offs + 1, mask=a_mask, other=0.0).to(tl.float32) * 16384.0
+        lo = _e2m1_raw(packed & 0xF)
+        hi = _e2m1_raw(packed >> 4)
+        acc += (lo * a_even[None, :, :] + hi * a_odd[None, :, :]) * scale[:, :, None]
+    row = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+
+    if HAS_BIAS:
+        row += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(row, [BLOCK_N // 2, 2]))
+        gate = tl.minimum(gate, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
+        out = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out_mask = offs_out < N // 2
+    else:
+        out = row
+        offs_out = offs_n
+        out_mask = n_mask
+    if MUL_ROUTING:
+        out = out * tl.load(routing_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_om + offs_out, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
-    """Tile shape and launch parameters of one grouped GEMM. block_m must match the alignment's."""
+    """Tile shape and launch parameters of one grouped GEMM. block_m must match the alignment's.
+    gemv: one slot a program, no tensor cores and no alignment (_moe_gemv_kernel; MXFP4 weights, block_m 1)."""
 
     block_m: int
     block_n: int
@@ -476,19 +579,23 @@ class MoEConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False
 
 
 # default_config's tiers: the expected slots per expert up to which each tile set is used (the last one: beyond).
-SLOTS_PER_EXPERT_TIERS = (8, 24, 96)
+# The first is the GEMV's (MXFP4): 120b's decode up to 32 tokens, 20b's up to 8.
+SLOTS_PER_EXPERT_TIERS = (1, 8, 24, 96)
 
 
 def tier_token_counts(top_k: int, num_experts: int) -> list[int]:
     """The largest token count of each tile tier but the last (default_config): a batch of each compiles that
-    tier's GEMM variants (gpt-oss-120b: 256, 768, 3072 tokens; 20b: 64, 192, 768)."""
+    tier's GEMM variants (gpt-oss-120b: 32, 256, 768, 3072 tokens; 20b: 8, 64, 192, 768)."""
     return [bound * num_experts // top_k for bound in SLOTS_PER_EXPERT_TIERS]
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, *, mxfp4: bool) -> MoEConfig:
+def default_config(
+    num_tokens: int, top_k: int, num_experts: int, n: int, k: int, *, mxfp4: bool, gemv_up_to: float | None = None
+) -> MoEConfig:
     """Heuristic Hopper tiles for one GEMM with n weight rows and k inputs (untuned first guesses).
 
     block_m follows the expected slots per expert so that, at decode, every touched expert is one M block and
@@ -496,13 +603,17 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int
     batches are bandwidth-bound: narrow N tiles give more programs to keep every SM loading, 4 stages keep
     bytes in flight. The dequantized tile is BLOCK_N x BLOCK_K fp32 in registers before its bf16 cast, so
     BLOCK_N * BLOCK_K / (32 * num_warps) is kept at <= 64 registers a thread. Large batches use 64/128-row
-    tiles (wgmma) with GROUP_M ordering for L2 reuse of weight tiles.
+    tiles (wgmma) with GROUP_M ordering for L2 reuse of weight tiles. MXFP4 decode up to gemv_up_to slots per
+    expert (default the first tier's 1; benchmarks/bench_moe.py --kernels sets it to compare) takes the GEMV.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
     # Small batches: a K step reads whole 128-byte lines per weight row (256 MXFP4 values; 128 bf16 values).
     small_n, small_k = (32, 256) if mxfp4 else (64, 128)
-    smallest, small, medium = SLOTS_PER_EXPERT_TIERS
-    if per_expert <= smallest:
+    gemv, smallest, small, medium = SLOTS_PER_EXPERT_TIERS
+    if mxfp4 and per_expert <= (gemv if gemv_up_to is None else gemv_up_to):
+        # a slot a program: 16 rows x 8 groups of 16 bytes, one group a thread (2 KB a K step over 128 threads)
+        cfg = MoEConfig(1, 16, 256, num_warps=4, num_stages=3, gemv=True)
+    elif per_expert <= smallest:
         cfg = MoEConfig(16, small_n, small_k, group_m=1, num_warps=4, num_stages=4)
     elif per_expert <= small:
         cfg = MoEConfig(32, small_n, small_k, group_m=4, num_warps=4, num_stages=4)
@@ -513,7 +624,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int
     # Tiny layers (tests): do not tile far past the matrix.
     block_n = min(cfg.block_n, max(32, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(k)))
-    return MoEConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return MoEConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.gemv)
 
 
 def _check_weights(weight: torch.Tensor, scales: torch.Tensor | None, k: int, what: str) -> None:
@@ -542,13 +653,21 @@ def _launch_gemm(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     routing: torch.Tensor | None,
-    align: MoEAlignment,
+    align: MoEAlignment | None,
     swiglu: tuple[float, float] | None,
     config: MoEConfig,
+    topk_ids: torch.Tensor | None = None,
 ) -> None:
     mxfp4 = scales is not None
     k = a.shape[1]
     n = weight.shape[1]
+    if config.gemv:
+        if scales is None or topk_ids is None:
+            raise ValueError("the GEMV kernel takes MXFP4 weights and the slots' topk_ids")
+        _launch_gemv(a, a_row_div, weight, scales, bias, out, routing, topk_ids, swiglu, config)
+        return
+    if align is None:
+        raise ValueError("the grouped GEMM needs the slots' alignment")
     if config.block_m != align.block_m:
         raise ValueError(f"config block_m {config.block_m} != alignment block_m {align.block_m}")
     if mxfp4 and config.block_k % MXFP4_GROUP:
@@ -601,16 +720,73 @@ def _launch_gemm(
     )
 
 
+def _launch_gemv(
+    a: torch.Tensor,
+    a_row_div: int,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    routing: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    swiglu: tuple[float, float] | None,
+    config: MoEConfig,
+) -> None:
+    k = a.shape[1]
+    n = weight.shape[1]
+    if config.block_k % MXFP4_GROUP or config.block_n % 2:
+        raise ValueError(f"the GEMV needs block_k in whole groups of {MXFP4_GROUP} and an even block_n")
+    if a.stride(1) != 1:
+        raise ValueError("activations must be contiguous along features")
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_slots = ids.numel()
+    alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
+    _moe_gemv_kernel[(num_slots * triton.cdiv(n, config.block_n),)](
+        a,
+        weight,
+        scales,
+        bias if bias is not None else weight,
+        out,
+        routing if routing is not None else a,
+        ids,
+        num_slots,
+        n,
+        k,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        out.stride(0),
+        alpha,
+        limit,
+        A_ROW_DIV=a_row_div,
+        SWIGLU=swiglu is not None,
+        HAS_BIAS=bias is not None,
+        MUL_ROUTING=routing is not None,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
 def fused_moe_gate_up(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     scales: torch.Tensor | None,
     bias: torch.Tensor | None,
-    align: MoEAlignment,
+    align: MoEAlignment | None,
     top_k: int,
     swiglu_alpha: float,
     swiglu_limit: float,
     config: MoEConfig,
+    topk_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act [T*k, I]: row t*k+j = clamped_swiglu(hidden[t] @ gate_up[e]^T + bias[e]), e = topk_ids[t, j].
 
@@ -618,10 +794,11 @@ def fused_moe_gate_up(
     """
     num_tokens, h = hidden.shape
     _check_weights(weight, scales, h, "gate_up")
-    if align.num_slots != num_tokens * top_k:
+    if align is not None and align.num_slots != num_tokens * top_k:
         raise ValueError(f"alignment has {align.num_slots} slots, expected {num_tokens} x {top_k}")
     act = hidden.new_empty((num_tokens * top_k, weight.shape[1] // 2))
-    _launch_gemm(hidden, top_k, weight, scales, bias, act, None, align, (swiglu_alpha, swiglu_limit), config)
+    swiglu = (swiglu_alpha, swiglu_limit)
+    _launch_gemm(hidden, top_k, weight, scales, bias, act, None, align, swiglu, config, topk_ids)
     return act
 
 
@@ -630,10 +807,11 @@ def fused_moe_down(
     weight: torch.Tensor,
     scales: torch.Tensor | None,
     bias: torch.Tensor | None,
-    align: MoEAlignment,
+    align: MoEAlignment | None,
     topk_weights: torch.Tensor,
     config: MoEConfig,
     unrouted_slots: bool = False,
+    topk_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, H] = sum_j topk_weights[t, j] * (act[t*k+j] @ down[e]^T + bias[e]); bias None skips it (TP rank > 0).
     unrouted_slots: some expert ids are -1 (experts of other EP ranks); their slots must read as zero.
@@ -647,7 +825,7 @@ def fused_moe_down(
         routing = routing.contiguous()
     # Written per slot, then summed (see the module docstring for why not atomics).
     y = (act.new_zeros if unrouted_slots else act.new_empty)((num_tokens, top_k, weight.shape[1]))
-    _launch_gemm(act, 1, weight, scales, bias, y.view(num_tokens * top_k, -1), routing, align, None, config)
+    _launch_gemm(act, 1, weight, scales, bias, y.view(num_tokens * top_k, -1), routing, align, None, config, topk_ids)
     return y.view(num_tokens, -1) if top_k == 1 else y.sum(dim=1)
 
 
@@ -691,8 +869,10 @@ def fused_experts(
     up_cfg, down_cfg = configs
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError("gate_up and down configs must share block_m (they share one alignment)")
-    align = moe_align_block_size(topk_ids, up_cfg.block_m, num_experts)
+    # the GEMV reads each slot's expert from topk_ids: an alignment only where a grouped GEMM runs
+    aligned = not (up_cfg.gemv and down_cfg.gemv)
+    align = moe_align_block_size(topk_ids, up_cfg.block_m, num_experts) if aligned else None
     act = fused_moe_gate_up(
-        hidden, gate_up, gate_up_scales, gate_up_bias, align, top_k, swiglu_alpha, swiglu_limit, up_cfg
+        hidden, gate_up, gate_up_scales, gate_up_bias, align, top_k, swiglu_alpha, swiglu_limit, up_cfg, topk_ids
     )
-    return fused_moe_down(act, down, down_scales, down_bias, align, topk_weights, down_cfg, unrouted_slots)
+    return fused_moe_down(act, down, down_scales, down_bias, align, topk_weights, down_cfg, unrouted_slots, topk_ids)

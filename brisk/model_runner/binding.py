@@ -1,13 +1,14 @@
-"""What the runner binds to a loaded model: brisk's CPU kernels, the attention backend and the MoE backend.
+"""What the runner binds to a loaded model: brisk's CPU kernels, the attention and MoE backends, the GPU's norm.
 
 Modules hold a reference to what computes them (`Attention.backend`, `FusedMoE.backend`, `cpu_kernels` on linears,
-the LM head, norms, MoE layers and Llama MLPs); the model is built with the reference ones and the runner binds the
+the LM head, norms, MoE layers and Llama MLPs; `RMSNorm.fused` on a GPU); the model is built with the reference ones and the runner binds the
 configured ones here, once, before anything runs. A drafter with layers of its own (EAGLE3) binds the same ones.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -21,6 +22,7 @@ from brisk.layers.attention import Attention, AttentionBackend
 from brisk.layers.backends import make_attention_backend, make_moe_backend
 from brisk.layers.linear import prepack_weights
 from brisk.layers.moe import FusedMoE, MoEBackend
+from brisk.layers.norm import RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +36,13 @@ class UsesCpuKernels(Protocol):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The compute bound to a model: one attention backend and one MoE backend for every layer, and brisk's CPU
-    kernels (None: the torch paths)."""
+    """The compute bound to a model: one attention backend and one MoE backend for every layer, brisk's CPU
+    kernels (None: the torch paths) and a one-launch RMSNorm (None: the torch path)."""
 
     attention: AttentionBackend
     moe: MoEBackend
     cpu: CpuKernels | None
+    norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -50,7 +53,10 @@ class Kernels:
 def make_kernels(config: EngineConfig, device: torch.device) -> Kernels:
     cpu = load_cpu_kernels(config.cpu_kernels) if device.type == "cpu" else None
     kernels = Kernels(
-        make_attention_backend(config.attn_backend, device, cpu), make_moe_backend(config.moe_config.backend), cpu
+        make_attention_backend(config.attn_backend, device, cpu),
+        make_moe_backend(config.moe_config.backend),
+        cpu,
+        _gpu_norm() if device.type == "cuda" else None,
     )
     if device.type == "cuda" and not kernels.graph_safe and "auto" in (config.attn_backend, config.moe_config.backend):
         logger.warning(
@@ -63,13 +69,23 @@ def make_kernels(config: EngineConfig, device: torch.device) -> Kernels:
     return kernels
 
 
+def _gpu_norm() -> Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor] | None:
+    try:  # Triton is the GPU extra's: without it the norms stay on torch
+        from brisk.kernels.triton_norm import rms_norm
+    except ImportError:
+        return None
+    return rms_norm
+
+
 def bind(model: nn.Module, kernels: Kernels) -> None:
-    """Every attention layer, MoE layer and CPU-kernel user of `model` computes with `kernels`."""
+    """Every attention layer, MoE layer, norm and CPU-kernel user of `model` computes with `kernels`."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = kernels.attention
         elif isinstance(module, FusedMoE):
             module.backend = kernels.moe
+        elif isinstance(module, RMSNorm):
+            module.fused = kernels.norm
         if kernels.cpu is not None and isinstance(module, UsesCpuKernels):
             module.cpu_kernels = kernels.cpu
 
