@@ -208,10 +208,30 @@ def test_moe_align_property(t, e, block_m, data):
     check_alignment(torch.tensor(rows), block_m, e, data.draw(st.sampled_from([1024, 0])))
 
 
-def test_route_topk_matches_select_experts():
-    logits = torch.randn(7, 8, generator=torch.Generator().manual_seed(1))
-    for got, want in zip(route_topk(logits, 3), select_experts(logits, 3)):
-        assert torch.equal(got, want)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k", [(7, 8, 3), (5, 128, 4), (3, 32, 4), (2, 6, 1)])
+def test_route_topk_matches_select_experts(dtype, t, e, k):
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e)).to(DEVICE, dtype)
+    ids, weights = route_topk(logits, k)
+    want_ids, want_weights = select_experts(logits, k)
+    assert ids.dtype == want_ids.dtype and weights.dtype == want_weights.dtype == dtype
+    assert torch.equal(ids, want_ids)  # descending, as torch.topk
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-7)
+
+
+def test_route_topk_makes_ids_local_under_ep_and_keeps_nan_rows_nan():
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    logits[4] = float("nan")
+    logits[5, 2] = float("nan")  # a NaN beside numbers: picked first, its row's weights NaN
+    layer = make_layer(8, 2, 32, 32, mxfp4=True, parallel=ParallelConfig.for_rank(1, 2, ep_size=2))
+    ids, weights = TritonMoEBackend().route(layer, logits)
+    want_ids, want_weights = TorchMoEBackend().route(layer, logits)
+    assert ((ids >= -1) & (ids < 4)).all() and (ids[:4] == -1).any() and (ids[:4] >= 0).any()
+    torch.testing.assert_close(weights[:4], want_weights[:4], rtol=1e-6, atol=1e-7)
+    assert torch.equal(ids[:4], want_ids[:4])
+    assert (weights[ids == -1] == 0).all()
+    ids, weights = route_topk(logits, 2)  # all experts here: the NaN rows' weights NaN for the guard, ids in range
+    assert weights[4:].isnan().all() and ((ids >= 0) & (ids < 8)).all() and ids[5, 0] == 2
 
 
 # ---------------------------------------------------------------- the two GEMMs on their own

@@ -226,6 +226,10 @@ def _moe_cases(full: bool) -> list[tuple[str, Callable[[], None]]]:
             for t in BATCHES if full else (1, 16, 48, 64, 640):  # the GEMV (1, 16), the 16-row (48, 64), the 64-row
                 label = f"moe {ex.name} {'mxfp4' if mxfp4 else 'bf16'} tokens={t}"
                 cases.append((label, _moe_case(tm, ex, mxfp4, t)))
+    for e in (128, 32):  # the routing kernel: 120b's and 20b's experts
+        cases.append(
+            (f"moe route experts={e}", lambda e=e: tm.route_topk(torch.empty((8, e), dtype=torch.bfloat16), 4))
+        )
     cases.append(("mxfp4 dequantize gpt-oss", lambda: tm.mxfp4_dequantize(
         torch.empty((5760, 90, 16), dtype=torch.uint8), torch.empty((5760, 90), dtype=torch.uint8), torch.bfloat16
     )))  # fmt: skip

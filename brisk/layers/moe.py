@@ -72,6 +72,17 @@ class MoEBackend:
     def create(cls, auto: bool) -> MoEBackend:
         return cls()
 
+    def route(self, layer: FusedMoE, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top_k experts as this rank's local ids (-1: another EP rank's expert) and their weights
+        (0 for -1)."""
+        topk_ids, topk_weights = select_experts(router_logits, layer.top_k)
+        if layer.parallel.ep_size > 1:
+            local = topk_ids - layer.first_expert
+            here = (local >= 0) & (local < layer.num_local_experts)
+            topk_ids = torch.where(here, local, -1)
+            topk_weights = topk_weights * here
+        return topk_ids, topk_weights
+
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -380,12 +391,7 @@ class FusedMoE(nn.Module):
             else:
                 hidden = all_gather_rows(hidden, dp_tokens)
                 router_logits = all_gather_rows(router_logits, dp_tokens)
-        topk_ids, topk_weights = select_experts(router_logits, self.top_k)
-        if p.ep_size > 1:
-            local = topk_ids - self.first_expert
-            here = (local >= 0) & (local < self.num_local_experts)
-            topk_ids = torch.where(here, local, -1)
-            topk_weights = topk_weights * here
+        topk_ids, topk_weights = self.backend.route(self, router_logits)
         out = self.backend.forward(self, hidden, topk_ids, topk_weights)
         if dp_tokens is not None:
             return reduce_scatter_rows(out, dp_tokens, p.dp_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from brisk.kernels import interpreting
-from brisk.kernels.triton_moe import fused_experts, tier_token_counts
+from brisk.kernels.triton_moe import fused_experts, route_topk, tier_token_counts
 from brisk.layers.moe import FusedMoE, MoEBackend, TorchMoEBackend
 
 
@@ -34,6 +34,12 @@ class TritonMoEBackend(MoEBackend):
     def variant_token_counts(self, layer: FusedMoE) -> list[int]:
         # each tile tier's largest batch (a tier's variants are one whatever its batch), as `forward` sizes tiles
         return tier_token_counts(layer.top_k, layer.num_experts)
+
+    def route(self, layer: FusedMoE, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not router_logits.is_cuda and not interpreting():
+            return super().route(layer, router_logits)  # forward's torch fallback (or its error) follows
+        # one launch for torch.topk's two, the softmax and EP's local ids
+        return route_topk(router_logits, layer.top_k, layer.first_expert, layer.num_local_experts)
 
     def forward(
         self, layer: FusedMoE, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
