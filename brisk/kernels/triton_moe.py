@@ -24,7 +24,7 @@ registers: each nibble is moved into an fp16 bit pattern (no lookup table), scal
 the scale byte's bits, cast to the activation dtype and fed to tl.dot with fp32 accumulation. Because the
 slots are grouped by expert, each program reads one expert's weight tile once for up to BLOCK_M slots; at
 decode every touched expert's weights are read exactly once when BLOCK_M covers its slots (default_config
-picks BLOCK_M = 16 for small batches).
+picks BLOCK_M = 16 for small batches, and the GEMV below a slot per expert with MXFP4 weights).
 """
 
 from __future__ import annotations
