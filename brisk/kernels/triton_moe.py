@@ -410,6 +410,16 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 # ---------------------------------------------------------------- grouped GEMM
 
 
+@triton.jit
+def _clamped_swiglu(gate, up, alpha, limit):
+    # gpt-oss's activation in fp32 (both GEMM kernels' epilogues). NaN stays NaN, as in torch's clamp (a GPU's
+    # min / max would give the limit): the non-finite guard sees it.
+    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
 def _moe_gemm_kernel(
     a_ptr,
@@ -508,11 +518,7 @@ def _moe_gemm_kernel(
     if SWIGLU:
         # Columns alternate gate, up: split the pairs and write one activation per pair.
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        # NaN stays NaN, as in torch's clamp (a GPU's min / max would give the limit): the non-finite guard sees it.
-        gate = tl.minimum(gate, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.maximum(up, -swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(up, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
-        out = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+        out = _clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out_mask = offs_out < N // 2
     else:
@@ -605,10 +611,7 @@ def _moe_gemv_kernel(
         row += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if SWIGLU:
         gate, up = tl.split(tl.reshape(row, [BLOCK_N // 2, 2]))
-        gate = tl.minimum(gate, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.maximum(up, -swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(up, swiglu_limit, propagate_nan=tl.PropagateNan.ALL)
-        out = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+        out = _clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out_mask = offs_out < N // 2
     else:
