@@ -97,6 +97,7 @@ def main() -> int:
         f"{'TFLOP/s':>8} {'align us':>8} {'vs first':>8}"
     )
     gemv_up_to = {"auto": None, "gemm": -1.0, "gemv": float("inf")}
+    mxfp4 = not args.bf16_weights
 
     rows = []
     for t, kernel in ((t, kernel) for t in args.batch for kernel in args.kernels):
@@ -105,7 +106,6 @@ def main() -> int:
         topk_ids, topk_weights = select_experts(logits, k)
         touched = int(topk_ids.unique().numel())
 
-        mxfp4 = not args.bf16_weights
         up_cfg = default_config(t, k, e, 2 * i, h, mxfp4=mxfp4, gemv_up_to=gemv_up_to[kernel])
         down_cfg = default_config(t, k, e, h, i, mxfp4=mxfp4, gemv_up_to=gemv_up_to[kernel])
 
@@ -118,12 +118,11 @@ def main() -> int:
         ms = time_ms(forward, args.iters, graph=not args.eager) / len(layers)
         gbps = touched * per_expert / ms / 1e6
         tflops = 2 * t * k * (2 * i * h + h * i) / ms / 1e9
-        cfg = up_cfg
         align_ms = (
             0.0  # the GEMV launches no alignment
-            if cfg.gemv
+            if up_cfg.gemv
             else time_ms(
-                lambda ids=topk_ids, m=cfg.block_m: moe_align_block_size(ids, m, e), args.iters, graph=not args.eager
+                lambda ids=topk_ids, m=up_cfg.block_m: moe_align_block_size(ids, m, e), args.iters, graph=not args.eager
             )
         )
         first = next((r for r in rows if r["batch"] == t), None)
@@ -132,19 +131,19 @@ def main() -> int:
             dict(
                 batch=t,
                 kernel=kernel,
-                gemv=cfg.gemv,
+                gemv=up_cfg.gemv,
                 speedup_vs_first=vs_first,
                 experts_touched=touched,
                 us_per_layer=ms * 1e3,
                 weight_gbps=gbps,
                 fraction_of_copy=gbps / peak,
                 tflops=tflops,
-                block_m=cfg.block_m,
+                block_m=up_cfg.block_m,
                 align_us=align_ms * 1e3,
             )
         )
         print(
-            f"{t:>5} {kernel + ('*' if cfg.gemv else ''):>6} {touched:>7} {cfg.block_m:>7} {ms * 1e3:>9.1f} "
+            f"{t:>5} {kernel + ('*' if up_cfg.gemv else ''):>6} {touched:>7} {up_cfg.block_m:>7} {ms * 1e3:>9.1f} "
             f"{gbps:>11.0f} {100 * gbps / peak:>6.1f}% {tflops:>8.1f} {align_ms * 1e3:>8.1f} {vs_first:>7.2f}x"
         )
 

@@ -29,7 +29,7 @@ picks BLOCK_M = 16 for small batches, and the GEMV below a slot per expert with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -411,13 +411,17 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 @triton.jit
-def _clamped_swiglu(gate, up, alpha, limit):
-    # gpt-oss's activation in fp32 (both GEMM kernels' epilogues). NaN stays NaN, as in torch's clamp (a GPU's
-    # min / max would give the limit): the non-finite guard sees it.
+def _swiglu_columns(acc, pid_n, N, alpha, limit, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Both MoE kernels' gate_up epilogue: acc [ROWS, BLOCK_N] (fp32, bias added) has columns alternating gate, up;
+    each pair gives one activation. The activations [ROWS, BLOCK_N / 2], their output columns and mask."""
+    gate, up = tl.split(tl.reshape(acc, [ROWS, BLOCK_N // 2, 2]))
+    # gpt-oss's clamped SwiGLU. NaN stays NaN, as in torch's clamp (a GPU's min / max would give the limit): the
+    # non-finite guard sees it.
     gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
     up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
     up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
-    return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    return (up + 1.0) * (gate * tl.sigmoid(gate * alpha)), offs_out, offs_out < N // 2
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_m_blocks"])
@@ -516,11 +520,7 @@ def _moe_gemm_kernel(
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     if SWIGLU:
-        # Columns alternate gate, up: split the pairs and write one activation per pair.
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        out = _clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
-        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        out_mask = offs_out < N // 2
+        out, offs_out, out_mask = _swiglu_columns(acc, pid_n, N, swiglu_alpha, swiglu_limit, BLOCK_M, BLOCK_N)
     else:
         out = acc
         offs_out = offs_n
@@ -605,22 +605,20 @@ def _moe_gemv_kernel(
         lo = _e2m1_raw(packed & 0xF)
         hi = _e2m1_raw(packed >> 4)
         acc += (lo * a_even[None, :, :] + hi * a_odd[None, :, :]) * scale[:, :, None]
-    row = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+    row = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BLOCK_N]: the GEMM's epilogue shape, one row
 
     if HAS_BIAS:
-        row += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        row += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:
-        gate, up = tl.split(tl.reshape(row, [BLOCK_N // 2, 2]))
-        out = _clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
-        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        out_mask = offs_out < N // 2
+        out, offs_out, out_mask = _swiglu_columns(row, pid_n, N, swiglu_alpha, swiglu_limit, 1, BLOCK_N)
     else:
         out = row
         offs_out = offs_n
         out_mask = n_mask
     if MUL_ROUTING:
         out = out * tl.load(routing_ptr + slot).to(tl.float32)
-    tl.store(out_ptr + slot.to(tl.int64) * stride_om + offs_out, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = out_ptr + slot.to(tl.int64) * stride_om + offs_out[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -679,7 +677,7 @@ def default_config(
     # Tiny layers (tests): do not tile far past the matrix.
     block_n = min(cfg.block_n, max(32, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(k)))
-    return MoEConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.gemv)
+    return replace(cfg, block_n=block_n, block_k=block_k)
 
 
 def _check_weights(weight: torch.Tensor, scales: torch.Tensor | None, k: int, what: str) -> None:
@@ -716,21 +714,23 @@ def _launch_gemm(
     mxfp4 = scales is not None
     k = a.shape[1]
     n = weight.shape[1]
-    if config.gemv:
-        if scales is None or topk_ids is None:
-            raise ValueError("the GEMV kernel takes MXFP4 weights and the slots' topk_ids")
-        _launch_gemv(a, a_row_div, weight, scales, bias, out, routing, topk_ids, swiglu, config)
-        return
-    if align is None:
-        raise ValueError("the grouped GEMM needs the slots' alignment")
-    if config.block_m != align.block_m:
-        raise ValueError(f"config block_m {config.block_m} != alignment block_m {align.block_m}")
     if mxfp4 and config.block_k % MXFP4_GROUP:
         raise ValueError(f"MXFP4 needs block_k divisible by {MXFP4_GROUP}, got {config.block_k}")
     if swiglu is not None and config.block_n % 2:
         raise ValueError("the SwiGLU epilogue needs an even block_n (whole gate/up pairs)")
     if a.stride(1) != 1:
         raise ValueError("activations must be contiguous along features")
+    if config.gemv:
+        if scales is None or topk_ids is None:
+            raise ValueError("the GEMV kernel takes MXFP4 weights and the slots' topk_ids")
+        if config.block_n % 2:  # as it was written first: the GEMV's tiles are whole pairs in down too
+            raise ValueError("the GEMV needs an even block_n")
+        _launch_gemv(a, a_row_div, weight, scales, bias, out, routing, topk_ids, swiglu, config)
+        return
+    if align is None:
+        raise ValueError("the grouped GEMM needs the slots' alignment")
+    if config.block_m != align.block_m:
+        raise ValueError(f"config block_m {config.block_m} != alignment block_m {align.block_m}")
     num_m_blocks = align.expert_ids.numel()
     grid = (num_m_blocks * triton.cdiv(n, config.block_n),)
     alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
@@ -787,12 +787,9 @@ def _launch_gemv(
     swiglu: tuple[float, float] | None,
     config: MoEConfig,
 ) -> None:
+    """_launch_gemm's GEMV branch, its checks made there."""
     k = a.shape[1]
     n = weight.shape[1]
-    if config.block_k % MXFP4_GROUP or config.block_n % 2:
-        raise ValueError(f"the GEMV needs block_k in whole groups of {MXFP4_GROUP} and an even block_n")
-    if a.stride(1) != 1:
-        raise ValueError("activations must be contiguous along features")
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
