@@ -186,15 +186,15 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
         options["cuda_graph_config"] = {"batch_sizes": args.graph_sizes}
     load_s, llm = timed(lambda: LLM(model_dir, **options))
     runner = llm.engine.executor.runner
-    kv_dtype = runner.kv_layout.kv_dtypes[0]  # one storage dtype for every group (kv_tensors.py)
+    kv_dtype = runner.kv_layout.kv_dtypes[0]  # the full-attention group's, which holds the context (kv_tensors.py)
     kv_bytes = kv_dtype.itemsize
     res.data["meta"].update(
         load_s=load_s,
         num_kv_blocks=runner.num_blocks,
-        block_size=runner.block_size,
+        block_size=runner.config.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_stored_as=str(kv_dtype).removeprefix("torch."),
-        kv_tokens=runner.num_blocks * runner.block_size,
+        kv_tokens=runner.num_blocks * runner.block_sizes[0],  # the full-attention group's
     )
     if getattr(args, "model_dir_s", None):  # the suite's own set-up, before the cold start
         res.add("startup", dict(stage="(not cold start) the dummy model's folder written", s=args.model_dir_s))
@@ -258,16 +258,16 @@ def run_brisk(args: argparse.Namespace, config: dict[str, Any], model_dir: str) 
             res.add("long_context", latency_row(args.long_batch, args.long_context, args.output_len))
 
     groups = [
-        KVGroupLayout("sliding" if g.sliding_window else "full", len(g.layer_ids), g.sliding_window)
-        for g in runner.kv_groups
+        KVGroupLayout("sliding" if g.sliding_window else "full", len(g.layer_ids), bs, g.sliding_window)
+        for g, bs in zip(runner.kv_groups, runner.block_sizes)
     ]
     seq = 2 * args.throughput_len
     chunk = min(args.throughput_len, runner.config.max_num_tokens)  # the most of one prompt a step computes
     # Blocks a sequence holds at its end (the whole context in full-attention groups, the window in sliding ones),
     # and above that while its prompt is computed (a sliding group holds the whole chunk until the step is done);
     # at most a step's worth of prompts are computed at once, so only they hold the peak.
-    steady = blocks_for_one_request(groups, runner.block_size, seq, 1) - 1
-    peak = blocks_for_one_request(groups, runner.block_size, seq, chunk) - 1
+    steady = blocks_for_one_request(groups, seq, 1) - 1
+    peak = blocks_for_one_request(groups, seq, chunk) - 1
     prefilling = cdiv(runner.config.max_num_tokens, chunk) + 1
     batch = max(1, min(args.max_batch, (runner.num_blocks - 1 - prefilling * (peak - steady)) // steady))
     limited_by = "kv blocks" if batch < args.max_batch else "max_batch"

@@ -48,7 +48,7 @@ class FakeEngine:
         self,
         groups: list[KVGroupSpec],
         num_blocks: int,
-        block_size: int,
+        block_size: int | list[int],
         *,
         max_batch_size=8,
         max_num_tokens=64,
@@ -58,10 +58,11 @@ class FakeEngine:
         host_blocks=0,
     ):
         host = HostTier(host_blocks, bytes_per_block=1) if host_blocks else None
-        self.kv = KVCacheManager(groups, num_blocks, block_size, prefix_caching, host)
+        # block_size: one for every group, or per group (a narrower KV dtype's group holds more tokens a block)
+        self.block_sizes = [block_size] * len(groups) if isinstance(block_size, int) else list(block_size)
+        self.kv = KVCacheManager(groups, num_blocks, self.block_sizes, prefix_caching, host)
         self.sched = Scheduler(self.kv, max_batch_size, max_num_tokens, chunked)
         self.groups = groups
-        self.block_size = block_size
         self.overlap = overlap
         # One "tensor" per group; a slot holds (position, token id) so reading a wrong slot shows.
         self.cache = [dict() for _ in groups]
@@ -91,9 +92,8 @@ class FakeEngine:
 
     def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The fake model runner: only what the SchedulerOutput says."""
-        bs = self.block_size
         for copy in out.kv_block_copies:  # before the step, in order, as the model runner does
-            for device, host in zip(self.cache, self.host_cache):
+            for device, host, bs in zip(self.cache, self.host_cache, self.block_sizes):
                 src, dst = (device, host) if copy.to_host else (host, device)
                 s0, d0 = (copy.device_block, copy.host_block) if copy.to_host else (copy.host_block, copy.device_block)
                 for o in range(bs):
@@ -112,12 +112,11 @@ class FakeEngine:
         for rid, new_blocks in zip(out.cached_requests.req_ids, out.cached_requests.new_block_ids):
             for table, blocks in zip(self.rows[rid].blocks, new_blocks):
                 table.extend(blocks)
-        bs = self.block_size
         result = ModelRunnerOutput([], [], None, [])
         for rid, n in out.num_scheduled_tokens.items():
             row = self.rows[rid]
             start, end = row.num_computed, row.num_computed + n
-            for g, table in enumerate(row.blocks):
+            for g, (table, bs) in enumerate(zip(row.blocks, self.block_sizes)):
                 for p in range(start, end):
                     if table[p // bs] == 0:
                         raise AssertionError(f"{rid}: writing position {p} into the null block")
@@ -125,7 +124,7 @@ class FakeEngine:
             row.num_computed = end
             if end >= len(row.tokens):
                 ctx = {}
-                for spec, g_cache, table in zip(self.groups, self.cache, row.blocks):
+                for spec, g_cache, table, bs in zip(self.groups, self.cache, row.blocks, self.block_sizes):
                     lo = 0 if spec.sliding_window is None else max(0, end - spec.sliding_window)
                     toks = []
                     for p in range(lo, end):

@@ -98,7 +98,6 @@ def make_case(
         seq_lens=[seq_len for _, seq_len in specs],
         block_tables=[torch.tensor(tables, dtype=torch.int32, device=device)],
         slot_mappings=[torch.tensor(slots, dtype=torch.int64, device=device)],
-        block_size=s.page,
     )
     return Case(
         s,

@@ -152,7 +152,7 @@ def paged_forward(head, ids, positions, hidden, seq_lens, qsl, block_size=4):
     table = torch.tensor([[1 + i * blocks_per_seq + b for b in range(blocks_per_seq)] for i in range(len(seq_lens))])
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.diff(torch.tensor(qsl)))
     slots = table[rows, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(qsl, seq_lens, [table.int()], [slots], block_size)
+    meta = AttentionMetadata(qsl, seq_lens, [table.int()], [slots])
     return head(ids, positions, hidden, meta)
 
 
@@ -248,7 +248,7 @@ def test_targets_expose_aux_hidden_states(arch, tmp_path):
     model.model.aux_layer_ids = (1, 0, 1)
     t = 6
     table = torch.tensor([[1, 2]])
-    meta = AttentionMetadata([0, t], [t], [table.int()] * 2, [torch.arange(4, 4 + t)] * 2, 4)
+    meta = AttentionMetadata([0, t], [t], [table.int()] * 2, [torch.arange(4, 4 + t)] * 2)
     for layer in model.modules():
         if hasattr(layer, "k_cache") and hasattr(layer, "kv_group"):
             layer.k_cache = torch.zeros(3, 4, config.num_kv_heads, config.head_dim)

@@ -197,7 +197,7 @@ def test_max_tokens_and_max_gpu_total_bytes_bound_the_pool():
         assert llm.engine.num_kv_blocks == 30
         assert llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids == expected
     kv = EngineConfig.build(DEMO, kv_cache_config={"max_tokens": 100, "max_gpu_total_bytes": 10 * per_block})
-    assert kv.kv_cache_config.block_limit(per_block, 2) == 9  # 2 * cdiv(100, 32) + 1, under the byte budget's 10
+    assert kv.kv_cache_config.block_limit(per_block, (32, 32)) == 9  # 2 * cdiv(100, 32) + 1, under the byte budget's 10
     with pytest.raises(ConfigError, match="kv_cache_config.max_tokens"):
         EngineConfig.build(DEMO, kv_cache_config={"max_tokens": 0})
 

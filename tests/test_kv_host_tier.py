@@ -77,7 +77,9 @@ def test_every_hit_reads_the_right_content(seed, sliding):
     rng = random.Random(seed)
     groups = [KVGroupSpec((0,))] + ([KVGroupSpec((1,), sliding_window=8)] if sliding else [])
     host = HostTier(num_blocks=rng.choice([6, 20, 200]), bytes_per_block=100)
-    kv = KVCacheManager(groups, num_blocks=24, block_size=BS, enable_prefix_caching=True, host_tier=host)
+    kv = KVCacheManager(
+        groups, num_blocks=24, block_sizes=[BS] * len(groups), enable_prefix_caching=True, host_tier=host
+    )
     mem = Memory()
     stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(5)]
     live: list[FakeRequest] = []
@@ -123,7 +125,7 @@ def test_every_hit_reads_the_right_content(seed, sliding):
 def test_a_host_block_read_this_step_is_not_reused_this_step():
     """A hit pins its host blocks until the step's copies are taken: evictions in the same step go elsewhere."""
     host = HostTier(num_blocks=2, bytes_per_block=1)
-    kv = KVCacheManager([KVGroupSpec((0,))], num_blocks=4, block_size=BS, enable_prefix_caching=True, host_tier=host)
+    kv = KVCacheManager([KVGroupSpec((0,))], num_blocks=4, block_sizes=[BS], enable_prefix_caching=True, host_tier=host)
     a = FakeRequest("a", list(range(9)))  # two full blocks + one token
     assert kv.allocate_slots(a, 9, kv.get_computed_blocks(a))
     a.num_computed_tokens = 9
@@ -286,13 +288,20 @@ FULL = [KVGroupSpec((0, 1))]
 HYBRID = [KVGroupSpec((1, 3)), KVGroupSpec((0, 2), sliding_window=6)]
 
 
+# (groups, tokens a block per group): hybrid-fp8 is an FP8 full-attention group beside a model-dtype sliding one
+LAYOUTS = {"full": (FULL, [4]), "hybrid": (HYBRID, [4, 4]), "hybrid-fp8": (HYBRID, [8, 4])}
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
-def test_preempted_requests_come_back_through_the_host_tier(groups, overlap):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_preempted_requests_come_back_through_the_host_tier(layout, overlap):
     """A preempted request's computed blocks stay indexed; evicted while it waits, the host tier keeps them, and
     it resumes with them copied back (swap instead of recompute): outputs exact, every block free at the end."""
     rng = random.Random(3)
-    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8, overlap=overlap, host_blocks=200)
+    groups, block_sizes = LAYOUTS[layout]
+    engine = FakeEngine(
+        groups, num_blocks=24, block_size=block_sizes, max_batch_size=8, overlap=overlap, host_blocks=200
+    )
     prompts = [[rng.randrange(1, 97) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
     reqs = [engine.add(p, 20) for p in prompts]
     resumed_with_blocks = 0
@@ -308,10 +317,13 @@ def test_preempted_requests_come_back_through_the_host_tier(groups, overlap):
 
 @pytest.mark.parametrize("host_blocks", [12, 400], ids=["small-tier", "big-tier"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
-def test_returning_prefixes_are_copied_back_exactly(groups, overlap, host_blocks):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_returning_prefixes_are_copied_back_exactly(layout, overlap, host_blocks):
     rng = random.Random(5)
-    engine = FakeEngine(groups, num_blocks=40, block_size=4, max_batch_size=3, overlap=overlap, host_blocks=host_blocks)
+    groups, block_sizes = LAYOUTS[layout]
+    engine = FakeEngine(
+        groups, num_blocks=40, block_size=block_sizes, max_batch_size=3, overlap=overlap, host_blocks=host_blocks
+    )
     histories = [[rng.randrange(1, 97) for _ in range(10 + i)] for i in range(6)]
     for _ in range(4):  # turns: each conversation resends its history, plus a new message
         prompts = [h + [rng.randrange(1, 97) for _ in range(3)] for h in histories]

@@ -33,7 +33,7 @@ from tests.tiny_tokenizer import make_tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, "..", "shared", "models")
-GPT_OSS_GROUPS = (KVGroupLayout("sliding_attention", 18, 128), KVGroupLayout("full_attention", 18))
+GPT_OSS_GROUPS = (KVGroupLayout("sliding_attention", 18, 32, 128), KVGroupLayout("full_attention", 18, 32))
 H100_80GB_BYTES = 81559 << 20  # what nvidia-smi and torch report for an H100 80GB HBM3
 
 
@@ -43,7 +43,6 @@ def test_plan_is_the_fraction_of_what_is_left():
         m,
         fraction=0.9,
         bytes_per_block=1 << 20,
-        block_size=32,
         groups=GPT_OSS_GROUPS,
         max_seq_len=4096,
         max_num_tokens=8192,
@@ -60,9 +59,13 @@ def test_plan_is_the_fraction_of_what_is_left():
 
 def test_one_request_needs_every_full_block_and_a_window_of_sliding_blocks():
     # full: 4096 / 32 = 128 blocks; sliding: (128 + 512) / 32 + 1 = 21; plus the null block
-    assert blocks_for_one_request(GPT_OSS_GROUPS, 32, max_seq_len=4096, max_num_tokens=512) == 128 + 21 + 1
+    assert blocks_for_one_request(GPT_OSS_GROUPS, max_seq_len=4096, max_num_tokens=512) == 128 + 21 + 1
     # a short max_seq_len bounds the sliding group too
-    assert blocks_for_one_request(GPT_OSS_GROUPS, 32, max_seq_len=64, max_num_tokens=512) == 2 + 3 + 1
+    assert blocks_for_one_request(GPT_OSS_GROUPS, max_seq_len=64, max_num_tokens=512) == 2 + 3 + 1
+    # FP8 full attention beside bf16 sliding windows (kv_cache_dtype_skip_layers): 64 tokens a full block, half
+    # the full blocks
+    mixed = (KVGroupLayout("sliding_attention", 18, 32, 128), KVGroupLayout("full_attention", 18, 64))
+    assert blocks_for_one_request(mixed, max_seq_len=4096, max_num_tokens=512) == 64 + 21 + 1
 
 
 @pytest.mark.parametrize(
@@ -79,7 +82,6 @@ def test_too_little_memory_is_a_start_up_error_naming_the_settings(measured):
             measured,
             fraction=0.9,
             bytes_per_block=1 << 20,
-            block_size=32,
             groups=GPT_OSS_GROUPS,
             max_seq_len=131072,
             max_num_tokens=8192,
@@ -133,16 +135,20 @@ def test_default_settings_fit_gpt_oss_120b_on_one_h100_with_100k_tokens():
         graphs=GIB,  # CUDA graphs of decode batches up to cuda_graph_config.max_batch_size (256): a bound
         other=GIB,  # CUDA context, cuBLAS workspaces
     )
+    block_size = defaults.block_size
     groups = [
-        KVGroupLayout("sliding_attention" if g.sliding_window else "full_attention", len(g.layer_ids), g.sliding_window)
+        KVGroupLayout(
+            "sliding_attention" if g.sliding_window else "full_attention",
+            len(g.layer_ids),
+            block_size,
+            g.sliding_window,
+        )
         for g in kv_groups_for(mc)
     ]
-    block_size = defaults.block_size
     plan = plan_kv_cache(
         measured,
         fraction=defaults.memory_fraction,
         bytes_per_block=kv_per_token * block_size,
-        block_size=block_size,
         groups=groups,
         max_seq_len=mc.max_position_embeddings,  # the default max_seq_len: one 131k request must fit
         max_num_tokens=defaults.max_num_tokens,
@@ -197,7 +203,7 @@ def test_gpu_memory_utilization_sizes_the_pool_by_vllms_rule(tmp_path, monkeypat
     """vLLM's rule: weights, activations, the CUDA context and the KV cache within u of the whole device, from
     what start-up measures (no estimate from the checkpoint's files, right for dummy weights too)."""
     m = MemoryMeasurement(total=80 * GIB, weights=60 * GIB, activations=3 * GIB, graphs=GIB // 2, other=GIB // 2)
-    shape = dict(bytes_per_block=1 << 20, block_size=32, groups=GPT_OSS_GROUPS, max_seq_len=4096, max_num_tokens=8192)
+    shape = dict(bytes_per_block=1 << 20, groups=GPT_OSS_GROUPS, max_seq_len=4096, max_num_tokens=8192)
     plan = plan_kv_cache(m, fraction=0.9, utilization=0.9, **shape)
     assert plan.kv_bytes == 72 * GIB - (80 * GIB - m.left)  # 72 GiB less the 64 measured: 8 GiB, not 0.9 of 16
     assert m.weights + m.activations + m.graphs + m.other + plan.kv_bytes == round(0.9 * m.total)
@@ -292,7 +298,9 @@ def test_most_useful_blocks_holds_a_full_batch_and_counts_sliding_windows_once(b
     full = -(-max_seq_len // 32) * batch
     sliding = useful - 1 - full
     # never less than one request of max_seq_len needs (the start-up check), nor than the batch's windows
-    one = blocks_for_one_request([KVGroupLayout("f", 12), KVGroupLayout("s", 12, 128)], 32, max_seq_len, max_num_tokens)
+    one = blocks_for_one_request(
+        [KVGroupLayout("f", 12, 32), KVGroupLayout("s", 12, 32, 128)], max_seq_len, max_num_tokens
+    )
     assert useful >= one and sliding >= batch * min(-(-max_seq_len // 32), 4)
     assert sliding <= full + batch
     if (batch, max_num_tokens, max_seq_len) == (4, 8192, 4096):

@@ -42,16 +42,19 @@ class PagedKV:
         num_blocks: int = NUM_BLOCKS,
         kernels: CpuKernels | None = None,
         kv_dtype: torch.dtype = torch.float32,
+        sliding_kv_dtype: torch.dtype | None = None,
     ) -> None:
         # kernels: brisk's C kernels (decode attention, norms, matmuls, MoE); None: the PyTorch reference paths.
-        # kv_dtype: the caches' (float8_e4m3fn: an FP8 KV cache with the layers' scales).
+        # kv_dtype: the caches' (float8_e4m3fn: an FP8 KV cache with the layers' scales); sliding_kv_dtype: that of
+        # sliding-window layers where it differs (kv_cache_dtype_skip_layers).
         attention_backend = make_attention_backend("cpu" if kernels else "torch", torch.device("cpu"), kernels)
         for module in model.modules():  # norms and MoE layers
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
         for layer in model.modules():
             if isinstance(layer, Attention):
-                layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=kv_dtype)
+                dtype = kv_dtype if layer.sliding_window is None or sliding_kv_dtype is None else sliding_kv_dtype
+                layer.k_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype)
                 layer.v_cache = torch.zeros_like(layer.k_cache)
                 layer.kv_group = 0
                 layer.backend = attention_backend
@@ -85,7 +88,7 @@ class PagedKV:
         block_table = torch.zeros(len(chunks), width, dtype=torch.int32)
         for row, (seq, _) in enumerate(chunks):
             block_table[row, : len(self.tables[seq])] = torch.tensor(self.tables[seq], dtype=torch.int32)
-        meta = AttentionMetadata(starts, seq_lens, [block_table], [torch.cat(slots)], self.block_size)
+        meta = AttentionMetadata(starts, seq_lens, [block_table], [torch.cat(slots)])
         return torch.cat(ids), torch.cat(positions), meta
 
 

@@ -214,6 +214,22 @@ CASES: dict[str, tuple[str, bool, bool, dict[str, Any]]] = {  # (architecture, M
         True,
         dict(max_num_tokens=32, kv_cache_config={"max_blocks": 10, "host_cache_size": 2**20}),
     ),
+    # FP8 full attention in blocks of 4x the tokens (64) beside fp32 sliding windows (16), the same bytes a block:
+    # the Triton kernels read each group's block size off its cache; chunks, preemption and the host tier on both.
+    "gpt_oss-fp8-skip-sliding-preemption": (
+        "gpt_oss",
+        True,
+        True,
+        dict(
+            max_num_tokens=32,
+            kv_cache_config={
+                "dtype": "fp8",
+                "dtype_skip_layers": ["sliding_window"],
+                "max_blocks": 10,
+                "host_cache_size": 2**20,
+            },
+        ),
+    ),
 }
 
 
@@ -226,8 +242,8 @@ def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path,
         options = {**options, "speculative_config": _eagle3_head(path, tmp_path)}
     # The reference: the CPU engine's own kernels and the case's KV dtype; no speculation (speculation keeps greedy
     # output exact), a pool for everything, no chunks.
-    kv_dtype = options.get("kv_cache_config", {}).get("dtype")
-    reference = _reference(path, **({"kv_cache_config": {"dtype": kv_dtype}} if kv_dtype else {}))
+    kv_dtypes = {k: v for k, v in options.get("kv_cache_config", {}).items() if k in ("dtype", "dtype_skip_layers")}
+    reference = _reference(path, **({"kv_cache_config": kv_dtypes} if kv_dtypes else {}))
     kernels = _triton_kernels(split_k)
     assert kernels.graph_safe  # a GPU captures these
     tokens, shapes, syncs, stats = _generate_on_the_gpu_path(path, kernels, monkeypatch, **options)

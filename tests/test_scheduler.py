@@ -166,26 +166,51 @@ def test_sibling_follows_leader_and_shares_prompt_blocks():
     assert leader.output_token_ids == follower.output_token_ids
 
 
+def test_prefix_hits_come_in_whole_blocks_of_every_group():
+    """Full-attention blocks of 8 tokens beside sliding blocks of 4 (an FP8 full group, a model-dtype sliding one):
+    of a 21-token shared prefix, 16 tokens hit (two full blocks; the sliding group alone would give 20), and the
+    sliding group adopts only the blocks its window still reads."""
+    engine = FakeEngine(HYBRID, num_blocks=100, block_size=[8, 4])
+    rng = random.Random(11)
+    shared = [rng.randrange(1, 97) for _ in range(21)]
+    first = engine.add(shared + [5], 3)
+    engine.run()
+    second = engine.add(shared + [6, 7], 3)
+    engine.step()
+    assert second.num_cached_tokens == 16
+    full, sliding = engine.kv.tables[second.request_id]
+    assert len(full) == 3 and len(sliding) == 6  # 24 tokens' room in each: 3 blocks of 8, 6 of 4
+    assert sliding[:2] == [0, 0]  # the window (6) at position 16 reads from position 11 on: blocks 0-1 not needed
+    engine.run()
+    for req, prompt in ((first, shared + [5]), (second, shared + [6, 7])):
+        assert req.output_token_ids == engine.expected_output(prompt, 3)
+    assert engine.kv.pool.num_used == 0
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     hybrid=st.booleans(),
     num_blocks=st.integers(12, 80),
     block_size=st.sampled_from([1, 2, 4, 8]),
+    full_ratio=st.sampled_from([1, 2, 4]),
     budget=st.integers(4, 64),
     chunked=st.booleans(),
     caching=st.booleans(),
     overlap=st.booleans(),
 )
 def test_random_workloads_keep_accounting_and_outputs(
-    seed, hybrid, num_blocks, block_size, budget, chunked, caching, overlap
+    seed, hybrid, num_blocks, block_size, full_ratio, budget, chunked, caching, overlap
 ):
+    """full_ratio: a hybrid model's full-attention blocks hold this many times the sliding ones' tokens (an FP8
+    full-attention group beside a model-dtype sliding one: the same bytes a block)."""
     rng = random.Random(seed)
     groups = HYBRID if hybrid else FULL
+    block_sizes = [block_size * full_ratio, block_size] if hybrid else [block_size]
     engine = FakeEngine(
         groups,
         num_blocks,
-        block_size,
+        block_sizes,
         max_batch_size=rng.randint(1, 8),
         max_num_tokens=budget,
         chunked=chunked,
@@ -194,7 +219,8 @@ def test_random_workloads_keep_accounting_and_outputs(
     )
     max_tokens_per_req = 6
     # every request must fit the pool alone, and without chunking the budget too
-    limit = min((num_blocks - 1) // len(groups) * block_size, budget if not chunked else 10**9) - max_tokens_per_req
+    fits = max((n for n in range(200) if sum(-(-n // bs) for bs in block_sizes) <= num_blocks - 1), default=0)
+    limit = min(fits, budget if not chunked else 10**9) - max_tokens_per_req
     if limit < 2:
         return
     prompts = [p[:limit] for p in _prompts(rng, rng.randint(1, 10), shared_prefix=rng.choice([0, 9]))]

@@ -227,7 +227,7 @@ def test_scheduler_rolls_back_rejected_drafts():
     from brisk.scheduler.scheduler import Scheduler, SpecDecodeLimits
     from brisk.structured.spec import StructuredOutputs
 
-    kv = KVCacheManager([KVGroupSpec((0,))], 32, 4, enable_prefix_caching=True)
+    kv = KVCacheManager([KVGroupSpec((0,))], 32, [4], enable_prefix_caching=True)
     sched = Scheduler(kv, max_batch_size=4, max_num_tokens=64, enable_chunked_prefill=True, spec=SpecDecodeLimits(3))
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=20), 20, frozenset(), 0)
     sched.add(req)

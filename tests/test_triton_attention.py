@@ -356,7 +356,7 @@ def test_step_plan_views_start_16_byte_aligned(num_decodes: int, prompt_lens: tu
     new_tokens = [1] * num_decodes + list(prompt_lens)
     qsl = [0, *np.cumsum(new_tokens).tolist()]
     lens = [n + 10 for n in new_tokens]
-    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, block_tables=[], slot_mappings=[], block_size=16)
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=lens, block_tables=[], slot_mappings=[])
     plan = build_step_plan(meta, block_q=16, device=torch.device("cpu"))
     views = {
         "cu_seqlens_q": plan.cu_seqlens_q,

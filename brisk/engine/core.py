@@ -69,7 +69,9 @@ class EngineCore:
         self.schedulers: list[Scheduler] = []
         for _ in range(spec.dp_size):
             host = HostTier(spec.num_host_blocks, spec.host_bytes_per_block) if spec.num_host_blocks else None
-            kv = KVCacheManager(spec.groups, spec.num_blocks, spec.block_size, config.enable_prefix_caching, host)
+            kv = KVCacheManager(
+                spec.groups, spec.num_blocks, list(spec.block_sizes), config.enable_prefix_caching, host
+            )
             self.kv_managers.append(kv)
             self.schedulers.append(
                 Scheduler(

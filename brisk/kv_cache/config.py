@@ -127,8 +127,8 @@ class KvCacheConfig(OptionModel):
     )
     dtype_skip_layers: list[str] = option(
         default_factory=list,
-        help="layer types whose KV stays in the model's dtype under an FP8 KV cache: sliding_window (brisk's KV "
-        "groups share one block layout, so a model with such layers keeps its whole cache in its dtype)",
+        help="layer types whose KV stays in the model's dtype under an FP8 KV cache: sliding_window (the other "
+        "layers' FP8 blocks then hold twice the tokens, so a block is the same bytes in every layer)",
         vllm="kv_cache_dtype_skip_layers",
         nargs="+",
         metavar="LAYER_TYPE",
@@ -380,12 +380,12 @@ class KvCacheConfig(OptionModel):
             )
         return value
 
-    def block_limit(self, bytes_per_block: int, num_groups: int) -> int | None:
+    def block_limit(self, bytes_per_block: int, group_block_sizes: tuple[int, ...]) -> int | None:
         """The most blocks max_tokens and max_gpu_total_bytes leave the pool (None: neither is set): max_tokens in
-        every group plus the null block, the whole pool within the byte budget."""
+        every group (each group's tokens a block) plus the null block, the whole pool within the byte budget."""
         limits = []
         if self.max_tokens is not None:
-            limits.append(num_groups * -(-self.max_tokens // self.tokens_per_block) + 1)
+            limits.append(sum(-(-self.max_tokens // bs) for bs in group_block_sizes) + 1)
         if self.max_gpu_total_bytes:
             limits.append(self.max_gpu_total_bytes // bytes_per_block)
         return max(2, min(limits)) if limits else None

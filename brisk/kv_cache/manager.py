@@ -6,8 +6,12 @@ block handed to the sliding group holds KV for the sliding layers only (see Mode
 A sliding group's table keeps the null block where tokens have fallen out of the window, so half of
 gpt-oss's layers cost O(window) memory instead of O(context).
 
-Prefix caching hashes each full block by (parent hash, token ids); a hit is verified against the
-stored tokens. A hit must leave at least one token to compute (its logits are needed). A request's cache_salt
+Groups may differ in tokens a block (`block_sizes`: an FP8 group beside a model-dtype one holds twice the tokens
+in the same bytes; model_runner/kv_tensors.py). `block_size` is the smallest, the hashing unit: prefix caching
+hashes each unit of block_size tokens by (parent hash, token ids), and a group's block of k units is keyed by its
+last unit's hash (the chain covers every token before it), so hits come in whole blocks of every group.
+
+A hit is verified against the stored tokens. A hit must leave at least one token to compute (its logits are needed). A request's cache_salt
 is its first block's parent: requests share blocks only with requests of the same salt (or none).
 
 Host tier (host_tier.py, `kv_cache_config.host_cache_size`): cached blocks the pool evicts are copied to host
@@ -17,6 +21,7 @@ fresh device block, indexed again. The scheduler sees a host hit exactly as a de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,12 +64,22 @@ class KVCacheManager:
         self,
         groups: list[KVGroupSpec],
         num_blocks: int,
-        block_size: int,
+        block_sizes: list[int],
         enable_prefix_caching: bool,
         host_tier: HostTier | None = None,
     ):
+        """block_sizes: tokens a block of each group holds, each a multiple of the smallest."""
         self.groups = groups
-        self.block_size = block_size
+        self.block_sizes = block_sizes
+        self.block_size = min(block_sizes)  # the hashing unit
+        if any(bs % self.block_size for bs in block_sizes):
+            raise ValueError(f"KV groups' block sizes {block_sizes} are not multiples of the smallest")
+        self.units = [bs // self.block_size for bs in block_sizes]  # hashing units a block of each group
+        self.hit_unit = math.lcm(*self.units)  # a prefix hit is whole blocks of every group
+        # Every table of a request holds the blocks for the same tokens, so the group of the smallest blocks runs
+        # out of room first and grows whenever another does (another group's block ends where one of its blocks
+        # does): the group to watch.
+        self.tightest_group = block_sizes.index(self.block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_tier = host_tier if enable_prefix_caching else None
@@ -73,7 +88,7 @@ class KVCacheManager:
         self._no_sliding = all(g.sliding_window is None for g in groups)
         self._next_release: dict[str, int] = {}  # sliding windows: when a request next has a block to release
         self.tables: dict[str, list[list[int]]] = {}
-        self.num_cached_blocks: dict[str, int] = {}  # per request: its leading blocks in the prefix index
+        self.num_cached_blocks: dict[str, int] = {}  # per request: its leading hashing units in the prefix index
         self._hashes: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -86,7 +101,7 @@ class KVCacheManager:
 
     def max_blocks_per_request(self, num_tokens: int) -> int:
         """Blocks one request of this length needs at most (all groups); admission must never exceed the pool."""
-        return len(self.groups) * cdiv(num_tokens, self.block_size)
+        return sum(cdiv(num_tokens, bs) for bs in self.block_sizes)
 
     # ---- prefix cache --------------------------------------------------------------------------
     def get_computed_blocks(self, req: KVRequest) -> PrefixHit:
@@ -94,22 +109,24 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return empty
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
-        hashes = self._block_hashes(req, max_blocks)
-        found = [
-            [self._lookup(BlockKey(g, h, parent, toks)) for h, parent, toks in hashes] for g in range(len(self.groups))
+        max_units = (req.num_tokens - 1) // bs
+        hashes = self._block_hashes(req, max_units)
+        found = [  # per group, its blocks: each keyed by its last unit
+            [self._lookup(BlockKey(g, *hashes[(i + 1) * k - 1])) for i in range(max_units // k)]
+            for g, k in enumerate(self.units)
         ]
-        limit = max_blocks
+        limit = max_units
         for g, spec in enumerate(self.groups):
             if spec.sliding_window is None:
-                limit = min(limit, next((i for i, b in enumerate(found[g]) if b is None), max_blocks))
+                missing = next((i for i, b in enumerate(found[g]) if b is None), len(found[g]))
+                limit = min(limit, missing * self.units[g])
         self.prefix_queries += req.num_tokens
-        for n in range(limit, 0, -1):
+        for n in range(limit - limit % self.hit_unit, 0, -self.hit_unit):
             blocks: list[list[int]] = []
-            for g, spec in enumerate(self.groups):
-                start = self._first_needed_block(spec, n * bs)
-                needed = [b for b in found[g][start:n] if b is not None]
-                if len(needed) < n - start:
+            for g in range(len(self.groups)):
+                start, end = self._first_needed_block(g, n * bs), n // self.units[g]
+                needed = [b for b in found[g][start:end] if b is not None]
+                if len(needed) < end - start:
                     break  # a block this group still reads is not cached: try a shorter prefix
                 blocks.append([NULL_BLOCK] * start + needed)
             else:
@@ -126,11 +143,12 @@ class KVCacheManager:
                 return -1 - host
         return block
 
-    def _first_needed_block(self, spec: KVGroupSpec, num_computed: int) -> int:
-        """First block index the next query (at position num_computed) still reads."""
-        if spec.sliding_window is None:
+    def _first_needed_block(self, g: int, num_computed: int) -> int:
+        """First block index of group g the next query (at position num_computed) still reads."""
+        window = self.groups[g].sliding_window
+        if window is None:
             return 0
-        return max(0, num_computed - spec.sliding_window + 1) // self.block_size
+        return max(0, num_computed - window + 1) // self.block_sizes[g]
 
     def _block_hashes(self, req: KVRequest, n: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
         hashes = self._hashes.setdefault(req.request_id, [])
@@ -151,16 +169,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
-        n_full = (req.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
+        n_full = (req.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size  # units
         start = self.num_cached_blocks.get(rid, 0)
         if n_full <= start:
             return
         hashes = self._block_hashes(req, n_full)
-        for g, table in enumerate(self.tables[rid]):
-            for i in range(start, n_full):
+        for g, (table, k) in enumerate(zip(self.tables[rid], self.units)):
+            for i in range(start // k, n_full // k):  # the group's blocks that became full
                 if table[i] != NULL_BLOCK:
-                    h, parent, toks = hashes[i]
-                    self.pool.cache(table[i], BlockKey(g, h, parent, toks))
+                    self.pool.cache(table[i], BlockKey(g, *hashes[(i + 1) * k - 1]))
         self.num_cached_blocks[rid] = n_full
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -181,10 +198,10 @@ class KVCacheManager:
                     self.cache_full_blocks(req, min(num_computed, req.num_tokens))
                 self._release_out_of_window(tables, num_computed)
                 self._next_release[rid] = self._next_release_at(num_computed)
-            if len(tables[0]) * self.block_size >= num_computed + num_new_tokens:
+            if len(tables[self.tightest_group]) * self.block_size >= num_computed + num_new_tokens:
                 return True  # the common decode step: O(1) while the last block has room
-        total_blocks = cdiv(num_computed + num_new_tokens, self.block_size)
-        needed = [max(0, total_blocks - len(t)) for t in tables]
+        total = num_computed + num_new_tokens
+        needed = [max(0, cdiv(total, bs) - len(t)) for t, bs in zip(tables, self.block_sizes)]
         reused_free = 0
         if hit is not None:  # its device blocks still in the free queue, and its host blocks (each a fresh block)
             reused_free = sum(1 for t in tables for b in t if b < 0 or (b != NULL_BLOCK and self.pool.ref_cnt[b] == 0))
@@ -197,7 +214,7 @@ class KVCacheManager:
                         self.pool.touch(b)
             self._onboard(req, tables)
             self.tables[rid] = tables
-            self.num_cached_blocks[rid] = hit.num_tokens // self.block_size
+            self.num_cached_blocks[rid] = hit.num_tokens // self.block_size  # units
         for t, n in zip(tables, needed):
             t.extend(self.pool.allocate(n))
         return True
@@ -211,14 +228,17 @@ class KVCacheManager:
             for b in t:
                 if b < 0:
                     host.pin(-1 - b)
-        self.host_hits += self.block_size * sum(any(t[i] < 0 for t in tables) for i in range(len(tables[0])))
-        hashes = self._block_hashes(req, len(tables[0]))
-        for g, t in enumerate(tables):
+        from_host = {
+            u for t, k in zip(tables, self.units) for i, b in enumerate(t) if b < 0 for u in range(i * k, i * k + k)
+        }
+        self.host_hits += self.block_size * len(from_host)  # the tokens some group's KV came back for
+        hashes = self._block_hashes(req, max(len(t) * k for t, k in zip(tables, self.units)))
+        for g, (t, k) in enumerate(zip(tables, self.units)):
             for i, b in enumerate(t):
                 if b < 0:
                     (block,) = self.pool.allocate(1)
                     host.onboard(-1 - b, block)
-                    self.pool.cache(block, BlockKey(g, *hashes[i]))
+                    self.pool.cache(block, BlockKey(g, *hashes[(i + 1) * k - 1]))
                     t[i] = block
 
     def take_copies(self) -> list[KVBlockCopy]:
@@ -227,34 +247,35 @@ class KVCacheManager:
 
     def _next_release_at(self, num_computed: int) -> int:
         """The computed-token count at which some sliding group's window next leaves a whole block behind."""
-        bs = self.block_size
         return min(
-            (self._first_needed_block(g, num_computed) + 1) * bs + g.sliding_window - 1
-            for g in self.groups
-            if g.sliding_window is not None
+            (self._first_needed_block(g, num_computed) + 1) * self.block_sizes[g] + spec.sliding_window - 1
+            for g, spec in enumerate(self.groups)
+            if spec.sliding_window is not None
         )
 
     def _release_out_of_window(self, tables: list[list[int]], num_computed: int) -> None:
-        for spec, table in zip(self.groups, tables):
+        for g, (spec, table) in enumerate(zip(self.groups, tables)):
             if spec.sliding_window is None:
                 continue
-            for i in range(self._first_needed_block(spec, num_computed) - 1, -1, -1):
+            for i in range(self._first_needed_block(g, num_computed) - 1, -1, -1):
                 if table[i] == NULL_BLOCK:
                     break  # everything before was released earlier
                 self.pool.free([table[i]])
                 table[i] = NULL_BLOCK
 
-    def trim(self, req: KVRequest, num_tokens: int) -> int:
+    def trim(self, req: KVRequest, num_tokens: int) -> list[int]:
         """Free the request's blocks past its first `num_tokens` slots (speculative decoding: rejected drafts'
         slots); returns the blocks each table keeps. Blocks in the prefix index hold verified tokens only and are
         never past them."""
         tables = self.tables[req.request_id]
-        keep = cdiv(num_tokens, self.block_size)
-        if len(tables[0]) > keep:
-            for table in tables:
+        kept = []
+        for table, bs in zip(tables, self.block_sizes):
+            keep = cdiv(num_tokens, bs)
+            if len(table) > keep:
                 self.pool.free(table[keep:], reuse_first=True)
                 del table[keep:]
-        return len(tables[0])
+            kept.append(len(table))
+        return kept
 
     def free(self, req: KVRequest) -> None:
         rid = req.request_id

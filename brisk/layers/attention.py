@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: the metadata a step carries, the layer, and the backend interface.
 
-KV cache layout (per layer): `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim], in
-the model's dtype or FP8 E4M3 with the layer's static `k_scale` / `v_scale` [num_kv_heads] (layers/kv_fp8.py).
+KV cache layout (per layer): `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim] (the
+block size is the layer's KV group's: a group stored in FP8 beside one in the model's dtype holds more tokens a
+block), in the model's dtype or FP8 E4M3 with the layer's static `k_scale` / `v_scale` [num_kv_heads] (layers/kv_fp8.py).
 Block 0 is the null block: never allocated, it pads block tables and stands in for blocks a sliding
 window has released. Each layer belongs to a KV group (full attention, sliding window); each group has
 its own block table per request, see `kv_cache/manager.py`.
@@ -34,7 +35,6 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B] context length after this step (cached + new)
     block_tables: list[torch.Tensor]  # per KV group: [B, max_blocks] int32, padded with the null block 0
     slot_mappings: list[torch.Tensor]  # per KV group: [T] int64 slot = block * block_size + offset; -1 skips
-    block_size: int
     dp_num_tokens: list[int] | None = None  # attention data parallel: T of every DP rank (MoE gathers them)
     # Static-buffer (CUDA graph) steps: the device copies of seq_lens / query_start_loc the backend must read
     # instead of building its own, and the bound on any context length (split-K sizes without a host sync).
@@ -215,7 +215,7 @@ class TorchAttentionBackend(AttentionBackend):
         key = (layer.kv_group, layer.sliding_window)
         plan = decode_chunks.get(key)
         if plan is None:
-            bs, dev = meta.block_size, layer.k_cache.device
+            bs, dev = layer.k_cache.shape[1], layer.k_cache.device
             blocks_per_seq = -(-max(meta.seq_lens) // bs)
             padded = blocks_per_seq * bs
             seq_lens = torch.tensor(meta.seq_lens, device=dev)
@@ -295,7 +295,7 @@ class TorchAttentionBackend(AttentionBackend):
                     q[chunk_start:chunk_end],
                     meta.block_tables[layer.kv_group][i],
                     chunk_len,
-                    meta.block_size,
+                    layer.k_cache.shape[1],
                     sinks,
                 ).to(out.dtype)
         return out

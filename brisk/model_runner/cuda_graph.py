@@ -73,10 +73,8 @@ class GraphedModel:
     model: BriskModel
     attention: AttentionBackend
     device: torch.device
-    block_size: int
     max_seq_len: int
-    num_kv_groups: int
-    max_blocks_per_row: int
+    max_blocks_per_row: tuple[int, ...]  # per KV group (groups differ in tokens a block)
 
 
 def aux_hidden_states(model: BriskModel) -> list[torch.Tensor] | None:
@@ -134,10 +132,9 @@ class DecodeGraphs:
         self.query_start_loc = {
             t: torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device=dev) for t in self.query_lens
         }
-        groups = range(target.num_kv_groups)
-        self.slot_mappings = [torch.zeros(tokens, dtype=torch.int64, device=dev) for _ in groups]
+        self.slot_mappings = [torch.zeros(tokens, dtype=torch.int64, device=dev) for _ in target.max_blocks_per_row]
         self.max_blocks = target.max_blocks_per_row
-        self.block_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev) for _ in groups]
+        self.block_tables = [torch.zeros(n, width, dtype=torch.int32, device=dev) for width in self.max_blocks]
         # What padding rows compute (tests poison these): their slots stay in the null block whatever they are.
         self.pad_input_id = 0
         self.pad_position = 0
@@ -177,13 +174,12 @@ class DecodeGraphs:
         """Every DP rank's rows at a static shape (None without attention DP)."""
         return [padded * t] * self.dp_size if self.dp_size > 1 else None
 
-    def _meta(self, padded: int, t: int, width: int) -> AttentionMetadata:
+    def _meta(self, padded: int, t: int, widths: Sequence[int]) -> AttentionMetadata:
         meta = AttentionMetadata(
             query_start_loc=list(range(0, (padded + 1) * t, t)),
             seq_lens=[],  # filled below on the host path; the graph path reads the tensors
-            block_tables=[table[:padded, :width] for table in self.block_tables],
+            block_tables=[table[:padded, :width] for table, width in zip(self.block_tables, widths)],
             slot_mappings=[s[: padded * t] for s in self.slot_mappings],
-            block_size=self.target.block_size,
             seq_lens_tensor=self.seq_lens[:padded],
             query_start_loc_tensor=self.query_start_loc[t][: padded + 1],
             max_seq_len=self.target.max_seq_len,
@@ -206,7 +202,7 @@ class DecodeGraphs:
             self.input_ids[idx] = last_sampled[rows]
         self.positions[:n].copy_(to_device(step.positions, dev), non_blocking=True)
         self.seq_lens[:b].copy_(to_device(step.seq_lens, dev), non_blocking=True)
-        width = self.max_blocks if self.capture else max(1, step.block_tables[0].shape[1])
+        widths = self.max_blocks if self.capture else [max(1, table.shape[1]) for table in step.block_tables]
         for g in range(len(self.slot_mappings)):
             self.slot_mappings[g][:n].copy_(to_device(step.slot_mappings[g], dev), non_blocking=True)
             table = step.block_tables[g]
@@ -217,15 +213,14 @@ class DecodeGraphs:
             self.seq_lens[b:padded] = t
             for g in range(len(self.slot_mappings)):
                 self.slot_mappings[g][n : padded * t] = 0  # slot 0 of the null block
-                self.block_tables[g][b:padded, :width] = 0
+                self.block_tables[g][b:padded, : widths[g]] = 0
         # What an EAGLE3 drafter reads of the step (its first pass runs over the step's own tokens): the metadata
         # of the real requests as an eager step has it, on these buffers.
         step.meta = AttentionMetadata(
             query_start_loc=step.query_start_loc.tolist(),
             seq_lens=step.seq_lens.tolist(),
-            block_tables=[table[:b, : step.block_tables[0].shape[1]] for table in self.block_tables],
+            block_tables=[table[:b, : real.shape[1]] for table, real in zip(self.block_tables, step.block_tables)],
             slot_mappings=[s[:n] for s in self.slot_mappings],
-            block_size=self.target.block_size,
         )
         if self.capture:
             hidden, aux = self.captured[padded, t].replay()
@@ -233,7 +228,7 @@ class DecodeGraphs:
                 decoder: Any = self.target.model.model  # llama.py's DecoderModel (EAGLE3 targets are CausalLMs)
                 decoder.aux_hidden_states = aux
             return hidden[:n]
-        meta = self._meta(padded, t, width)
+        meta = self._meta(padded, t, widths)
         meta.seq_lens = step.seq_lens.tolist() + [t] * (padded - b)
         meta.plan_for(self.target.attention)
         return self.target.model(self.input_ids[: padded * t], self.positions[: padded * t], meta)[:n]

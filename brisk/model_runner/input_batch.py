@@ -41,7 +41,8 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_rows: int, max_blocks_per_row: int, num_kv_groups: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks_per_row: list[int], device: torch.device) -> None:
+        """max_blocks_per_row: per KV group (groups differ in tokens a block)."""
         self.max_rows = max_rows
         self.device = device
         self.req_ids: list[str] = []  # row -> request id
@@ -49,12 +50,12 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.num_computed = np.zeros(max_rows, dtype=np.int64)
         self.num_host_tokens = np.zeros(max_rows, dtype=np.int64)
-        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.num_blocks = np.zeros((len(max_blocks_per_row), max_rows), dtype=np.int64)  # per group and row
         # Rows of prefill-only requests (max_tokens 0): they never sample. Counted, so steps without any skip the mask.
         self.prefill_only = np.zeros(max_rows, dtype=bool)
         self.num_prefill_only = 0
         self.num_needs_history = 0  # rows whose sampling reads their outputs: steps without any never look
-        self.block_tables = [np.zeros((max_rows, max_blocks_per_row), dtype=np.int32) for _ in range(num_kv_groups)]
+        self.block_tables = [np.zeros((max_rows, width), dtype=np.int32) for width in max_blocks_per_row]
         self.last_sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)
         # Bumped whenever rows join, leave or move: the sampler's per-row tensors are rebuilt only then.
         self.version = 0
@@ -78,7 +79,7 @@ class InputBatch:
         self.row_of[state.req_id] = row
         self.num_computed[row] = num_computed
         self.num_host_tokens[row] = len(state.host_token_ids)
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         if self.token_ids is not None:
             self.num_tokens[row] = len(state.host_token_ids)
             self.token_ids[row, : len(state.host_token_ids)] = state.host_token_ids
@@ -90,13 +91,11 @@ class InputBatch:
         return row
 
     def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
-        if not block_ids or not block_ids[0]:
-            return
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids[0])
-        for table, ids in zip(self.block_tables, block_ids):
-            table[row, start:end] = ids
-        self.num_blocks[row] = end
+        for g, (table, ids) in enumerate(zip(self.block_tables, block_ids)):
+            if ids:
+                start = int(self.num_blocks[g, row])
+                table[row, start : start + len(ids)] = ids
+                self.num_blocks[g, row] = start + len(ids)
 
     def remove(self, req_ids: list[str]) -> None:
         """Drop these requests' rows (unknown ids are ignored), moving the last rows into the holes."""
@@ -115,16 +114,16 @@ class InputBatch:
                 for arr in (
                     self.num_computed,
                     self.num_host_tokens,
-                    self.num_blocks,
                     self.prefill_only,
                     self.num_tokens,
                 ):
                     arr[row] = arr[last]
                 if self.token_ids is not None:
                     self.token_ids[row, : self.num_tokens[row]] = self.token_ids[last, : self.num_tokens[row]]
-                width = int(self.num_blocks[last])
-                for table in self.block_tables:
+                for g, table in enumerate(self.block_tables):
+                    width = int(self.num_blocks[g, last])
                     table[row, :width] = table[last, :width]
+                    self.num_blocks[g, row] = width
                 self.last_sampled[row] = self.last_sampled[last]
             self.req_ids.pop()
             self.states.pop()

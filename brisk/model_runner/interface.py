@@ -7,7 +7,8 @@ attention-DP rank) to the host. `setup.load_model_runner` builds the runner; not
 
 KV memory layout: layers are grouped by attention type (`kv_groups_for`). Slot tensor j holds the KV of the j-th
 layer of every group, so one block id means the same memory in all groups and all groups share one `BlockPool`; a
-block's bytes are `num_slots * 2 * block_size * kv_heads * head_dim * dtype` (kv_tensors.py allocates them).
+block is the same bytes in every group, which holds `block_sizes[g]` tokens in it (more in a group of a narrower KV
+dtype; kv_tensors.py allocates them).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class KVCacheSpec:
 
     groups: list[KVGroupSpec]
     num_blocks: int
-    block_size: int
+    block_sizes: tuple[int, ...]  # per group: the tokens a block holds
     dp_size: int  # one KV pool (and scheduler) per attention-DP rank
     spec_lookahead_slots: int = 0  # KV slots past a request's tokens its drafter writes (spec_decode/proposer.py)
     kv_dtypes: tuple[torch.dtype, ...] = ()  # per group: the dtype its K and V are stored in

@@ -6,12 +6,11 @@ bytes are `num_slots * 2 * block_size * kv_heads * head_dim * dtype`, plus a dra
 same blocks. `allocate_kv_cache` binds the tensors to the attention layers (and the drafter's).
 
 Each group stores its K and V in one dtype (`kv_group_dtypes`): the model's, or FP8 E4M3 (kv_cache_config.dtype,
-layers/kv_fp8.py). Groups share the slot tensors, so they share one dtype: a block id's bytes in slot j belong to
-whichever group holds that block, and two dtypes would put block b of one group over other blocks of the other.
-So kv_cache_config.dtype_skip_layers (vLLM's `--kv-cache-dtype-skip-layers sliding_window`) keeps a hybrid model's
-whole cache in the model's dtype (a start-up warning says so; FP8 on the full-attention half alone would add its
-error without saving a byte, the sliding half's slots setting the block size), and changes nothing on a model
-whose layers are of one type it does not name.
+layers/kv_fp8.py); kv_cache_config.dtype_skip_layers (vLLM's `--kv-cache-dtype-skip-layers sliding_window`) keeps the
+sliding-window groups in the model's dtype. Groups share the slot tensors, so a block must be the same bytes in every
+group: a group whose dtype is narrower holds more tokens a block (`group_block_sizes`: gpt-oss with FP8 full
+attention and bf16 sliding windows has full-attention blocks of 2 x block_size tokens, as vLLM's hybrid allocator
+unifies page sizes). block_size stays the smallest, the prefix cache's hashing unit (kv_cache/manager.py).
 """
 
 from __future__ import annotations
@@ -48,14 +47,14 @@ def kv_group_dtypes(
             )
         return (model_dtype,) * len(groups)
     skip_sliding = "sliding_window" in kv_config.dtype_skip_layers
-    if skip_sliding and any(g.sliding_window for g in groups):
-        logger.warning(
-            "kv_cache_dtype_skip_layers sliding_window: this model's KV groups share one block layout, so its whole "
-            "KV cache stays in the model's dtype (%s); FP8 KV is off",
-            model_dtype,
-        )
-        return (model_dtype,) * len(groups)
-    return (FP8_KV_DTYPE,) * len(groups)
+    return tuple(model_dtype if skip_sliding and g.sliding_window else FP8_KV_DTYPE for g in groups)
+
+
+def group_block_sizes(block_size: int, dtypes: tuple[torch.dtype, ...]) -> tuple[int, ...]:
+    """Tokens a block holds in each group: block_size in the widest dtype's groups, proportionally more in narrower
+    ones, so that a block is the same bytes in every group (they share the slot tensors)."""
+    widest = max(d.itemsize for d in dtypes)
+    return tuple(block_size * widest // d.itemsize for d in dtypes)
 
 
 @dataclass(frozen=True)
@@ -68,10 +67,6 @@ class KVTensorLayout:
     draft_bytes_per_block: int = 0  # a drafter's own KV in the same blocks
     group_dtypes: tuple[torch.dtype, ...] = ()  # per group: its K / V storage dtype (empty: the model's)
 
-    def __post_init__(self) -> None:
-        if len(set(self.kv_dtypes)) > 1:  # kv_group_dtypes never asks for it: see the module's docstring
-            raise ValueError(f"KV groups sharing slot tensors need one dtype, not {self.kv_dtypes}")
-
     @property
     def num_slots(self) -> int:
         return max(len(g.layer_ids) for g in self.groups)
@@ -80,28 +75,38 @@ class KVTensorLayout:
     def kv_dtypes(self) -> tuple[torch.dtype, ...]:
         return self.group_dtypes or (self.dtype,) * len(self.groups)
 
-    def slot_bytes_per_block(self, slot: int) -> int:
-        """Bytes of one block of slot tensor `slot` (K or V)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtypes[0].itemsize
+    @property
+    def group_block_sizes(self) -> tuple[int, ...]:
+        return group_block_sizes(self.block_size, self.kv_dtypes)
+
+    @property
+    def slot_bytes_per_block(self) -> int:
+        """Bytes of one block of a slot tensor (K or V): the same in every group."""
+        widest = max(d.itemsize for d in self.kv_dtypes)
+        return self.block_size * self.num_kv_heads * self.head_dim * widest
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(2 * self.slot_bytes_per_block(j) for j in range(self.num_slots)) + self.draft_bytes_per_block
+        return 2 * self.slot_bytes_per_block * self.num_slots + self.draft_bytes_per_block
 
     def describe(self, num_blocks: int) -> str:
-        """The pool in one log line: its blocks, the dtypes, the tokens per GiB against the model's dtype."""
-        per_gib = GIB // self.bytes_per_block * self.block_size
+        """The pool in one log line: its blocks, the dtypes, the full-attention tokens per GiB against the model's
+        dtype."""
         model_dtype = KVTensorLayout(
             self.groups, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.draft_bytes_per_block
         )
-        ratio = model_dtype.bytes_per_block / self.bytes_per_block
+        # A full-attention group holds every token of a request: its tokens per GiB are the pool's capacity.
+        main = next((g for g, spec in enumerate(self.groups) if spec.sliding_window is None), 0)
+        tokens = self.group_block_sizes[main]
+        per_gib = GIB // self.bytes_per_block * tokens
+        ratio = tokens / self.bytes_per_block / (model_dtype.group_block_sizes[main] / model_dtype.bytes_per_block)
         dtypes = ", ".join(
-            f"{'sliding' if g.sliding_window else 'full'} {str(d).removeprefix('torch.')}"
-            for g, d in zip(self.groups, self.kv_dtypes)
+            f"{'sliding' if g.sliding_window else 'full'} {str(d).removeprefix('torch.')} ({bs} tokens a block)"
+            for g, d, bs in zip(self.groups, self.kv_dtypes, self.group_block_sizes)
         )
         return (
-            f"KV cache: {num_blocks:,} blocks of {self.block_size} tokens, {self.bytes_per_block:,} bytes each; K/V "
-            f"stored as {dtypes}; {per_gib:,} tokens per GiB ({ratio:.2f}x the model dtype's)"
+            f"KV cache: {num_blocks:,} blocks of {self.bytes_per_block:,} bytes; K/V stored as {dtypes}; "
+            f"{per_gib:,} tokens per GiB ({ratio:.2f}x the model dtype's)"
         )
 
     def most_useful_blocks(self, max_seq_len: int, max_batch_size: int, max_num_tokens: int) -> int:
@@ -110,10 +115,10 @@ class KVTensorLayout:
         rest after each step) plus the step's new tokens, at most max_num_tokens over the batch: per request at
         most cdiv(window - 1 + new, block_size) + 1 blocks. gpt-oss-20b at batch 4, 4,096 tokens: 280 blocks for
         its sliding half instead of 512 (0.18 GB)."""
-        bs, batch = self.block_size, max_batch_size
-        per_request = cdiv(max_seq_len, bs)
+        batch = max_batch_size
         blocks = 1  # the null block
-        for group in self.groups:
+        for group, bs in zip(self.groups, self.group_block_sizes):
+            per_request = cdiv(max_seq_len, bs)
             window = group.sliding_window
             if window is None:
                 blocks += per_request * batch
@@ -146,23 +151,19 @@ def allocate_kv_cache(
     proposer: Proposer | None = None,
 ) -> None:
     """Zeroed KV tensors of `num_blocks` blocks, bound to every attention layer (and the drafter's KV)."""
-    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    elements = num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
+    slot_bytes = num_blocks * layout.slot_bytes_per_block
     slots = [
-        tuple(
-            torch.zeros(num_blocks * layout.slot_bytes_per_block(j), dtype=torch.uint8, device=device) for _ in range(2)
-        )
-        for j in range(layout.num_slots)
+        tuple(torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2))
+        for _ in range(layout.num_slots)
     ]
-    for g, (group, dtype) in enumerate(zip(layout.groups, layout.kv_dtypes)):
+    for g, (group, dtype, bs) in enumerate(zip(layout.groups, layout.kv_dtypes, layout.group_block_sizes)):
+        shape = (num_blocks, bs, layout.num_kv_heads, layout.head_dim)
         for j, layer_id in enumerate(group.layer_ids):
             layer = attn_layers[layer_id]
-            layer.k_cache, layer.v_cache = (
-                raw[: elements * dtype.itemsize].view(dtype).view(shape) for raw in slots[j]
-            )
+            layer.k_cache, layer.v_cache = (raw.view(dtype).view(shape) for raw in slots[j])
             layer.kv_group = g
-    if proposer is not None:
-        proposer.bind_kv(num_blocks, layout.block_size, device)
+    if proposer is not None:  # the drafter reads the first (full-attention) group's block table
+        proposer.bind_kv(num_blocks, layout.group_block_sizes[0], device)
 
 
 def release_kv_cache(attn_layers: list[Attention]) -> None:

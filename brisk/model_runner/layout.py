@@ -46,10 +46,13 @@ class StepBatch:
     num_drafts: np.ndarray | None = None
 
 
-def lay_out_step(batch: InputBatch, sched: SchedulerOutput, block_size: int, device: torch.device) -> StepBatch:
-    """The step's model input, from the persistent batch: vectorised over rows and tokens. The batch is read, not
-    changed (the runner advances its computed tokens by the step's)."""
-    bs, dev = block_size, device
+def lay_out_step(
+    batch: InputBatch, sched: SchedulerOutput, block_sizes: tuple[int, ...], device: torch.device
+) -> StepBatch:
+    """The step's model input, from the persistent batch: vectorised over rows and tokens (block_sizes: the tokens
+    a block of each KV group holds). The batch is read, not changed (the runner advances its computed tokens by the
+    step's)."""
+    dev = device
     nst = sched.num_scheduled_tokens
     row_of = batch.row_of
     num_rows = len(nst)
@@ -96,10 +99,11 @@ def lay_out_step(batch: InputBatch, sched: SchedulerOutput, block_size: int, dev
         counts_out = num_drafts + 1
         starts = np.repeat(logits_indices - num_drafts, counts_out)
         logits_indices = starts + np.arange(len(starts)) - np.repeat(np.cumsum(counts_out) - counts_out, counts_out)
-    block_idx = positions // bs
-    offsets = positions % bs
-    slot_mappings = [table[token_rows, block_idx].astype(np.int64) * bs + offsets for table in batch.block_tables]
-    width = int(batch.num_blocks[rows].max()) if num_rows else 0
+    slot_mappings = [
+        table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        for table, bs in zip(batch.block_tables, block_sizes)
+    ]
+    widths = batch.num_blocks[:, rows].max(axis=1).tolist() if num_rows else [0] * len(block_sizes)
     step = StepBatch(
         rows=rows,
         num_rows=num_rows,
@@ -111,7 +115,7 @@ def lay_out_step(batch: InputBatch, sched: SchedulerOutput, block_size: int, dev
         positions=positions,
         query_start_loc=qsl,
         seq_lens=seq_lens,
-        block_tables=[table[rows, :width] for table in batch.block_tables],
+        block_tables=[table[rows, :width] for table, width in zip(batch.block_tables, widths)],
         slot_mappings=slot_mappings,
         sample_idx=sample_idx,
         num_sampled=len(sample_idx),

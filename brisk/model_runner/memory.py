@@ -59,10 +59,12 @@ class MemoryMeasurement:
 
 @dataclass(frozen=True)
 class KVGroupLayout:
-    """What the plan needs to know of a KV group: its name for the log, its layers, its sliding window."""
+    """What the plan needs to know of a KV group: its name for the log, its layers, the tokens a block of it holds,
+    its sliding window."""
 
     name: str
     num_layers: int
+    block_size: int
     window: int | None = None
 
 
@@ -73,39 +75,41 @@ class KVCachePlan:
     utilization: float | None  # vLLM's gpu_memory_utilization, where it sized the pool instead of the fraction
     kv_bytes: int  # the pool's budget
     bytes_per_block: int
-    block_size: int
     num_blocks: int  # including the null block
     groups: tuple[KVGroupLayout, ...]
 
+    def group_tokens(self, group: KVGroupLayout) -> int:
+        """Tokens of KV the pool holds for this group, were it alone (all groups draw on the same blocks)."""
+        return (self.num_blocks - 1) * group.block_size
+
     @property
     def tokens(self) -> int:
-        """Tokens of KV the pool holds for any one group (all groups draw on the same blocks)."""
-        return (self.num_blocks - 1) * self.block_size
+        """Tokens of KV the pool holds for a full-attention group: the context it can hold."""
+        return self.group_tokens(next((g for g in self.groups if g.window is None), self.groups[0]))
 
     def describe(self) -> str:
         m = self.measured
         groups = ", ".join(
-            f"{g.name} ({g.num_layers} layers{f', window {g.window}' if g.window else ''}): {self.tokens:,} tokens"
+            f"{g.name} ({g.num_layers} layers{f', window {g.window}' if g.window else ''}): "
+            f"{self.group_tokens(g):,} tokens"
             for g in self.groups
         )
         return (
             f"GPU memory (GiB): total {m.total / GIB:.2f}, weights {m.weights / GIB:.2f}, activations "
             f"{m.activations / GIB:.2f}, graphs {m.graphs / GIB:.2f}, other {m.other / GIB:.2f}, left "
             f"{m.left / GIB:.2f}; KV cache {self.kv_bytes / GIB:.2f} ({sizing_rule(self.fraction, self.utilization)}): "
-            f"{self.num_blocks:,} blocks of {self.block_size} tokens; KV tokens per group, one pool: {groups}"
+            f"{self.num_blocks:,} blocks; KV tokens per group, one pool: {groups}"
         )
 
 
-def blocks_for_one_request(
-    groups: Sequence[KVGroupLayout], block_size: int, max_seq_len: int, max_num_tokens: int
-) -> int:
+def blocks_for_one_request(groups: Sequence[KVGroupLayout], max_seq_len: int, max_num_tokens: int) -> int:
     """Blocks one request of max_seq_len holds at its peak (plus the null block): every token in full-attention
     groups; a window plus one step's chunk in sliding groups."""
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
     need = 1
     for g in groups:
         tokens = max_seq_len if g.window is None else min(max_seq_len, g.window + max_num_tokens)
-        need += cdiv(tokens, block_size) + (0 if g.window is None else 1)
+        need += cdiv(tokens, g.block_size) + (0 if g.window is None else 1)
     return need
 
 
@@ -120,7 +124,6 @@ def plan_kv_cache(
     *,
     fraction: float,
     bytes_per_block: int,
-    block_size: int,
     groups: Sequence[KVGroupLayout],
     max_seq_len: int,
     max_num_tokens: int,
@@ -129,7 +132,7 @@ def plan_kv_cache(
     """The pool: `fraction` of the memory left after weights, activations, graphs and the rest, or, given vLLM's
     `utilization`, what those leave of that share of the whole device; an error naming the settings to change
     when that cannot hold one request of max_seq_len."""
-    need = blocks_for_one_request(groups, block_size, max_seq_len, max_num_tokens)
+    need = blocks_for_one_request(groups, max_seq_len, max_num_tokens)
     if utilization is None:
         kv_bytes = max(0, int(measured.left * fraction))
     else:
@@ -146,9 +149,7 @@ def plan_kv_cache(
             f"GiB). Raise {FRACTION_SETTING if utilization is None else UTILIZATION_SETTING}, lower max_seq_len or "
             f"max_num_tokens (or cuda_graph_config's max_batch_size), or split the model over more GPUs (tp_size)"
         )
-    return KVCachePlan(
-        measured, fraction, utilization, kv_bytes, bytes_per_block, block_size, num_blocks, tuple(groups)
-    )
+    return KVCachePlan(measured, fraction, utilization, kv_bytes, bytes_per_block, num_blocks, tuple(groups))
 
 
 @contextmanager

@@ -29,7 +29,13 @@ from brisk.model_runner.cuda_graph import DecodeGraphs
 from brisk.model_runner.input_batch import InputBatch, RequestState
 from brisk.model_runner.interface import KVCacheSpec, kv_groups_for
 from brisk.model_runner.kv_offload import HostKVCache
-from brisk.model_runner.kv_tensors import KVTensorLayout, allocate_kv_cache, kv_group_dtypes, release_kv_cache
+from brisk.model_runner.kv_tensors import (
+    KVTensorLayout,
+    allocate_kv_cache,
+    group_block_sizes,
+    kv_group_dtypes,
+    release_kv_cache,
+)
 from brisk.model_runner.layout import StepBatch, lay_out_step
 from brisk.model_runner.prompt_logprobs import prompt_logprobs
 from brisk.model_runner.sampler import needs_history
@@ -71,27 +77,30 @@ class ModelRunner:
         self.device = device
         self.max_seq_len = max_seq_len
         self.parallel = parallel
-        self.block_size = config.block_size
         self.startup: StartupTimes | None = None  # its start-up stages' seconds, filled by setup.py
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_groups = kv_groups_for(model_config)
-        self.batch = InputBatch(config.max_batch_size, cdiv(max_seq_len, self.block_size), len(self.kv_groups), device)
+        kv_dtypes = kv_group_dtypes(config.kv_cache_config, model_config.dtype, self.kv_groups)
+        self.block_sizes = group_block_sizes(config.block_size, kv_dtypes)  # per KV group: the tokens a block holds
+        widths = [cdiv(max_seq_len, bs) for bs in self.block_sizes]
+        self.batch = InputBatch(config.max_batch_size, widths, device)
         self.states: dict[str, RequestState] = {}  # every request this rank holds (running or preempted)
         self.drafter: Drafter | None = None
         if proposer is not None and config.speculative_config is not None:
             self.drafter = Drafter(
-                proposer, config.speculative_config, self.batch, self.block_size, parallel, max_seq_len
+                proposer, config.speculative_config, self.batch, self.block_sizes, parallel, max_seq_len
             )
         self.k = self.drafter.k if self.drafter is not None else 0  # drafts verified per request at most
         self.sampling = SamplingStage(device, self.k, kernels.cpu)
         self.kv_layout = KVTensorLayout(
             self.kv_groups,
-            self.block_size,
+            config.block_size,
             self.attn_layers[0].num_kv_heads,
             model_config.head_dim,
             model_config.dtype,
-            proposer.kv_bytes_per_block(self.block_size) if self.drafter is not None and proposer else 0,
-            kv_group_dtypes(config.kv_cache_config, model_config.dtype, self.kv_groups),
+            # the drafter's KV: blocks of the first (full-attention) group's tokens, whose table it reads
+            proposer.kv_bytes_per_block(self.block_sizes[0]) if self.drafter is not None and proposer else 0,
+            kv_dtypes,
         )
         self.num_blocks = 0  # set by allocate_kv_cache (setup.py)
         self.host_kv: HostKVCache | None = None  # the host KV tier (kv_cache_config.host_cache_size; setup.py)
@@ -123,7 +132,7 @@ class ModelRunner:
         return KVCacheSpec(
             self.kv_groups,
             self.num_blocks,
-            self.block_size,
+            self.block_sizes,
             self.parallel.dp_size,
             lookahead,
             self.kv_layout.kv_dtypes,
@@ -152,7 +161,7 @@ class ModelRunner:
         # 1. the persistent batch
         self._update_batch(sched)
         # 2. the step's layout; the batch's computed tokens advance by it
-        step = lay_out_step(self.batch, sched, self.block_size, self.device)
+        step = lay_out_step(self.batch, sched, self.block_sizes, self.device)
         self.batch.num_computed[step.rows] = step.seq_lens
         shape = self._static_shape(step, scheds)  # None: eager
         if p.dp_size > 1:  # what each rank runs (the MoE layers gather them)
@@ -283,7 +292,6 @@ class ModelRunner:
             seq_lens=step.seq_lens.tolist(),
             block_tables=[to_device(t, dev) for t in step.block_tables],
             slot_mappings=[to_device(s, dev) for s in step.slot_mappings],
-            block_size=self.block_size,
             dp_num_tokens=step.dp_num_tokens,
             decode_only=step.decode_only,  # the backends' plans skip their per-sequence scan of the query lengths
         )

@@ -60,7 +60,7 @@ def load_model_runner(
         num_blocks = num_kv_blocks_by_profiling(runner)
     else:
         num_blocks = num_kv_blocks_in_budget(config, runner.kv_layout, device, max_seq_len)
-    limit = config.kv_cache_config.block_limit(runner.kv_layout.bytes_per_block, len(runner.kv_groups))
+    limit = config.kv_cache_config.block_limit(runner.kv_layout.bytes_per_block, runner.kv_layout.group_block_sizes)
     if limit is not None:  # kv_cache_config.max_tokens / max_gpu_total_bytes
         num_blocks = min(num_blocks, limit)
     if parallel.world_size > 1:  # one block id addresses the same tokens on every rank
@@ -96,10 +96,8 @@ def set_up_graphs(runner: ModelRunner, startup: StartupTimes) -> None:
             runner.model,
             kernels.attention,
             device,
-            runner.block_size,
             runner.max_seq_len,
-            len(runner.kv_groups),
-            runner.batch.block_tables[0].shape[1],
+            tuple(table.shape[1] for table in runner.batch.block_tables),
         )
         runner.graphs = DecodeGraphs(
             target, sizes, graph_config.enable_padding, capture, 1 + runner.k, runner.parallel.dp_size
@@ -130,12 +128,11 @@ def profile_sampling_params(max_logprobs: int) -> SamplingParams:
 def _dummy_request(
     runner: ModelRunner, req_id: str, num_tokens: int, params: SamplingParams, table: list[int]
 ) -> NewRequestData:
-    """A start-up step's request, which no scheduler sees: a prompt of num_tokens on these blocks (every KV group's
-    table the same)."""
+    """A start-up step's request, which no scheduler sees: a prompt of num_tokens on these blocks (`table`: blocks of
+    the fewest tokens a block; every KV group takes the ones it needs of them)."""
     vocab = runner.model_config.vocab_size
-    return NewRequestData(
-        req_id, [t % vocab for t in range(num_tokens)], params, None, [table] * len(runner.kv_groups), 0
-    )
+    tables = [table[: cdiv(num_tokens, bs)] for bs in runner.block_sizes]
+    return NewRequestData(req_id, [t % vocab for t in range(num_tokens)], params, None, tables, 0)
 
 
 def _prefill_step(new: list[NewRequestData]) -> SchedulerOutput:
@@ -164,7 +161,7 @@ def warm_up_eager_steps(runner: ModelRunner) -> None:
     which the scheduler has not handed out yet."""
     moe = next((m for m in runner.model.modules() if isinstance(m, FusedMoE)), None)
     counts = runner.kernels.moe.variant_token_counts(moe) if moe is not None else []
-    block_size = runner.block_size
+    block_size = min(runner.block_sizes)
     room = (runner.num_blocks - 3) * block_size  # block 0 is the null block; the mixed step takes two
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for n in sorted({c for c in counts if 2 < c < min(runner.config.max_num_tokens, room)}):
@@ -186,7 +183,7 @@ def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     kv_cache_free_gpu_memory_fraction of what is left, or what is left of gpu_memory_utilization of the device
     (memory.py). CUDA graphs are captured after the pool (they hold its addresses): their memory comes out of the
     share the sizing leaves."""
-    config, device, block_size = runner.config, runner.device, runner.block_size
+    config, device, block_size = runner.config, runner.device, min(runner.block_sizes)
     weights = torch.cuda.memory_allocated(device)
     lengths = profile_batch_shape(config.max_num_tokens, config.max_batch_size)
     tables: list[list[int]] = []
@@ -211,14 +208,15 @@ def num_kv_blocks_by_profiling(runner: ModelRunner) -> int:
     measured = measure_profile_run(device, weights, profile_step)
     runner.release_kv_cache()  # the temporary cache (allocated before the profile's baseline: not counted)
     layouts = [
-        KVGroupLayout("sliding_attention" if g.sliding_window else "full_attention", len(g.layer_ids), g.sliding_window)
-        for g in groups
+        KVGroupLayout(
+            "sliding_attention" if g.sliding_window else "full_attention", len(g.layer_ids), bs, g.sliding_window
+        )
+        for g, bs in zip(groups, runner.block_sizes)
     ]
     plan = plan_kv_cache(
         measured,
         fraction=config.memory_fraction,
         bytes_per_block=runner.kv_layout.bytes_per_block,
-        block_size=block_size,
         groups=layouts,
         max_seq_len=runner.max_seq_len,
         max_num_tokens=config.max_num_tokens,

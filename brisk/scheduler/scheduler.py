@@ -95,7 +95,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self._num_finished_running = 0  # finished requests still in `running` (see _finish)
-        self._num_sent_blocks: dict[str, int] = {}  # blocks per KV group the runner holds, per running request
+        self._num_sent_blocks: dict[str, list[int]] = {}  # blocks per KV group the runner holds, per running request
         # Finished (the runner held them) or preempted since the last step that ran: the next one tells the runner.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
@@ -247,7 +247,7 @@ class Scheduler:
         sampled: list[str] = []
         needs_logprobs = needs_prompt_logprobs = False
         prefill_done: list[str] = []
-        sent = self._num_sent_blocks
+        sent, watched = self._num_sent_blocks, self.kv.tightest_group  # no other group's table grows unless its does
         for req in new_reqs:
             tables = self.kv.tables[req.request_id]
             new_data.append(
@@ -262,7 +262,7 @@ class Scheduler:
                     resumed=req.num_preemptions > 0,
                 )
             )
-            sent[req.request_id] = len(tables[0])
+            sent[req.request_id] = [len(t) for t in tables]
         new_ids = {r.request_id for r in new_reqs}
         num_scheduled = {}
         total = 0
@@ -273,10 +273,10 @@ class Scheduler:
             if rid not in new_ids:
                 tables = self.kv.tables[rid]
                 have = sent[rid]
-                if len(tables[0]) > have:
+                if len(tables[watched]) > have[watched]:
                     cached.req_ids.append(rid)
-                    cached.new_block_ids.append([t[have:] for t in tables])
-                    sent[rid] = len(tables[0])
+                    cached.new_block_ids.append([t[h:] for t, h in zip(tables, have)])
+                    sent[rid] = [len(t) for t in tables]
             if req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens - 1:
                 needs_prompt_logprobs = True
             # Advance now (the step is in flight); the sampled token is a placeholder until its output arrives.

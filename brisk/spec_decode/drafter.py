@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from brisk.kv_cache.manager import cdiv
 from brisk.model_config import ParallelConfig
 from brisk.model_runner.input_batch import InputBatch
 from brisk.model_runner.layout import StepBatch
@@ -31,7 +30,7 @@ class Drafter:
         proposer: Proposer,
         config: SpeculativeConfig,
         batch: InputBatch,
-        block_size: int,
+        block_sizes: tuple[int, ...],
         parallel: ParallelConfig,
         max_seq_len: int,
     ) -> None:
@@ -39,7 +38,7 @@ class Drafter:
         self.k = config.max_draft_len
         self.disable_by_batch_size = config.disable_by_batch_size
         self.batch = batch
-        self.block_size = block_size
+        self.block_sizes = np.array(block_sizes)  # per KV group: the tokens a block holds
         self.parallel = parallel
         batch.enable_token_buffer(max_seq_len)
         # Pad every request's drafts to k (cuda_graph_config: the next step is then a verification of the static
@@ -102,7 +101,8 @@ class Drafter:
             if count - 1 < verified:
                 computed, slots = roll_back_drafts(int(batch.num_computed[row]), verified, count - 1, lookahead)
                 batch.num_computed[row] = computed
-                batch.num_blocks[row] = min(batch.num_blocks[row], cdiv(slots, self.block_size))
+                kept = -(-slots // self.block_sizes)  # each group's blocks that hold the kept slots
+                np.minimum(batch.num_blocks[:, row], kept, out=batch.num_blocks[:, row])
             eligible.append(i)
         drafts: list[list[int]] = [[] for _ in host]
         if self.disable_by_batch_size is not None and batch.num_rows >= self.disable_by_batch_size:

@@ -119,7 +119,6 @@ class Eagle3Proposer:
                 seq_lens=(pos_c + 1).tolist(),
                 block_tables=[tables],
                 slot_mappings=[to_device(slots, dev)],
-                block_size=bs,
                 decode_only=True,
             )
             normed, hidden = head(drafts[-1], to_device(pos_c, dev), hidden, step_meta)
