@@ -565,3 +565,18 @@ def test_one_profile_for_all_api_server_processes(tmp_path):
         assert len(set(traces)) == 3 and all(os.path.getsize(t) > 0 for t in traces)
     finally:
         srv.stop()
+
+
+def test_the_supervisor_stops_an_engine_with_other_ranks_by_telling_it(tmp_path):
+    """tp_size 2 behind two API-server processes: on SIGTERM, once both have drained, the supervisor tells the engine
+    to stop (it stops its other rank, then ends with 0) instead of a SIGKILL that would leave that rank waiting."""
+    srv = _serve(tmp_path, "--api-server-count", "2", "--tensor-parallel-size", "2")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **GREEDY}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    finally:
+        code = srv.stop()
+    log = srv.log()
+    assert code == 0, log
+    assert "the engine core stopped" in log and "the engine process ended (exit code 0)" in log, log

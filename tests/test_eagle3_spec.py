@@ -69,12 +69,36 @@ DP2 = {"tp_size": 2, "enable_attention_dp": True, "max_num_tokens": 12, "tokens_
 CHUNKED = {"max_num_tokens": 12, "tokens_per_block": 4}
 PREEMPT = {"tokens_per_block": 4, "kv_cache_config": {"max_blocks": 24}}
 PREFIX = {"tokens_per_block": 4, "repeat": True}  # the second round hits the prefix cache
+# FP8 full attention in blocks of 16 tokens beside fp32 sliding windows in blocks of 4: the head's KV in the full
+# group's blocks, on two attention-DP ranks, chunked, then again from the prefix cache.
+FP8_SKIP_SLIDING_DP2 = {
+    **DP2,
+    "kv_cache_dtype": "fp8",
+    "kv_cache_dtype_skip_layers": ["sliding_window"],
+    "repeat": True,
+}
 
 
 @pytest.mark.parametrize(
     "tiny, options",
-    [("llama", TP2), ("gpt_oss", DP2), ("llama", CHUNKED), ("llama", PREFIX), ("gpt_oss", PREEMPT), ("qwen3", {})],
-    ids=["llama-tp2", "gpt_oss-dp2", "llama-chunked", "llama-prefix", "gpt_oss-preempt", "qwen3-batch"],
+    [
+        ("llama", TP2),
+        ("gpt_oss", DP2),
+        ("llama", CHUNKED),
+        ("llama", PREFIX),
+        ("gpt_oss", PREEMPT),
+        ("qwen3", {}),
+        ("gpt_oss", FP8_SKIP_SLIDING_DP2),
+    ],
+    ids=[
+        "llama-tp2",
+        "gpt_oss-dp2",
+        "llama-chunked",
+        "llama-prefix",
+        "gpt_oss-preempt",
+        "qwen3-batch",
+        "gpt_oss-fp8-skip-sliding-dp2",
+    ],
     indirect=["tiny"],
 )
 def test_greedy_identity_with_random_head(tiny, options):

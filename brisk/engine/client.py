@@ -81,6 +81,28 @@ def engine_process(config: EngineConfig, ipc_dir: str, num_clients: int) -> mult
     )
 
 
+def stop_engine_process(engine: multiprocessing.process.BaseProcess, ipc_dir: str, has_other_ranks: bool) -> None:
+    """Stop an engine process whose API-server processes have all exited (the supervisor of several): where it has
+    other ranks it is told to stop them and end (a SIGKILL would leave launcher-started ranks waiting for its next
+    step for ever), through the first API-server process's address, bound again; else, or when it does not end in
+    STOP_TIMEOUT_S, SIGKILL (it ignores SIGTERM, and holds nothing to flush)."""
+    if engine.is_alive() and has_other_ranks:
+        ctx = zmq.Context()
+        try:
+            to_engine = ctx.socket(zmq.PUSH)
+            to_engine.setsockopt(zmq.SNDTIMEO, int(STOP_TIMEOUT_S * 1000))  # the engine reconnects within 0.1 s
+            to_engine.bind(engine_endpoints(ipc_dir, 0)[0])
+            to_engine.send(msgspec.msgpack.encode(StopEngine()))
+            engine.join(STOP_TIMEOUT_S)
+        except zmq.ZMQError as exc:  # zmq.Again: it never connected (busy, or wedged): killed below
+            logger.warning("could not tell the engine process to stop (%s); killing it", exc)
+        finally:
+            ctx.destroy(linger=0)
+    if engine.is_alive():
+        engine.kill()
+    engine.join(10)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:

@@ -95,11 +95,11 @@ class EngineCore:
             config.grammar_max_json_whitespace,
         )
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens%s, max_seq_len %d, overlap scheduling %s",
+            "engine ready: %s on %s, %d KV blocks of %s tokens%s, max_seq_len %d, overlap scheduling %s",
             self.model_config.architecture,
             self.device,
             self.num_kv_blocks,
-            config.block_size,
+            "/".join(map(str, sorted(set(spec.block_sizes), reverse=True))),  # per KV group where they differ
             f" (+ {spec.num_host_blocks} in host memory)" if spec.num_host_blocks else "",
             self.max_seq_len,
             "on" if self.overlap else "off",

@@ -12,7 +12,8 @@ reads every process's metrics (brisk/server/metrics.py).
 
 Signals: the API-server processes run in their own process group, so a Ctrl-C or a SIGTERM reaches the supervisor
 alone, which passes each signal on once to every API-server process: the first drains them (brisk/server/
-shutdown.py), a second stops them at once. Once all have exited it stops the engine and exits 0, or 1 if one failed.
+shutdown.py), a second stops them at once. Once all have exited it stops the engine (with tp_size > 1 by telling it
+to, so that it stops its other ranks; else SIGKILL) and exits 0, or 1 if one failed.
 The engine dying: every API-server process sees it within a liveness poll, answers 503 and exits 1, and so does
 the supervisor. An API-server process that dies on its own drains the others and the supervisor exits 1. All of
 them end with the supervisor if it is killed outright (PR_SET_PDEATHSIG).
@@ -38,7 +39,7 @@ from typing import Any
 from brisk.config import ConfigError, EngineConfig, ServerConfig, build_serve_configs
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
-from brisk.engine.client import engine_process, make_ipc_dir
+from brisk.engine.client import engine_process, make_ipc_dir, stop_engine_process
 from brisk.engine.messages import EngineInfo
 from brisk.engine.process import STARTUP_ERROR_EXIT, end_with_parent
 from brisk.server.metrics import use_multiprocess_metrics
@@ -84,7 +85,7 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
     count = server.num_api_servers
     spawn = multiprocessing.get_context("spawn")
     engine = engine_process(config, ipc_dir, count)
-    supervisor = Supervisor(engine, server.shutdown_timeout)
+    supervisor = Supervisor(engine, server.shutdown_timeout, ipc_dir, has_other_ranks=config.tp_size > 1)
     try:
         engine.start()
         assert engine.pid is not None  # started
@@ -125,8 +126,10 @@ def serve_with_api_servers(model: str | None, config: EngineConfig, server: Serv
 
 
 class Supervisor:
-    def __init__(self, engine: BaseProcess, shutdown_timeout: float) -> None:
+    def __init__(self, engine: BaseProcess, shutdown_timeout: float, ipc_dir: str, has_other_ranks: bool) -> None:
         self.engine = engine
+        self.ipc_dir = ipc_dir
+        self.has_other_ranks = has_other_ranks  # tp_size > 1: its ranks are stopped by the engine, not a SIGKILL
         self.children: list[BaseProcess] = []
         self.shutdown_timeout = shutdown_timeout
         self.num_signals = 0
@@ -209,17 +212,16 @@ class Supervisor:
         return 1 if self.failed or any(c.exitcode != 0 for c in self.children if c.exitcode is not None) else 0
 
     def stop_all(self) -> None:
-        """Whatever still runs (after an error): the API-server processes drained for a while, then killed; the engine
-        killed (it holds nothing to flush)."""
+        """Whatever still runs: the API-server processes drained for a while, then killed; then the engine, told to
+        stop its other ranks where it has some, else killed (it holds nothing to flush)."""
         self.signal_children()
         for child in self.children:
             child.join(self.shutdown_timeout + ABORT_GRACE_S + 5)
             if child.exitcode is None:
                 child.kill()
                 child.join()
-        if self.engine.is_alive():
-            self.engine.kill()
-        self.engine.join(10)
+        stop_engine_process(self.engine, self.ipc_dir, self.has_other_ranks)
+        logger.info("the engine process ended (exit code %s)", self.engine.exitcode)
 
 
 def run_api_server(
