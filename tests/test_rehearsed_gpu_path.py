@@ -406,3 +406,40 @@ def test_the_warm_up_runs_the_eager_variants_and_leaves_nothing_behind(tmp_path,
         assert decodes and runner.batch.num_rows == 0 and not runner.states
         assert _greedy_tokens(llm) == reference
         assert llm.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("seed", [None, 4], ids=["unseeded", "seeded"])
+def test_sampled_verification_never_waits_for_the_device(tmp_path, monkeypatch, seed):
+    """Rejection sampling of n-gram drafts (sampled rows beside a greedy one, drafts of sampled rows rejected and the
+    residual drawn there, the bonus token after all accepted) makes no host sync in the sampling stage: its result
+    reaches the host through the step's one copy."""
+    from brisk.model_runner import rejection_sampler
+
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    syncs = HostSyncs()
+    sampled_rejections = []  # per residual draw: whether a sampled row's draft was rejected (read by the test)
+    resample = rejection_sampler._resample
+
+    def spy(final, probs, final_rows, num_accepted, num_drafts, token_ids, draft_probs, batch, generators):
+        out = resample(final, probs, final_rows, num_accepted, num_drafts, token_ids, draft_probs, batch, generators)
+        sampled = ~rejection_sampler._greedy_rows(batch, probs.device)[final_rows]
+        sampled_rejections.append(bool(((num_accepted < torch.from_numpy(num_drafts)) & sampled).any()))
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(setup, "make_kernels", lambda config, device: _triton_kernels())
+        llm = LLM(path, **OPTIONS, speculative_config=NGRAM)
+    with llm:
+        sampling = llm.engine.executor.runner.sampling
+        pick = sampling.pick
+        monkeypatch.setattr(sampling, "pick", lambda *args: watched(pick, syncs)(*args))
+        monkeypatch.setattr(rejection_sampler, "_resample", spy)
+        # A low temperature: sampled rows fall into the random model's loops as greedy ones do, so the n-gram
+        # lookup drafts for them too, and sampling rejects some drafts.
+        sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.3, seed=seed)
+        greedy = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+        outputs = llm.generate(_prompts(), [sampled, sampled, greedy, sampled, sampled])
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
+    assert any(sampled_rejections), "no sampled row's draft was rejected: the residual was never drawn"
+    assert not syncs.seen, f"host syncs in verification: {sorted(set(syncs.seen))}"

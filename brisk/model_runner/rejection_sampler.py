@@ -105,34 +105,24 @@ def _resample(
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """The sampled requests' token after their accepted drafts: from the residual max(0, p - q) at a rejected
-    draft, from p after all of them. generators: each request's."""
+    draft, from p after all of them. generators: each request's. Computed for every request and chosen by mask, so
+    that nothing waits for the device (a step's verification runs before its result is read)."""
     dev = probs.device
     is_greedy = _greedy_rows(batch, dev)[final_rows]
     dist = probs[final_rows]  # [n, V], a copy
-    k_t = to_device(num_drafts, dev)
-    rejected = (num_accepted < k_t) & ~is_greedy
-    if bool(rejected.any()):
-        rej = torch.nonzero(rejected)[:, 0]
-        at = num_accepted[rej]
-        one_hot = [draft_probs is None or draft_probs[i] is None for i in rej.tolist()]
-        if all(one_hot):  # the residual is p without the rejected draft
-            dist[rej, token_ids[rej, at]] = 0.0
-        else:
-            assert draft_probs is not None
-            vocab = dist.shape[1]
-            q = torch.stack(
-                [
-                    torch.nn.functional.one_hot(token_ids[i, a], vocab).to(dist.dtype)
-                    if draft_probs[i] is None
-                    else draft_probs[i][a].to(dev, dist.dtype)
-                    for i, a in zip(rej.tolist(), at.tolist())
-                ]
-            )
-            dist[rej] = (dist[rej] - q).clamp_(min=0.0)
-        # p == q: no residual (a rejection is then impossible but for rounding): p itself
-        empty = rej[dist[rej].sum(dim=1) <= 0]
-        if len(empty):
-            dist[empty] = probs[final_rows[empty]]
+    rejected = ((num_accepted < to_device(num_drafts, dev)) & ~is_greedy)[:, None]
+    drafted = token_ids.gather(1, num_accepted[:, None])  # [n, 1]: the draft at each request's first unaccepted place
+    if draft_probs is None or all(q is None for q in draft_probs):  # one-hot q: the residual is p without the draft
+        dist.scatter_(1, drafted, dist.gather(1, drafted).masked_fill_(rejected, 0.0))
+    else:
+        q = torch.zeros_like(dist).scatter_(1, drafted, 1.0)  # one-hot where a drafter gave no q
+        for i, request_q in enumerate(draft_probs):
+            if request_q is not None and len(request_q):
+                at = num_accepted[i : i + 1].clamp(max=len(request_q) - 1)
+                q[i] = request_q.to(dev, dist.dtype).index_select(0, at)[0]
+        dist = torch.where(rejected, (dist - q).clamp_(min=0.0), dist)
+    # p == q: no residual (a rejection is then impossible but for rounding): p itself
+    dist = torch.where(rejected & (dist.sum(dim=1, keepdim=True) <= 0), probs[final_rows], dist)
     sampled = exponential_race(dist, generators)
     return torch.where(is_greedy, final, sampled)
 
