@@ -105,11 +105,13 @@ KV_DTYPES = ("auto", "fp8")
 # bytes at bf16: FP8 can speed it up by ~8% at most, a figure that two short runs' difference would drown).
 KV_FP8_SPEED = dict(batches="", output_len=512, long_context=8192, long_batch=16, throughput_len=1024, max_batch=1024)
 # Before the speed runs: the compiled FP8 attention path against the dequantized reference (fp32: to 2e-5) at gpt-oss's
-# shape, and a needle early in a long context recalled through it.
+# shape, a needle early in a long context recalled through it, and FP8 full attention beside fp32 sliding windows
+# (kv_cache_dtype_skip_layers) end to end against the torch backends.
 KV_FP8_TESTS = (
     "tests/test_kv_fp8.py::test_compiled_fp8_kernels_at_real_shapes_match_the_dequantized_reference[128-fp32]",
     "tests/test_kv_fp8.py::test_compiled_fp8_kernels_at_real_shapes_match_the_dequantized_reference[None-fp32]",
     "tests/test_kv_fp8.py::test_a_needle_early_in_a_long_context_is_recalled_through_fp8[triton]",
+    "tests/test_gpu_e2e.py::test_triton_path_matches_torch_path[fp8-skip-sliding]",
 )
 KV_FP8_TESTS_S = 45.0  # at most, of the step
 # On a CPU the pool would be as large as the batch could use in either dtype: the same bytes for both show the gain.

@@ -20,8 +20,17 @@ from tests.tiny_tokenizer import make_tiny_tokenizer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "bf16-experts"])
-def test_triton_path_matches_torch_path(tmp_path, mxfp4):
+# FP8 full attention (blocks of 64 tokens in fp32's bytes of 16) beside fp32 sliding windows: each kernel reads its
+# group's block size off the cache
+FP8_SKIP_SLIDING = {"kv_cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["sliding_window"]}
+
+
+@pytest.mark.parametrize(
+    "mxfp4, options",
+    [(True, {}), (False, {}), (True, FP8_SKIP_SLIDING)],
+    ids=["mxfp4", "bf16-experts", "fp8-skip-sliding"],
+)
+def test_triton_path_matches_torch_path(tmp_path, mxfp4, options):
     path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0, mxfp4=mxfp4)
     make_tiny_tokenizer(path)
     rng = random.Random(0)
@@ -39,6 +48,7 @@ def test_triton_path_matches_torch_path(tmp_path, mxfp4):
             max_num_tokens=64,
             max_batch_size=8,  # the 8 prompts; graphs captured for 1..8, not the default ladder up to 256
             cuda_graph_config={"batch_sizes": [1, 2, 4, 8]},
+            **options,
         )
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
