@@ -420,7 +420,7 @@ class _RunningEngine:
 def test_the_supervisor_sees_a_process_that_ends_between_two_looks():
     """The race behind a drained server that never exited: an API-server process ending between the supervisor's
     check that one still runs and its list of what to wait on was in neither, so it waited on the engine alone."""
-    supervisor = Supervisor(_RunningEngine(), shutdown_timeout=2.0)  # type: ignore[arg-type]
+    supervisor = Supervisor(_RunningEngine(), 2.0, ipc_dir="", has_other_ranks=False)  # type: ignore[arg-type]
     supervisor.children = [_EndsBetweenLooks()]  # type: ignore[list-item]
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(supervisor.supervise()), daemon=True)

@@ -256,6 +256,19 @@ def test_the_gpu_step_path_generates_what_the_cpu_reference_does(case, tmp_path,
         assert any(t == K + 1 for _, _, t in shapes), "no verification step was replayed"
 
 
+def _watched_sampling(tmp_path: Path, monkeypatch, syncs: HostSyncs, **options) -> LLM:
+    """An engine over a tiny gpt-oss with the GPU's backends bound, whose sampling stage is watched for host syncs."""
+    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
+    make_tiny_tokenizer(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(setup, "make_kernels", lambda config, device: _triton_kernels())
+        llm = LLM(path, **OPTIONS, **options)
+    sampling = llm.engine.executor.runner.sampling
+    pick = sampling.pick
+    monkeypatch.setattr(sampling, "pick", lambda *args: watched(pick, syncs)(*args))
+    return llm
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -281,16 +294,8 @@ def test_sampling_under_overlap_never_waits_for_the_device(tmp_path, monkeypatch
     (no C kernels), sampling with temperature, top-k / top-p / min-p, logit_bias, logprobs, a seed, penalties,
     min_tokens, allowed_token_ids and logprob_token_ids makes none; its results reach the host through the step's
     one copy (HostCopy). Penalties count the previous step's token where it is, on the device."""
-    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
-    make_tiny_tokenizer(path)
     syncs = HostSyncs()
-    with monkeypatch.context() as patch:
-        patch.setattr(setup, "make_kernels", lambda config, device: _triton_kernels())
-        llm = LLM(path, **OPTIONS, disable_overlap_scheduler=False)
-    with llm:
-        sampling = llm.engine.executor.runner.sampling
-        pick = sampling.pick
-        monkeypatch.setattr(sampling, "pick", lambda *args: watched(pick, syncs)(*args))
+    with _watched_sampling(tmp_path, monkeypatch, syncs, disable_overlap_scheduler=False) as llm:
         outputs = llm.generate(_prompts(), SamplingParams(max_tokens=6, ignore_eos=True, **params))
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
     if params.get("logprobs") or params.get("logprob_token_ids"):
@@ -415,8 +420,6 @@ def test_sampled_verification_never_waits_for_the_device(tmp_path, monkeypatch, 
     reaches the host through the step's one copy."""
     from brisk.model_runner import rejection_sampler
 
-    path = make_tiny_model("gpt_oss", tmp_path / "m", seed=0)
-    make_tiny_tokenizer(path)
     syncs = HostSyncs()
     sampled_rejections = []  # per residual draw: whether a sampled row's draft was rejected (read by the test)
     resample = rejection_sampler._resample
@@ -427,13 +430,7 @@ def test_sampled_verification_never_waits_for_the_device(tmp_path, monkeypatch, 
         sampled_rejections.append(bool(((num_accepted < torch.from_numpy(num_drafts)) & sampled).any()))
         return out
 
-    with monkeypatch.context() as patch:
-        patch.setattr(setup, "make_kernels", lambda config, device: _triton_kernels())
-        llm = LLM(path, **OPTIONS, speculative_config=NGRAM)
-    with llm:
-        sampling = llm.engine.executor.runner.sampling
-        pick = sampling.pick
-        monkeypatch.setattr(sampling, "pick", lambda *args: watched(pick, syncs)(*args))
+    with _watched_sampling(tmp_path, monkeypatch, syncs, speculative_config=NGRAM) as llm:
         monkeypatch.setattr(rejection_sampler, "_resample", spy)
         # A low temperature: sampled rows fall into the random model's loops as greedy ones do, so the n-gram
         # lookup drafts for them too, and sampling rejects some drafts.
