@@ -116,7 +116,7 @@ KV_FP8_TESTS = (
 KV_FP8_TESTS_S = 45.0  # at most, of the step
 # The tests' share of the step's time left: on a CPU (--smoke) the GPU tests skip, but pytest's start-up with these
 # modules' imports is most of ten seconds, more on a busy two-core machine; the toy runs after it need little.
-KV_FP8_TESTS_SHARE = {False: 0.15, True: 0.35}
+KV_FP8_TESTS_SHARE = {False: 0.15, True: 0.5}
 # On a CPU the pool would be as large as the batch could use in either dtype: the same bytes for both show the gain.
 KV_FP8_SMOKE = dict(
     batches="", output_len=8, long_context=64, long_batch=4, throughput_len=32, max_batch=64, kv_cache_bytes=2**22
@@ -409,7 +409,7 @@ STEPS = (
     Step("speed_120b", "speed: dummy gpt-oss-120b offline", 180, 25, (60, 15), step_speed_120b),
     Step("served_120b", "served: brisk serve + brisk bench serve, dummy gpt-oss-120b", 100, 32, (45, 15), step_served),
     Step("speed_20b", "speed: dummy gpt-oss-20b offline (where time remains)", 0, 0, (90, 8), step_speed_20b),
-    Step("kv_fp8", "KV dtype: dummy gpt-oss-120b, bf16 vs FP8 KV (by name)", 420, 75, (120, 20), step_kv_fp8, False),
+    Step("kv_fp8", "KV dtype: dummy gpt-oss-120b, bf16 vs FP8 KV (by name)", 420, 95, (120, 20), step_kv_fp8, False),
     Step(
         "host_tier", "host KV tier: dummy gpt-oss-20b, multi-turn (by name)", 150, 40, (60, 15), step_host_tier, False
     ),
