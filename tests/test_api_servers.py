@@ -165,7 +165,7 @@ def test_output_router_sends_each_output_to_its_process():
 
 def test_admission_counts_the_other_processes_requests(tmp_path):
     # One process's own in-flight requests are not the engine's load: it also counts what the engine last reported.
-    info = EngineInfo("LlamaForCausalLM", 64, 64, 8, 16, 1)
+    info = EngineInfo("LlamaForCausalLM", 64, 64, 8, [16])
     config = SimpleNamespace(
         model="fake", max_batch_size=4, max_num_waiting=4, enable_prefix_caching=True, dtype="auto"
     )

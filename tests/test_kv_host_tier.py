@@ -12,9 +12,11 @@ at the end; with overlap scheduling and concurrent requests too; a tier of 0 is 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,6 +31,7 @@ from brisk.model_runner import kv_offload, setup
 from brisk.model_runner.kv_offload import HostKVCache, copy_batches, host_runs
 from brisk.server.metrics import ServerMetrics
 from tests.fake_engine import FakeEngine
+from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -352,15 +355,25 @@ def model(request, tmp_path_factory) -> tuple[str, str]:
 
 def _multi_turn(llm: LLM, turns: int = 4, conversations: int = 6) -> list[list[int]]:
     """Conversations that resend their growing history each turn; all conversations of a turn are sent at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [list(r.outputs[0].token_ids) for r in results]
+
+    return _multi_turn_with(generate, turns, conversations)
+
+
+def _multi_turn_with(
+    generate: Callable[[list[list[int]]], list[list[int]]], turns: int = 4, conversations: int = 6
+) -> list[list[int]]:
+    """_multi_turn's workload through `generate` (each turn's prompts -> their greedy tokens)."""
     rng = random.Random(0)
     histories = [[rng.randrange(1, 512) for _ in range(18 + c)] for c in range(conversations)]
     outputs = []
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for _ in range(turns):
         prompts = [h + [rng.randrange(1, 512) for _ in range(5)] for h in histories]
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        for h, p, r in zip(histories, prompts, results):
-            tokens = list(r.outputs[0].token_ids)
+        for h, p, tokens in zip(histories, prompts, generate(prompts)):
             outputs.append(tokens)
             h[:] = p + tokens
     return outputs
@@ -496,3 +509,50 @@ def test_host_tier_metrics():
         assert line in text
     metrics.observe_engine(SchedulerStats(host_queries=150, host_hits=40))  # counters advance by what is new
     assert 'brisk:external_prefix_cache_queries_total{model_name="m"} 150.0' in metrics.render().decode()
+
+
+def test_vllm_flags_serve_fp8_beside_sliding_windows_with_a_host_tier(tmp_path):
+    """`brisk serve` with vLLM's flags (--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window
+    --kv-offloading-size, a device pool far smaller than the conversations): the served greedy turns are the
+    offline engine's with a pool that holds everything, /metrics counts the host tier's hits and bytes both ways, and
+    the start-up lines name each group's tokens a block (FP8 full attention: 4x the fp32 sliding group's)."""
+    make_tiny_model("gpt_oss", tmp_path, seed=0)
+    make_tiny_tokenizer(tmp_path)
+    path = str(tmp_path)
+    skip = dict(kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=["sliding_window"])
+    with LLM(path, **ENGINE, **skip, max_batch_size=2) as big:
+        assert big.engine.kv.block_sizes == [4 * BS, BS]
+        expected = _multi_turn(big)
+    flags = ["--dtype", "float32", "--block-size", str(BS), "--max-num-batched-tokens", "32", "--seed", "0"]
+    flags += ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "sliding_window", "--max-num-seqs", "2"]
+    flags += ["--num-gpu-blocks-override", str(SMALL_POOL["gpt_oss"]), "--kv-offloading-size", str(2**-10)]
+    server = RunningServer(path, *flags)
+    try:
+
+        def complete(prompt: list[int]) -> list[int]:
+            body = {"model": path, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            body.update(logprobs=0, return_tokens_as_token_ids=True)
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return [int(t.removeprefix("token_id:")) for t in response.json()["choices"][0]["logprobs"]["tokens"]]
+
+        served = _multi_turn_with(lambda prompts: [complete(p) for p in prompts])
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    finally:
+        server.stop()
+    assert served == expected
+
+    def value(prefix: str) -> float:
+        (line,) = [line for line in metrics.splitlines() if line.startswith(prefix)]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("brisk:external_prefix_cache_hits_total") > 0
+    assert value('brisk:kv_offload_bytes_total{direction="to_host"') > 0
+    assert value('brisk:kv_offload_bytes_total{direction="to_device"') > 0
+    assert any(
+        line.startswith("brisk:cache_config_info{") and f'block_size="{4 * BS}/{BS}"' in line
+        for line in metrics.splitlines()
+    )
+    log = server.log()
+    assert f"full float8_e4m3fn ({4 * BS} tokens a block), sliding float32 ({BS} tokens a block)" in log
+    assert f"{SMALL_POOL['gpt_oss']} KV blocks of {4 * BS}/{BS} tokens" in log  # the ready line

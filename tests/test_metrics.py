@@ -83,7 +83,7 @@ def test_engine_totals_become_counters_and_ranks_their_own_series() -> None:
 
 def test_bind_engine_reports_up_down_cache_config_and_iterations() -> None:
     client = SimpleNamespace(
-        dead=False, info=EngineInfo("LlamaForCausalLM", 100, 256, 64, 16, 1), stats_listeners=[], in_flight_listeners=[]
+        dead=False, info=EngineInfo("LlamaForCausalLM", 100, 256, 64, [16]), stats_listeners=[], in_flight_listeners=[]
     )
     config = SimpleNamespace(enable_prefix_caching=True, dtype="auto")
     metrics = ServerMetrics("m")

@@ -18,7 +18,7 @@ import torch
 
 from brisk.config import EngineConfig, load_model_config
 from brisk.distributed.executor import make_executor
-from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob
+from brisk.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprob, shown_block_sizes
 from brisk.errors import InvalidRequest
 from brisk.host import resolve_device
 from brisk.kv_cache.host_tier import HostTier
@@ -99,7 +99,7 @@ class EngineCore:
             self.model_config.architecture,
             self.device,
             self.num_kv_blocks,
-            "/".join(map(str, sorted(set(spec.block_sizes), reverse=True))),  # per KV group where they differ
+            shown_block_sizes(spec.block_sizes),
             f" (+ {spec.num_host_blocks} in host memory)" if spec.num_host_blocks else "",
             self.max_seq_len,
             "on" if self.overlap else "off",

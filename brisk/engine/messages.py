@@ -62,6 +62,11 @@ class StopEngine(msgspec.Struct, tag=True):
     SIGKILL of rank 0 would leave launcher-started ranks (torchrun, mpirun) waiting for the next step forever."""
 
 
+def shown_block_sizes(block_sizes: list[int] | tuple[int, ...]) -> str:
+    """The tokens a block holds as logs show them: '32', or '64/32' where KV groups differ (largest first)."""
+    return "/".join(map(str, sorted(set(block_sizes), reverse=True)))
+
+
 class EngineInfo(msgspec.Struct, tag=True):
     """Sent once by the engine process when the model is loaded and the KV cache allocated."""
 
@@ -69,8 +74,11 @@ class EngineInfo(msgspec.Struct, tag=True):
     vocab_size: int
     max_seq_len: int
     num_kv_blocks: int
-    block_size: int
-    num_kv_groups: int
+    block_sizes: list[int]  # per KV group: the tokens a block holds (they differ where FP8 skips sliding layers)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.block_sizes)
 
 
 class EngineStartupError(msgspec.Struct, tag=True):

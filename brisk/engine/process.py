@@ -160,8 +160,7 @@ def _serve(core: EngineCore, inbox: zmq.Socket, router: OutputRouter, parent_pid
             mc.vocab_size,
             core.max_seq_len,
             core.num_kv_blocks,
-            core.config.block_size,
-            core.num_kv_groups,
+            list(core.executor.kv_cache_spec.block_sizes),
         )
     )
     profiler = EngineProfiler()

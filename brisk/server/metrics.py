@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from brisk.engine.messages import shown_block_sizes
+
 if TYPE_CHECKING:
     from brisk.config import EngineConfig
     from brisk.engine.client import AsyncEngineClient
@@ -329,7 +331,7 @@ class ServerMetrics:
         if info is not None:
             self.cache_config.labels(
                 m,
-                str(info.block_size),
+                shown_block_sizes(info.block_sizes),
                 str(info.num_kv_blocks),
                 str(config.enable_prefix_caching).lower(),
                 str(info.num_kv_groups),

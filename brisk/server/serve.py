@@ -32,7 +32,7 @@ from brisk.config import (
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
 from brisk.engine.client import AsyncEngineClient, EngineDeadError, EngineLink
-from brisk.engine.messages import EngineInfo
+from brisk.engine.messages import EngineInfo, shown_block_sizes
 from brisk.harmony.chat import is_harmony_model
 from brisk.model_config import ModelConfig
 from brisk.server.app import build_app
@@ -174,7 +174,7 @@ def announce_ready(plan: ServePlan, info: EngineInfo) -> None:
     processes = f", {server.num_api_servers} API-server processes" if server.num_api_servers > 1 else ""
     ready = (
         f"brisk serve: ready: '{plan.names[0]}' ({info.architecture}, max_seq_len {info.max_seq_len}, "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{processes}) on {server.address}"
+        f"{info.num_kv_blocks} KV blocks of {shown_block_sizes(info.block_sizes)} tokens{processes}) on {server.address}"
     )
     if server.log_format == "json":
         logger.info(ready)
