@@ -191,7 +191,7 @@ def test_cors_allows_only_the_configured_origin(server):
 def fake_state(api_key: str | None = None, **overrides) -> ServerState:
     """A ServerState over a fake engine client, for in-process apps (no engine process); `overrides` are
     ServerConfig's."""
-    info = SimpleNamespace(max_seq_len=64, vocab_size=64, block_size=16, num_kv_blocks=8, num_kv_groups=1)
+    info = SimpleNamespace(max_seq_len=64, vocab_size=64, block_sizes=[16], num_kv_blocks=8, num_kv_groups=1)
     client = SimpleNamespace(
         dead=False, info=info, num_in_flight=0, num_coalesced_deltas=0, stats_listeners=[], in_flight_listeners=[]
     )
