@@ -537,22 +537,19 @@ def test_vllm_flags_serve_fp8_beside_sliding_windows_with_a_host_tier(tmp_path):
             return [int(t.removeprefix("token_id:")) for t in response.json()["choices"][0]["logprobs"]["tokens"]]
 
         served = _multi_turn_with(lambda prompts: [complete(p) for p in prompts])
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        metrics = server.metrics()
     finally:
         server.stop()
     assert served == expected
 
     def value(prefix: str) -> float:
-        (line,) = [line for line in metrics.splitlines() if line.startswith(prefix)]
-        return float(line.rsplit(" ", 1)[1])
+        (found,) = [v for name, v in metrics.items() if name.startswith(prefix)]
+        return found
 
     assert value("brisk:external_prefix_cache_hits_total") > 0
     assert value('brisk:kv_offload_bytes_total{direction="to_host"') > 0
     assert value('brisk:kv_offload_bytes_total{direction="to_device"') > 0
-    assert any(
-        line.startswith("brisk:cache_config_info{") and f'block_size="{4 * BS}/{BS}"' in line
-        for line in metrics.splitlines()
-    )
+    assert any(n.startswith("brisk:cache_config_info{") and f'block_size="{4 * BS}/{BS}"' in n for n in metrics)
     log = server.log()
     assert f"full float8_e4m3fn ({4 * BS} tokens a block), sliding float32 ({BS} tokens a block)" in log
     assert f"{SMALL_POOL['gpt_oss']} KV blocks of {4 * BS}/{BS} tokens" in log  # the ready line
