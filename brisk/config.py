@@ -23,7 +23,7 @@ from pydantic import BaseModel, SecretStr, ValidationError, ValidationInfo, fiel
 from brisk.errors import ConfigError
 from brisk.host import check_cpu_kernels_choice
 from brisk.kv_cache.config import DEFAULT_RETENTION_PRIORITY, KvCacheConfig
-from brisk.model_config import ModelConfig, read_generation_config, sampling_defaults
+from brisk.model_config import SAMPLING_DEFAULT_KEYS, ModelConfig, read_generation_config, sampling_defaults
 from brisk.options import Alias, OptionError, OptionModel, OptionTable, human_int, only_values, option, parse_human_int
 from brisk.peer_options import PEER_OPTIONS
 from brisk.spec_decode.config import SpeculativeConfig
@@ -63,6 +63,14 @@ VLLM_ATTENTION_BACKENDS = {
 # vLLM's compilation_config.cudagraph_mode values that capture decode steps (brisk captures whole decode steps)
 VLLM_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
 # Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
+STRUCTURED_OUTPUTS_ONLY = {
+    "reasoning_parser_plugin": (("",), "brisk loads no reasoning-parser plugins (given {value!r})"),
+    "enable_in_reasoning": (
+        (False,),
+        "brisk leaves gpt-oss's reasoning unconstrained and constrains its final answer (and strict tools' "
+        "arguments); constraining the reasoning too is not available",
+    ),
+}
 BRISKS_OWN_ONLY = {
     "backend": (
         ("pytorch",),
@@ -129,9 +137,29 @@ class StructuredOutputsConfig(OptionModel):
         "constrained JSON is compact (no whitespace outside strings, as OpenAI's structured outputs); false: any "
         "whitespace between JSON tokens, up to grammar_max_json_whitespace a run (a request's "
         "structured_outputs.disable_any_whitespace overrides it)",
+        vllm="guided_decoding_disable_any_whitespace",  # vLLM <= 0.11's flag
     )
     backend: Literal["auto", "xgrammar"] = option(
         "auto", "the grammar engine: brisk's structured outputs run on xgrammar"
+    )
+    disable_fallback: bool = option(
+        False,
+        "vLLM's: brisk runs every grammar on xgrammar, with no other engine to fall back to (a grammar xgrammar cannot "
+        "compile is a 400)",
+        no_effect=True,
+    )
+    disable_additional_properties: bool = option(
+        False, "a setting of vLLM's guidance backend; brisk's structured outputs run on xgrammar", no_effect=True
+    )
+    reasoning_parser: str = option(
+        "",
+        "vLLM's place for --reasoning-parser (which sets it there): given here, brisk serve takes it as "
+        "--reasoning-parser",
+    )
+    reasoning_parser_plugin: str = option("", "vLLM's reasoning-parser plugin file: brisk loads no plugins (only '')")
+    enable_in_reasoning: bool = option(
+        False,
+        "constrain the reasoning too: brisk leaves gpt-oss's reasoning free and constrains its answer (only false)",
     )
 
     @field_validator("backend", mode="before")
@@ -140,6 +168,11 @@ class StructuredOutputsConfig(OptionModel):
         if isinstance(value, str) and value not in ("auto", "xgrammar"):
             raise ValueError(f"brisk's structured outputs run on xgrammar; backend {value!r} is not available")
         return value
+
+    @field_validator("reasoning_parser_plugin", "enable_in_reasoning")
+    @classmethod
+    def _brisks_behaviour_only(cls, value: Any, info: ValidationInfo) -> Any:
+        return only_values(value, str(info.field_name), STRUCTURED_OUTPUTS_ONLY)
 
 
 class EngineConfig(OptionModel):
@@ -226,6 +259,13 @@ class EngineConfig(OptionModel):
         trtllm="enable_chunked_prefill",
         vllm="enable_chunked_prefill",
     )
+    long_prefill_token_threshold: int = option(
+        0,
+        "a prompt computes at most this many tokens a step (0: as many as the step's budget leaves), so that several "
+        "prompts share a step instead of the first taking all of it",
+        vllm="long_prefill_token_threshold",
+        ge=0,
+    )
     kv_cache_config: KvCacheConfig = option(
         default_factory=KvCacheConfig, help="KV cache options", trtllm="kv_cache_config"
     )
@@ -278,6 +318,13 @@ class EngineConfig(OptionModel):
         "CUDA graphs run at every level",
         short=("-O",),
         no_effect=True,
+    )
+    performance_mode: Literal["balanced", "interactivity", "throughput"] = option(
+        "balanced",
+        "vLLM's operating point: interactivity captures a CUDA graph for every decode batch size up to 32 (no padding "
+        "at low concurrency, where cuda_graph_config.batch_sizes is not given); throughput doubles max_batch_size "
+        "and max_num_tokens where they are not given",
+        vllm="performance_mode",
     )
     disable_overlap_scheduler: bool | None = option(
         None,
@@ -421,6 +468,13 @@ class EngineConfig(OptionModel):
         "folder holding a generation_config.json",
         vllm="generation_config",
     )
+    override_generation_config: dict[str, Any] | None = option(
+        None,
+        "default sampling parameters over --generation-config's (JSON): temperature, top_p, top_k, min_p, "
+        "repetition_penalty, presence_penalty, frequency_penalty, and max_new_tokens (every request's max_tokens at "
+        "most, and its default), as vLLM takes them",
+        vllm="override_generation_config",
+    )
     chat_template: str | None = option(
         None,
         "a Jinja chat template (a file, or the template itself) instead of the tokenizer's",
@@ -455,10 +509,24 @@ class EngineConfig(OptionModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _vllm_throughput_mode(cls, data: Any) -> Any:
+        """vLLM's performance_mode throughput: twice the default batch and step budget (as vLLM doubles its own)."""
+        if not isinstance(data, dict) or data.get("performance_mode") != "throughput":
+            return data
+        doubled = {k: 2 * cls.model_fields[k].default for k in ("max_batch_size", "max_num_tokens") if k not in data}
+        return {**data, **doubled}
+
+    @model_validator(mode="before")
+    @classmethod
     def _vllm_graph_options(cls, data: Any) -> Any:
         """vLLM's compilation_config (its graph mode and capture sizes) and cuda_graph_sizes as cuda_graph_config."""
         if not isinstance(data, dict):
             return data
+        level = data.get("optimization_level")
+        if isinstance(level, str) and level.lstrip().startswith("{"):  # vLLM <= 0.11: -O was compilation_config's
+            if data.get("compilation_config") is not None:
+                raise ValueError("-O (vLLM <= 0.11: the compilation config) and compilation_config given: give one")
+            data = {k: v for k, v in data.items() if k != "optimization_level"} | {"compilation_config": level}
         compilation = data.get("compilation_config")
         if isinstance(compilation, str):
             try:
@@ -530,6 +598,19 @@ class EngineConfig(OptionModel):
                 "host tier"
             )
         return self
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _sampling_keys_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        known = (*SAMPLING_DEFAULT_KEYS, "max_new_tokens")
+        given = value or {}
+        others = sorted(k for k in given if k not in known and not (k == "skip_special_tokens" and given[k]))
+        if others:
+            raise ValueError(
+                f"{', '.join(others)}: brisk's default sampling parameters are {', '.join(known)} (skip_special_tokens "
+                "is always true)"
+            )
+        return value
 
     @field_validator("env_overrides")
     @classmethod
@@ -635,6 +716,11 @@ class EngineConfig(OptionModel):
         if not cfg.enable_chunked_prefill and cfg.max_seq_len is not None and cfg.max_seq_len > cfg.max_num_tokens:
             raise ConfigError(
                 f"max_seq_len ({cfg.max_seq_len}) > max_num_tokens ({cfg.max_num_tokens}) needs enable_chunked_prefill"
+            )
+        if cfg.long_prefill_token_threshold and not cfg.enable_chunked_prefill:
+            raise ConfigError(
+                f"long_prefill_token_threshold {cfg.long_prefill_token_threshold} splits prompts into chunks: it needs "
+                "enable_chunked_prefill"
             )
         requested_moe = (options.get("moe_config") or {}).get("backend")
         cfg, notes = cfg.on_device(_device_type(cfg.device), requested_moe)
@@ -1094,6 +1180,7 @@ def build_serve_configs(
     MODEL (`model`: a folder or a Hub id, looked for once the options are valid; None: the `default_model`
     folder)."""
     merged = resolve_with_files(given, "the command line")
+    _reasoning_parser_from_structured_outputs(merged)
     try:
         server = ServerConfig(**merged[ServerConfig])
     except ValidationError as exc:
@@ -1105,6 +1192,20 @@ def build_serve_configs(
             *(server.num_postprocess_workers,) * 3,
         )
     return EngineConfig.from_options(model or default_model, merged[EngineConfig], find_model=bool(model)), server
+
+
+def _reasoning_parser_from_structured_outputs(merged: dict[type[BaseModel], dict[str, Any]]) -> None:
+    """vLLM keeps the reasoning parser in structured_outputs_config (its --reasoning-parser sets it there): given
+    there, it is brisk serve's --reasoning-parser."""
+    nested = (merged[EngineConfig].get("structured_outputs_config") or {}).get("reasoning_parser")
+    if not nested:
+        return
+    given = merged[ServerConfig].get("reasoning_parser")
+    if given is not None and given != nested:
+        raise ConfigError(
+            f"--reasoning-parser {given} and structured_outputs_config.reasoning_parser {nested} differ: give one"
+        )
+    merged[ServerConfig]["reasoning_parser"] = nested
 
 
 def resolve_model(
@@ -1202,13 +1303,14 @@ def check_fits_machine(config: EngineConfig, model_config: ModelConfig, launched
 def generation_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:
     """The default sampling parameters (vLLM's --generation-config): the model's generation_config.json (auto),
     none (vllm), or those of the folder named."""
+    override = sampling_defaults(config.override_generation_config or {}, max_new_tokens=True)
     if config.generation_config == "auto":
-        return dict(model_config.generation_defaults)
+        return {**model_config.generation_defaults, **override}
     if config.generation_config == "vllm":
-        return {}
+        return override
     if not os.path.isfile(os.path.join(config.generation_config, "generation_config.json")):
         raise ConfigError(f"--generation-config {config.generation_config}: no generation_config.json there")
-    return sampling_defaults(read_generation_config(config.generation_config))
+    return {**sampling_defaults(read_generation_config(config.generation_config), max_new_tokens=True), **override}
 
 
 def load_chat_template(config: EngineConfig) -> str | None:

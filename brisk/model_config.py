@@ -92,8 +92,27 @@ def read_generation_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def sampling_defaults(gen: dict[str, Any]) -> dict[str, Any]:
-    return {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
+# A generation config's keys that are default sampling parameters (vLLM's list, but skip_special_tokens: brisk's
+# is always true); max_new_tokens is Hugging Face's max_tokens.
+SAMPLING_DEFAULT_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def sampling_defaults(gen: dict[str, Any], max_new_tokens: bool = False) -> dict[str, Any]:
+    """The default sampling parameters a generation config gives; max_new_tokens: its max_new_tokens too, as
+    max_tokens (a request's default and its cap, as vLLM takes it from --generation-config DIR or
+    --override-generation-config)."""
+    out = {k: gen[k] for k in SAMPLING_DEFAULT_KEYS if gen.get(k) is not None}
+    if max_new_tokens and gen.get("max_new_tokens") is not None:
+        out["max_tokens"] = gen["max_new_tokens"]
+    return out
 
 
 CPU_BF16_MIN_HIDDEN_SIZE = 128

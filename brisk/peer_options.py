@@ -1,9 +1,10 @@
 """The options of `vllm serve`, `trtllm-serve` and TensorRT-LLM's LLM API that brisk does not have, with reasons.
 
 A user's command line or YAML file from a peer must never fail on an option brisk does not know. Every option of
-vLLM's `vllm serve` (0.33), of `trtllm-serve` and of TensorRT-LLM's `TorchLlmArgs` (the keys of an
-`extra_llm_api_options` file; tests/data/peer_flags/ lists them all) is either an option of brisk's (a field
-in brisk/config.py, under any of its spellings) or listed here: given the value that means what brisk does anyway
+vLLM's `vllm serve` (0.33, and those of its releases since 0.10.1, gpt-oss's first, that 0.33 dropped), of
+`trtllm-serve` and of TensorRT-LLM's `TorchLlmArgs` (the keys of an `extra_llm_api_options` file;
+tests/data/peer_flags/ lists them all) is either an option of brisk's (a field in brisk/config.py, under any of its
+spellings) or listed here: given the value that means what brisk does anyway
 (`accepted`; "false" for a switch) it is accepted and does nothing; any other value is refused with the reason.
 "*" accepts every value: a tuning knob of the peer's own machinery, with no effect here. brisk/config.py puts the
 list in the option table (`OptionTable(peers=...)`), which parses them (hidden from --help), refuses them and
@@ -64,6 +65,10 @@ _NO_OVERRIDES = "brisk reads the model's config.json as it is; edit a local copy
 _ENGINE_INTERNALS = "an implementation detail of vLLM's engine that brisk's engine does not have"
 _CONTEXT_PARALLEL = "brisk has no context parallelism: attention is tensor or data parallel"
 _WEIGHT_OFFLOAD = "brisk keeps every weight on the device: weight offloading to host memory is not available"
+_STATIC_EXPERTS = (
+    "brisk places experts statically (rank r holds a contiguous range); expert load balancing is not available"
+)
+_V0_ENGINE = "no effect: a knob of vLLM's V0 engine, which its V1 engine ignored too"
 
 PEER_OPTIONS: list[PeerOption] = [
     # ---- vLLM: the API server ----
@@ -201,10 +206,6 @@ PEER_OPTIONS: list[PeerOption] = [
     *_switches("disable-cascade-attn", "no effect in vLLM either: cascade attention is gone from both", ANY),
     *_values("hf-overrides model-class-overrides", _NO_OVERRIDES),
     *_values("pooler-config", "brisk runs generative models only (no pooling)"),
-    *_values(
-        "override-generation-config",
-        "give --generation-config a folder holding a generation_config.json with the defaults you want",
-    ),
     *_switches(
         "enable-sleep-mode sleep-mode-offload-cudagraph enable-cumem-allocator enable-nccl-comm-suspend", _SLEEP
     ),
@@ -267,11 +268,8 @@ PEER_OPTIONS: list[PeerOption] = [
         "elastic-ep-max-dp-size fault-tolerance-config",
         _ENGINE_INTERNALS,
     ),
-    *_switches(
-        "enable-eplb",
-        "brisk places experts statically (rank r holds a contiguous range); expert load balancing is not available",
-    ),
-    *_values("eplb-config", "brisk places experts statically; expert load balancing is not available"),
+    *_switches("enable-eplb", _STATIC_EXPERTS),
+    *_values("eplb-config", _STATIC_EXPERTS),
     *_values(
         "expert-placement-strategy", "brisk places experts in contiguous ranges per rank (vLLM's linear)", ("linear",)
     ),
@@ -337,7 +335,7 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk bounds the requests waiting beyond the running batch with --max-num-waiting (then answers 429), not "
         "the requests in flight",
     ),
-    *_values("max-num-queued-tokens long-prefill-token-threshold watermark prefill-schedule-interval", _SCHEDULER),
+    *_values("max-num-queued-tokens watermark prefill-schedule-interval", _SCHEDULER),
     *_switches("long-prefill-token-threshold-adaptive scheduler-reserve-full-isl", _SCHEDULER),
     *_values("scheduling-policy", _SCHEDULER, ("fcfs", "priority")),
     # ---- vLLM: kernels, compilation and other configs ----
@@ -374,12 +372,88 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk's profiler is trtllm's: --profile-dir enables POST /start_profile and /stop_profile (torch profiler "
         "traces)",
     ),
-    *_values(
-        "performance-mode",
-        "brisk's operating points are its presets: examples/low_latency.yaml and examples/max_throughput.yaml",
-        ("balanced",),
-    ),
     *_values("weight-transfer-config", _SLEEP.replace("has no sleep mode", "takes no weight updates while serving")),
+    # ---- vLLM: flags of its releases 0.10.1 to 0.32 that 0.33 no longer has (vllm_serve_releases.json) ----
+    *_switches(
+        "calculate-kv-scales",
+        "no effect, as in vLLM since it deprecated it: FP8 KV scales are the checkpoint's k_scale / v_scale, else 1.0",
+        ANY,
+    ),
+    *_switches("disable-async-output-proc", _V0_ENGINE, ANY),
+    *_values("num-lookahead-slots", _V0_ENGINE, ANY),
+    *_switches(
+        "disable-frontend-multiprocessing",
+        "no effect: brisk's API server and engine always run in processes of their own (--api-server-count sets how "
+        "many API servers)",
+        ANY,
+    ),
+    *_switches(
+        "disable-mm-preprocessor-cache use-gpu-for-pooling-score",
+        "no effect: brisk serves text-only generative models (no multimodal preprocessing, no pooling)",
+        ANY,
+    ),
+    *_switches(
+        "enable-bf16x3-router-gemm",
+        "brisk's MoE router multiplies in the model's dtype, as transformers' gpt-oss does; a bf16x3 (fp32-accurate) "
+        "router GEMM is not available",
+    ),
+    *_switches("enable-lora-bias", _LORA),
+    *_values("lora-extra-vocab-size", _LORA),
+    *_switches("enable-prompt-adapter", "brisk serves no prompt adapters (vLLM removed them too)"),
+    *_switches("enable-mamba-fine-grained-prefix-cache", _MAMBA),
+    *_switches("enable-multimodal-encoder-data-parallel", _MULTIMODAL),
+    *_switches("eplb-log-balancedness", _STATIC_EXPERTS),
+    *_values("eplb-window-size eplb-step-interval", _STATIC_EXPERTS),
+    *_values("num-redundant-experts", _STATIC_EXPERTS, ("0",)),
+    *_switches(
+        "guided-decoding-disable-fallback",
+        "no effect: brisk runs every grammar on xgrammar, with no other engine to fall back to (a grammar xgrammar "
+        "cannot compile is a 400)",
+        ANY,
+    ),
+    *_switches(
+        "guided-decoding-disable-additional-properties",
+        "no effect: a setting of vLLM's guidance backend; brisk's structured outputs run on xgrammar",
+        ANY,
+    ),
+    *_values("logits-processor-pattern", _NO_PLUGINS),
+    *_values(
+        "max-num-partial-prefills max-long-partial-prefills",
+        "vLLM's V1 engine only derives --long-prefill-token-threshold (4% of max_model_len) from it: give that",
+        ("1",),
+    ),
+    *_values(
+        "max-seq-len-to-capture",
+        "no effect: brisk's CUDA graphs serve every context length; they are captured per batch size "
+        "(--max-cudagraph-capture-size)",
+        ANY,
+    ),
+    *_values(
+        "override-attention-dtype",
+        "brisk's attention computes in the model's dtype (--dtype) and stores KV in --kv-cache-dtype",
+    ),
+    *_values("override-neuron-config", "brisk runs on NVIDIA GPUs and on CPUs (no AWS Neuron)"),
+    *_values("override-pooler-config", "brisk runs generative models only (no pooling)"),
+    *_values(
+        "preemption-mode",
+        "brisk preempts by recompute, as vLLM's V1 engine: a preempted request's full blocks stay in the prefix "
+        "cache (and, with --kv-offloading-size, in host memory once evicted), so it recomputes only what neither "
+        "holds",
+        ("recompute",),
+    ),
+    *_values("rope-scaling rope-theta", _NO_OVERRIDES),
+    *_values(
+        "scheduler-delay-factor",
+        "brisk schedules every waiting request at the next step; it holds none back to batch it with later ones",
+        ("0", "0.0"),
+    ),
+    *_values(
+        "swap-space",
+        "no effect, as in vLLM's V1 engine (which only checked host memory with it): brisk's host KV tier is "
+        "--kv-offloading-size",
+        ANY,
+    ),
+    *_values("task", "brisk runs generative models only (no pooling or transcription tasks)", ("auto", "generate")),
     # ---- TensorRT-LLM's LLM API keys (extra_llm_api_options; TorchLlmArgs) ----
     *_values(
         "moe_tensor_parallel_size",
@@ -389,7 +463,7 @@ PEER_OPTIONS: list[PeerOption] = [
     *_values("pp_partition", "brisk has no pipeline parallelism (pp_size 1)", ("null",)),
     *_values("cp_config", _CONTEXT_PARALLEL, ("null", "{}")),
     *_values("lora_config peft_cache_config", _LORA, ("null",)),
-    *_values("guided_decoding_backend", "brisk's structured outputs run on xgrammar", ("null", "xgrammar")),
+    *_values("guided_decoding_backend", "brisk's structured outputs run on xgrammar", ("null", "auto", "xgrammar")),
     *_values("post_processor_hook batched_logits_processor checkpoint_loader mpi_session", _NO_PLUGINS, ("null",)),
     *_values("model_kwargs", _NO_OVERRIDES, ("null", "{}")),
     *_values(

@@ -56,12 +56,13 @@ class FakeEngine:
         prefix_caching=True,
         overlap=False,
         host_blocks=0,
+        max_prefill_chunk=0,
     ):
         host = HostTier(host_blocks, bytes_per_block=1) if host_blocks else None
         # block_size: one for every group, or per group (a narrower KV dtype's group holds more tokens a block)
         self.block_sizes = [block_size] * len(groups) if isinstance(block_size, int) else list(block_size)
         self.kv = KVCacheManager(groups, num_blocks, self.block_sizes, prefix_caching, host)
-        self.sched = Scheduler(self.kv, max_batch_size, max_num_tokens, chunked)
+        self.sched = Scheduler(self.kv, max_batch_size, max_num_tokens, chunked, max_prefill_chunk=max_prefill_chunk)
         self.groups = groups
         self.overlap = overlap
         # One "tensor" per group; a slot holds (position, token id) so reading a wrong slot shows.

@@ -19,9 +19,11 @@ from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
 import brisk
+from brisk.server.protocol import ChatCompletionRequest
 from tests.server_utils import RunningServer
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+PEER_FLAGS = Path(__file__).resolve().parent / "data" / "peer_flags"
 DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
 STATUSES = {"implemented", "no effect", "rejected"}
 MAX_SEQ_LEN = 512
@@ -77,13 +79,56 @@ def test_each_table_lists_exactly_the_spec_fields():
 
 
 def test_every_field_of_vllms_requests_is_listed():
-    """vLLM's chat, completion and Responses request fields (vLLM 0.32: tests/data/peer_flags/vllm_request_fields.json, written
-    by tools/peer_flags.py) are each a row of the endpoint's table: implemented, or rejected with the reason."""
-    vllm = json.loads((Path(__file__).parent / "data" / "peer_flags" / "vllm_request_fields.json").read_text())
+    """vLLM's chat, completion and Responses request fields (vLLM 0.33: tests/data/peer_flags/vllm_request_fields.json,
+    written by tools/peer_flags.py; and those its releases since 0.10.1 had and 0.33 dropped,
+    vllm_request_fields_releases.json, by tools/peer_flags_releases.py: a client written for them works unchanged)
+    are each a row of the endpoint's table: implemented, or rejected with the reason."""
+    vllm = json.loads((PEER_FLAGS / "vllm_request_fields.json").read_text())
+    releases = json.loads((PEER_FLAGS / "vllm_request_fields_releases.json").read_text())
+    assert releases["vllm"][0] == "0.10.1.1" and ["/v1/chat/completions", "guided_json"] in [
+        row[:2] for row in releases["fields"]
+    ]
     for endpoint in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         listed = {r["field"] for r in ROWS if r["endpoint"] == endpoint}
-        missing = [f for f in vllm[endpoint] if f not in listed]
+        earlier = [field for route, field, _, _ in releases["fields"] if route == endpoint]
+        missing = [f for f in vllm[endpoint] + earlier if f not in listed]
         assert missing == [], endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_vllms_earlier_guided_fields_constrain_as_structured_outputs_does(server, endpoint):
+    """guided_* (vLLM <= 0.11) are structured_outputs' constraints: the same spec on chat, the same text on
+    completions (constrained from its first token); two kinds, or one beside structured_outputs or response_format,
+    are a 400 naming the guided field."""
+    choices = ["arctic fox", "brown bear"]
+    messages = [{"role": "user", "content": "Hi"}]
+    for kind, value in (
+        ("json", {"type": "object"}),
+        ("regex", "[a-z]+"),
+        ("choice", choices),
+        ("grammar", 'root ::= "a"'),
+    ):
+        guided = ChatCompletionRequest(messages=messages, **{f"guided_{kind}": value}).to_sampling_params({})
+        plain = ChatCompletionRequest(messages=messages, structured_outputs={kind: value}).to_sampling_params({})
+        assert guided.structured_outputs is not None and plain.structured_outputs is not None
+        assert getattr(guided.structured_outputs, kind) == getattr(plain.structured_outputs, kind) == value
+    base = {**BASE[endpoint], "max_tokens": 32, "temperature": 0}
+    if endpoint == "/v1/completions":
+        texts = []
+        for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+            r = httpx.post(f"{server.url}{endpoint}", json={**base, **body}, timeout=120)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        # the same text; on the harmony demo model the completion holds the channel's name before the answer
+        assert texts[0] == texts[1] and texts[0].endswith(tuple(choices)), texts
+    for extra in (
+        {"guided_regex": "[a-z]+"},
+        {"structured_outputs": {"choice": choices}},
+        {"response_format": {"type": "json_object"}},
+    ):
+        r = httpx.post(f"{server.url}{endpoint}", json={**base, "guided_choice": choices, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] in ("guided_choice", "guided_regex"), r.text
 
 
 @pytest.fixture(scope="module")

@@ -106,10 +106,13 @@ def test_pytorch_reference_paths_match(tiny):
     assert ours == _hf_greedy(hf, prompts)
 
 
-def test_chunked_prefill_matches(tiny):
+@pytest.mark.parametrize(
+    "chunking", [{"max_num_tokens": 5}, {"long_prefill_token_threshold": 3}], ids=["budget", "long-prefill-threshold"]
+)
+def test_chunked_prefill_matches(tiny, chunking):
     _, path, hf = tiny
     prompts = _prompts(2)
-    llm, ours = _brisk(path, prompts, max_num_tokens=5, tokens_per_block=4)
+    llm, ours = _brisk(path, prompts, tokens_per_block=4, **chunking)
     assert ours == _hf_greedy(hf, prompts)
 
 

@@ -27,6 +27,7 @@ from brisk.kv_cache.config import KvCacheConfig
 from brisk.options import OptionError
 from brisk.peer_options import ANY, PEER_OPTIONS
 from brisk.sampling_params import InvalidRequest
+from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.serve import observability_for, response_store_for
 from tests.test_kv_cache_config_fields import NO_EFFECT as KV_NO_EFFECT
 from tests.test_kv_cache_config_fields import REFUSED as KV_REFUSED
@@ -187,6 +188,44 @@ PEER_FLAGS = TESTS / "data" / "peer_flags"
 def _serve_flags() -> set[str]:
     serve = build_parser()._subparser("serve")  # type: ignore[attr-defined]
     return {s for action in serve._actions for s in action.option_strings}
+
+
+def test_every_flag_of_vllm_releases_since_gpt_oss_is_known():
+    """A command line written for an earlier vLLM (0.10.1, gpt-oss's first, to 0.32) works unchanged: each flag
+    those releases had and 0.33 dropped is known too (tools/peer_flags_releases.py lists them)."""
+    known = _serve_flags()
+    releases = json.loads((PEER_FLAGS / "vllm_serve_releases.json").read_text())
+    assert releases["vllm"][0] == "0.10.1.1" and len(releases["vllm"]) > 20
+    flags = [flag for spellings, _, _ in releases["flags"] for flag in spellings]
+    assert len(flags) > 40 and "--swap-space" in flags
+    assert [flag for flag in flags if flag not in known] == []
+    # what each means here: no effect where vLLM's V1 engine ignored it too, the same option, or refused with a reason
+    for argv, expect in (
+        (["--swap-space", "16", "--disable-frontend-multiprocessing", "--max-seq-len-to-capture", "8192"], {}),
+        (["--calculate-kv-scales", "--kv-cache-dtype", "fp8", "--num-lookahead-slots", "0"], {"kv_cache_dtype": "fp8"}),
+        (["--guided-decoding-disable-any-whitespace"], {"disable_any_whitespace": True}),
+        (["--no-guided-decoding-disable-any-whitespace"], {"disable_any_whitespace": False}),
+        (["--task", "generate", "--preemption-mode", "recompute", "--max-num-partial-prefills", "1"], {}),
+        (["--preemption-mode", "swap"], "brisk preempts by recompute"),
+        (["--task", "embed"], "generative models only"),
+        (["--max-num-partial-prefills", "4"], "give that"),
+        (["--enable-bf16x3-router-gemm"], "router multiplies in the model's dtype"),
+        (["-O", '{"cudagraph_capture_sizes": [1, 2, 4]}'], {"graph_sizes": [1, 2, 4]}),  # <= 0.11: -O's JSON
+        (["--rope-theta", "1e6"], "config.json as it is"),
+    ):
+        given = OPTIONS.given(build_parser().parse_args(["serve", *argv]))
+        if isinstance(expect, str):
+            with pytest.raises(ConfigError, match=re.escape(expect)):
+                build_serve_configs(None, given, default_model=DEMO)
+            continue
+        engine, _ = build_serve_configs(None, given, default_model=DEMO)
+        if "kv_cache_dtype" in expect:
+            assert engine.kv_cache_config.dtype == expect["kv_cache_dtype"]
+        if "disable_any_whitespace" in expect:
+            assert engine.structured_outputs_config.disable_any_whitespace is expect["disable_any_whitespace"]
+        if "graph_sizes" in expect:
+            assert engine.cuda_graph_config is not None
+            assert engine.cuda_graph_config.batch_sizes == expect["graph_sizes"]
 
 
 def test_every_flag_of_vllm_serve_and_trtllm_serve_is_known():
@@ -661,12 +700,42 @@ def test_backend():
             EngineConfig.build("m", backend=other)
 
 
-def test_structured_outputs_config_keys():
+# vLLM 0.33's StructuredOutputsConfig, each key with its default there
+VLLM_STRUCTURED_OUTPUTS_CONFIG = {
+    "backend": "auto",
+    "disable_fallback": False,
+    "disable_any_whitespace": False,
+    "disable_additional_properties": False,
+    "reasoning_parser": "",
+    "reasoning_parser_plugin": "",
+    "enable_in_reasoning": False,
+}
+
+
+def test_structured_outputs_config_keys(caplog):
     cfg = EngineConfig.build("m", structured_outputs_config={"disable_any_whitespace": False, "backend": "xgrammar"})
     assert cfg.structured_outputs_config.disable_any_whitespace is False
     assert EngineConfig.build("m").structured_outputs_config.disable_any_whitespace is True
     with pytest.raises(ConfigError, match="run on xgrammar"):
         EngineConfig.build("m", structured_outputs_config={"backend": "guidance"})
+    # every key of vLLM's, as a vLLM config gives it: the no-effect ones say so at start-up
+    with caplog.at_level(logging.INFO, logger="brisk.config"):
+        EngineConfig.build("m", structured_outputs_config=VLLM_STRUCTURED_OUTPUTS_CONFIG)
+    assert "structured_outputs_config.disable_fallback false: no effect" in caplog.text
+    assert "structured_outputs_config.disable_additional_properties false: no effect" in caplog.text
+    with pytest.raises(ConfigError, match="constrains its final answer"):
+        EngineConfig.build("m", structured_outputs_config={"enable_in_reasoning": True})
+    with pytest.raises(ConfigError, match="no reasoning-parser plugins"):
+        EngineConfig.build("m", structured_outputs_config={"reasoning_parser_plugin": "my_parser.py"})
+    # vLLM's --reasoning-parser lives in this group: given here, brisk serve's --reasoning-parser
+    dotted = ["serve", "--structured-outputs-config.reasoning_parser", "openai_gptoss"]
+    _, server = build_serve_configs(None, OPTIONS.given(build_parser().parse_args(dotted)), default_model=DEMO)
+    assert server.reasoning_parser == "openai_gptoss"
+    both = [*dotted, "--reasoning-parser", "gptoss"]
+    with pytest.raises(ConfigError, match="give one"):
+        build_serve_configs(None, OPTIONS.given(build_parser().parse_args(both)), default_model=DEMO)
+    with pytest.raises(ConfigError, match="no reasoning parser 'deepseek_r1'"):
+        build_serve_configs(None, {"structured_outputs_config": {"reasoning_parser": "deepseek_r1"}}, DEMO)
 
 
 @pytest.fixture(scope="module")
@@ -694,6 +763,62 @@ def test_tokenizer_and_generation_config(demo_copy, tmp_path):
             assert (defaults.temperature, defaults.top_p) == (temperature, top_p), generation_config
     with pytest.raises(ConfigError, match="no generation_config.json"):
         LLM(str(demo_copy), tokenizer=DEMO, generation_config=str(tmp_path), device="cpu")
+
+
+def test_override_generation_config(demo_copy):
+    """vLLM's --override-generation-config: sampling defaults over --generation-config's; max_new_tokens is every
+    request's max_tokens at most, and its default."""
+    override = {"temperature": 0.2, "presence_penalty": 0.5, "max_new_tokens": 7}
+    for generation_config, top_p in (("auto", 0.8), ("vllm", 1.0)):
+        with LLM(
+            str(demo_copy), tokenizer=DEMO, generation_config=generation_config, override_generation_config=override
+        ) as llm:
+            defaults = llm.get_default_sampling_params()
+            assert (defaults.temperature, defaults.top_p, defaults.presence_penalty) == (0.2, top_p, 0.5)
+            assert defaults.max_tokens == 7
+            assert len(llm.generate("Once upon a time")[0].outputs[0].token_ids) <= 7
+    given = OPTIONS.given(build_parser().parse_args(["serve", "--override-generation-config", '{"top_k": 5}']))
+    engine, _ = build_serve_configs(None, given, default_model=DEMO)
+    assert engine.override_generation_config == {"top_k": 5}
+    with pytest.raises(ConfigError, match="do_sample: brisk's default sampling parameters are temperature"):
+        EngineConfig.build("m", override_generation_config={"do_sample": True, "temperature": 0.5})
+    # a request's own values win, but max_tokens never exceeds the cap; unset penalties take the defaults
+    defaults = {"max_tokens": 7, "frequency_penalty": 0.25}
+    messages = [{"role": "user", "content": "hi"}]
+    for asked, gets in ((None, 7), (3, 3), (50, 7)):
+        request = ChatCompletionRequest(model="m", messages=messages, max_tokens=asked, frequency_penalty=None)
+        params = request.to_sampling_params(defaults)
+        assert (params.max_tokens, params.frequency_penalty, params.presence_penalty) == (gets, 0.25, 0.0)
+    explicit = ChatCompletionRequest(model="m", messages=messages, frequency_penalty=-0.5)
+    assert explicit.to_sampling_params(defaults).frequency_penalty == -0.5
+    assert CompletionRequest(model="m", prompt="x").to_sampling_params(defaults).max_tokens == 7  # its 16, capped
+
+
+def test_vllm_performance_mode():
+    """vLLM's --performance-mode: throughput doubles the batch and step budget where not given; interactivity
+    captures every decode batch size up to 32 (on a CPU given explicitly: the static buffers, uncaptured)."""
+    default = EngineConfig.build("m")
+    throughput = EngineConfig.build("m", performance_mode="throughput")
+    assert (throughput.max_batch_size, throughput.max_num_tokens) == (
+        2 * default.max_batch_size,
+        2 * default.max_num_tokens,
+    )
+    assert EngineConfig.build("m", performance_mode="throughput", max_num_seqs=64).max_batch_size == 64
+    given = OPTIONS.given(build_parser().parse_args(["serve", "--performance-mode", "interactivity"]))
+    assert build_serve_configs(None, given, default_model=DEMO)[0].performance_mode == "interactivity"
+    with pytest.raises(ConfigError, match="performance_mode"):
+        EngineConfig.build("m", performance_mode="fast")
+    graphs = {"max_batch_size": 40}
+    with LLM(DEMO, max_seq_len=128, device="cpu", cuda_graph_config=graphs, performance_mode="interactivity") as llm:
+        assert llm.engine.executor.runner.graphs.sizes == [*range(1, 33), 40]
+    with LLM(DEMO, max_seq_len=128, device="cpu", cuda_graph_config=graphs, performance_mode="balanced") as llm:
+        assert llm.engine.executor.runner.graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+def test_long_prefill_token_threshold_needs_chunked_prefill():
+    assert EngineConfig.build("m", long_prefill_token_threshold=512).long_prefill_token_threshold == 512
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold 512 splits prompts into chunks"):
+        EngineConfig.build("m", long_prefill_token_threshold=512, enable_chunked_prefill=False)
 
 
 def test_chat_template(tmp_path):
@@ -949,7 +1074,24 @@ OPTION_TESTS: dict[str, list[str]] = {
         "tests/test_structured_whitespace.py::test_compact_by_default_whitespace_on_request",
         f"{DROPIN}::test_vllm_command_serves",
     ],
-    "structured_outputs_config.backend": [f"{HERE}::test_structured_outputs_config_keys"],
+    **{
+        f"structured_outputs_config.{name}": [f"{HERE}::test_structured_outputs_config_keys"]
+        for name in (
+            "backend",
+            "disable_fallback",
+            "disable_additional_properties",
+            "reasoning_parser",
+            "reasoning_parser_plugin",
+            "enable_in_reasoning",
+        )
+    },
+    "long_prefill_token_threshold": [
+        "tests/test_scheduler.py::test_long_prefill_token_threshold_shares_a_step_among_prompts",
+        "tests/test_engine_e2e.py::test_chunked_prefill_matches",
+        f"{HERE}::test_long_prefill_token_threshold_needs_chunked_prefill",
+    ],
+    "performance_mode": [f"{HERE}::test_vllm_performance_mode"],
+    "override_generation_config": [f"{HERE}::test_override_generation_config"],
     "num_cpu_threads": ["tests/test_host.py::test_cpu_threads_leave_one_core_to_the_api_server"],
     "cpu_weight_prepack": [
         "tests/test_engine_e2e.py::test_bf16_prepacked_weights_generate_what_plain_matmuls_generate"

@@ -50,6 +50,22 @@ def test_chunked_prefill_respects_token_budget(groups):
     _check_all(engine, reqs, prompts, [6] * 6)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_long_prefill_token_threshold_shares_a_step_among_prompts(overlap):
+    """vLLM's long_prefill_token_threshold: no prompt computes more than it a step, so the prompts waiting together
+    all start in the first step instead of the first taking the budget; outputs unchanged."""
+    rng = random.Random(7)
+    engine = FakeEngine(HYBRID, num_blocks=200, block_size=4, max_num_tokens=64, overlap=overlap, max_prefill_chunk=6)
+    prompts = [[rng.randrange(1, 97) for _ in range(40)] for _ in range(4)]
+    reqs = [engine.add(p, 5) for p in prompts]
+    first = engine.step()
+    assert first.num_scheduled_tokens == {r.request_id: 6 for r in reqs}  # without the threshold: 40 + 24
+    while engine.busy():
+        out = engine.step()
+        assert max(out.num_scheduled_tokens.values(), default=0) <= 6
+    _check_all(engine, reqs, prompts, [5] * 4)
+
+
 def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
     rng = random.Random(2)
     engine = FakeEngine(FULL, num_blocks=200, block_size=4, max_num_tokens=40, chunked=False)

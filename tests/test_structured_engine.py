@@ -194,9 +194,9 @@ def test_compile_timeout(llama_path, monkeypatch):
     release = threading.Event()
     compile_now = GrammarCompiler._compile
 
-    def stalled(self, tag, param):
+    def stalled(self, tag):
         release.wait()
-        return compile_now(self, tag, param)
+        return compile_now(self, tag)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", stalled)
     try:

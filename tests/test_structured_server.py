@@ -31,6 +31,7 @@ VALID = [
     (CHAT, {"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
     (CHAT, {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, "structured_outputs"),
     (COMPLETIONS, {"structured_outputs": {"json_object": True}}, "structured_outputs"),
+    (CHAT, {"guided_json": SCHEMA}, "guided_json"),  # vLLM <= 0.11's fields
     (RESPONSES, {"text": {"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}}}, "text.format"),
     (RESPONSES, {"text": {"format": {"type": "json_object"}}}, "text.format"),
 ]
@@ -65,7 +66,9 @@ INVALID = [
         "not both",
     ),
     (CHAT, {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
-    (CHAT, {"guided_json": SCHEMA}, "guided_json", "use structured_outputs"),
+    (CHAT, {"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "one kind of structured output"),
+    # the regex above, compiled once (cached): this request's error still names its own field
+    (COMPLETIONS, {"guided_regex": "(ab"}, "guided_regex", "parenthesis is not closed"),
     (CHAT, {"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", "cannot be combined"),
     (RESPONSES, {"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format", "needs name"),
     (

@@ -80,6 +80,7 @@ class EngineCore:
                     max_num_tokens=config.max_num_tokens,
                     enable_chunked_prefill=config.enable_chunked_prefill,
                     spec=spec_limits,
+                    max_prefill_chunk=config.long_prefill_token_threshold,
                 )
             )
         self.requests: dict[str, list[Request]] = {}  # request id -> its n completions

@@ -56,13 +56,15 @@ def effective_graph_config(config: EngineConfig, device: torch.device) -> CudaGr
     return config.cuda_graph_config
 
 
-def graph_batch_sizes(config: CudaGraphConfig, max_rows: int) -> list[int]:
-    """The captured batch sizes: the configured list, or trtllm's default ladder up to max_batch_size."""
+def graph_batch_sizes(config: CudaGraphConfig, max_rows: int, every_size_up_to: int = 0) -> list[int]:
+    """The captured batch sizes: the configured list, or trtllm's default ladder up to max_batch_size, with every
+    size up to `every_size_up_to` besides (vLLM's performance_mode interactivity: no padding at low concurrency)."""
     if config.batch_sizes:
         sizes = set(config.batch_sizes)
     else:
         top = min(config.max_batch_size, max_rows)
         sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | ({top} if top else set())
+        sizes |= set(range(1, min(every_size_up_to, top) + 1))
     return sorted(s for s in sizes if 0 < s <= max_rows)
 
 

@@ -82,11 +82,15 @@ def load_model_runner(
     return runner
 
 
+INTERACTIVITY_EVERY_GRAPH_SIZE_UP_TO = 32  # vLLM's performance_mode interactivity captures sizes 1..32
+
+
 def set_up_graphs(runner: ModelRunner, startup: StartupTimes) -> None:
     """The static-buffer decode steps (cuda_graph.py): captured on a GPU where the backends allow it."""
     config, device, kernels = runner.config, runner.device, runner.kernels
     graph_config = effective_graph_config(config, device)
-    sizes = graph_batch_sizes(graph_config, config.max_batch_size) if graph_config is not None else []
+    every_size_up_to = INTERACTIVITY_EVERY_GRAPH_SIZE_UP_TO if config.performance_mode == "interactivity" else 0
+    sizes = graph_batch_sizes(graph_config, config.max_batch_size, every_size_up_to) if graph_config is not None else []
     if graph_config is not None and sizes:
         # Capture needs backends without host syncs (the Triton ones); others run the buffers uncaptured. Under
         # attention DP every rank pads to one common size per step (cuda_graph.py), so its MoE collectives have

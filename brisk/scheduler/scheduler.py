@@ -85,11 +85,14 @@ class Scheduler:
         max_num_tokens: int,
         enable_chunked_prefill: bool,
         spec: SpecDecodeLimits | None = None,
+        max_prefill_chunk: int = 0,
     ) -> None:
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # vLLM's long_prefill_token_threshold: a prompt's tokens a step at most (0: the budget), so prompts share steps
+        self.max_prefill_chunk = max_prefill_chunk or max_num_tokens
         self.waiting: list[Request] = []  # sorted by priority_key
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -168,6 +171,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req._all_token_ids) + req.num_placeholders - req.num_computed_tokens
+            if num_new > self.max_prefill_chunk:
+                num_new = self.max_prefill_chunk
             if num_new > budget:
                 num_new = budget
             if num_new <= 0 or (req.max_tokens and len(req.output_token_ids) + req.num_placeholders >= req.max_tokens):
@@ -213,7 +218,7 @@ class Scheduler:
                     hit = self.kv.get_computed_blocks(req)
                 else:  # its prompt's logits are wanted: every position is computed
                     hit = PrefixHit(0, [[] for _ in self.kv.groups])
-                num_new = req.num_tokens - hit.num_tokens
+                num_new = min(req.num_tokens - hit.num_tokens, self.max_prefill_chunk)
                 if num_new > budget:
                     if not self.enable_chunked_prefill:
                         break

@@ -127,8 +127,6 @@ def prompt_logprobs_body(state: ServerState, output: RequestOutput, top_n: int) 
 )
 async def completions(req: CompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
     state.check_model(req.model)
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of other than n is not supported.", param="best_of")
     if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
         raise APIError(
             400, "max_tokens 0 generates nothing; it needs echo: true (or prompt_logprobs).", param="max_tokens"

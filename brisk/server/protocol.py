@@ -169,6 +169,12 @@ class _GenerationFields(_Body):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            if extra.get(name) is None:
+                extra[name] = defaults.get(name, 0.0)
+        cap = defaults.get("max_tokens")  # vLLM's: a generation config's max_new_tokens is a default and a cap
+        if cap is not None:
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         return SamplingParams(
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
@@ -186,7 +192,10 @@ class _GenerationFields(_Body):
 
 
 TEXT_ONLY = "brisk serves text-only models: there is no multimodal input or output."
-GUIDED_REMOVED = "guided_* fields were removed in vLLM 0.12; use structured_outputs: {json, regex, choice, grammar}."
+GUIDED_WHITESPACE = (
+    "guided_whitespace_pattern is a setting of vLLM's outlines backend; brisk's JSON whitespace is set by "
+    "structured_outputs: {disable_any_whitespace: false}."
+)
 
 
 class StructuredOutputsField(_Request):
@@ -260,8 +269,8 @@ class _SamplingFields(_GenerationFields):
     """Chat completions' and completions' further sampling fields: OpenAI's plus vLLM's extensions."""
 
     n: int = Field(1, ge=1, le=128)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: the server's default (0.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: LogitBias = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream_options: StreamOptions | None = None
@@ -272,11 +281,24 @@ class _SamplingFields(_GenerationFields):
     skip_special_tokens: bool = True
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: top logprobs of each prompt token
-    guided_json: Annotated[Any, refused(GUIDED_REMOVED)] = None
-    guided_regex: Annotated[Any, refused(GUIDED_REMOVED)] = None
-    guided_choice: Annotated[Any, refused(GUIDED_REMOVED)] = None
-    guided_grammar: Annotated[Any, refused(GUIDED_REMOVED)] = None
-    guided_decoding_backend: Annotated[Any, refused(GUIDED_REMOVED)] = None
+    best_of: int | None = Field(None, ge=1, le=128)  # OpenAI's on completions, vLLM's on chat (<= 0.11): n only
+    # vLLM <= 0.11's structured outputs, one field a kind (structured_outputs' keys since): one kind per request
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(None, min_length=1)
+    guided_decoding_backend: Annotated[
+        Any, only(("auto", "xgrammar"), "brisk's structured outputs run on xgrammar.")
+    ] = None
+    guided_whitespace_pattern: Annotated[Any, refused(GUIDED_WHITESPACE)] = None
+    structural_tag: Annotated[
+        Any,
+        refused(
+            "brisk has no structural tags: strict function tools constrain tool calls' arguments, response_format "
+            "the answer."
+        ),
+    ] = None
+    logits_processors: Annotated[Any, refused("brisk runs no logits processors named in a request.")] = None
     # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
     use_beam_search: Annotated[Any, only((False,), "brisk has no beam search.")] = None
     length_penalty: Annotated[Any, only((1, 1.0), "length_penalty scores beams: brisk has no beam search.")] = None
@@ -318,9 +340,34 @@ class _SamplingFields(_GenerationFields):
         """The answer constraint: response_format's (with structured_outputs' options), or structured_outputs'."""
         return self._answer(self.response_format.spec() if self.response_format is not None else None)
 
+    def _guided(self) -> StructuredOutputs | None:
+        """vLLM <= 0.11's guided_* fields as the structured outputs they name."""
+        kinds: dict[str, Any] = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice}
+        given = {kind: value for kind, value in {**kinds, "grammar": self.guided_grammar}.items() if value is not None}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequest(
+                f"guided_{sorted(given)[1]}",
+                "one kind of structured output a request: guided_json, guided_regex, guided_choice or guided_grammar.",
+            )
+        ((kind, value),) = given.items()
+        return StructuredOutputs(**{kind: value}, param=f"guided_{kind}")
+
+    def _answer(self, answer: StructuredOutputs | None) -> StructuredOutputs | None:
+        guided = self._guided()
+        if guided is not None and (answer is not None or self.structured_outputs is not None):
+            raise InvalidRequest(guided.param, "give one of response_format, structured_outputs and guided_*.")
+        return guided or super()._answer(answer)
+
+    def _vllm_structured_outputs(self) -> StructuredOutputs | None:
+        return self._guided() or super()._vllm_structured_outputs()
+
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
     ) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of", "best_of other than n is not supported.")
         bias = token_bias(self.logit_bias)
         return super().sampling_params(
             max_tokens,
@@ -425,6 +472,9 @@ class ChatCompletionRequest(_SamplingFields):
         Any, refused("brisk renders every request with the server's chat template (--chat-template).")
     ] = None
     return_prompt_text: Annotated[Any, only((False,), "brisk's responses do not repeat the rendered prompt.")] = None
+    return_assistant_tokens_mask: Annotated[  # vLLM 0.28's
+        Any, only((False,), "brisk does not return a mask of the assistant's tokens in the prompt.")
+    ] = None
 
     @field_validator("messages")
     @classmethod
@@ -497,7 +547,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0, le=MAX_INT32)  # 0: with echo, the prompt alone
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=128)
     suffix: Annotated[Any, refused("suffix (fill-in-the-middle) is not supported by brisk's models.")] = None
     # vLLM's extensions
     add_special_tokens: bool = True  # the tokenizer's BOS (where it has one) leads a text prompt
@@ -628,8 +677,8 @@ class ResponsesRequest(_GenerationFields):
     conversation: Annotated[Any, refused("the Conversations API is not available; use previous_response_id.")] = None
     prompt: Annotated[Any, refused("stored prompt templates are not available; send the input itself.")] = None
     # vLLM's extensions
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: the server's default (0.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: LogitBias = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     chat_template_kwargs: dict[str, Any] | None = None

@@ -38,6 +38,7 @@ from brisk.server.response_run import BackgroundRuns
 from brisk.server.response_store import ResponseStore
 from brisk.server.tracing import ObservabilityConfig
 from brisk.structured.compiler import GrammarCompiler
+from brisk.structured.state import GrammarCompileError
 
 logger = logging.getLogger("brisk.server")
 # Texts this long (~1 ms of tokenizing and up) are rendered and tokenized on a worker thread, off the event loop.
@@ -204,6 +205,8 @@ class ServerState:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), compiler.compile_timeout_s)
         except InvalidRequest as exc:
             raise invalid_request_error(exc, field_names) from None
+        except GrammarCompileError as exc:
+            raise invalid_request_error(exc.naming(spec.param), field_names) from None
         except TimeoutError:
             raise invalid_request_error(compiler.timeout_error(spec), field_names) from None
 

@@ -26,6 +26,7 @@ from brisk.harmony.parser import HarmonySpecialTokens
 from brisk.structured.grammars import compiler_message, structural_tag
 from brisk.structured.matcher import Matcher
 from brisk.structured.spec import StructuredOutputs
+from brisk.structured.state import GrammarCompileError
 
 # the byte-level spelling of byte 0xFF (GPT-2's byte-to-unicode table keeps bytes 0xAE..0xFF as themselves)
 _NOT_TEXT = "\u00ff"
@@ -78,7 +79,7 @@ class GrammarCompiler:
     def submit(self, spec: StructuredOutputs) -> Future[xgr.CompiledGrammar]:
         """The compiled grammar's future (cached by the spec's hash). Shape errors found before compiling
         (unsupported keywords, bad JSON text) raise InvalidRequest here; compiler errors come from the future
-        as InvalidRequest."""
+        as GrammarCompileError (cached with it, so each request names its own field: `naming`)."""
         tag = structural_tag(spec, self.harmony_ids, self.max_json_whitespace)  # cheap checks, synchronous
         key = spec.key()
         with self._lock:
@@ -86,7 +87,7 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, tag, spec.param)
+            future = self._pool.submit(self._compile, tag)
             self._cache[key] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -99,6 +100,8 @@ class GrammarCompiler:
             return future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
             raise self.timeout_error(spec) from None
+        except GrammarCompileError as error:
+            raise error.naming(spec.param) from None
 
     def timeout_error(self, spec: StructuredOutputs) -> InvalidRequest:
         return InvalidRequest(
@@ -141,11 +144,11 @@ class GrammarCompiler:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, tag: Any, param: str) -> xgr.CompiledGrammar:
+    def _compile(self, tag: Any) -> xgr.CompiledGrammar:
         try:
             return self._compiler.compile_structural_tag(tag)
         except Exception as error:  # xgrammar raises RuntimeError/ValueError/its own types with the reason
-            raise InvalidRequest(param, f"invalid {param}: {compiler_message(error)}") from None
+            raise GrammarCompileError(compiler_message(error)) from None
 
 
 def _harmony_tokenizer_info(tokenizer: Any, vocab_size: int) -> tuple[xgr.TokenizerInfo, HarmonySpecialTokens]:

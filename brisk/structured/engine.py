@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from brisk.errors import InvalidRequest
 from brisk.structured.matcher import allocate_bitmask
 from brisk.structured.spec import StructuredOutputs
-from brisk.structured.state import GrammarState
+from brisk.structured.state import GrammarCompileError, GrammarState
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -127,7 +127,9 @@ class StructuredOutputManager:
                         continue
                     except InvalidRequest as refused:
                         error = refused
-                if not isinstance(error, InvalidRequest):
+                if isinstance(error, GrammarCompileError):
+                    error = error.naming(param)
+                elif not isinstance(error, InvalidRequest):
                     error = InvalidRequest(param, f"grammar compile failed: {error}")
                 failed.append((req, error))
             elif now > state.deadline:

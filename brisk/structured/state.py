@@ -7,10 +7,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from brisk.errors import InvalidRequest
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
     from brisk.structured.matcher import Matcher
+
+
+class GrammarCompileError(ValueError):
+    """xgrammar's reason a grammar does not compile, with no request field in it: a cached compile is shared by
+    requests that gave the same grammar in different fields (structured_outputs, guided_regex...)."""
+
+    def naming(self, param: str) -> InvalidRequest:
+        return InvalidRequest(param, f"invalid {param}: {self}")
 
 
 @dataclass(eq=False)
