@@ -33,13 +33,7 @@ def main() -> None:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    flags = []
-    for action in parser._actions:
-        # every spelling the parser takes, the ones hidden from --help too (vLLM >= 0.33 pairs --enable-x with
-        # --disable-x and still takes --no-enable-x, unlisted)
-        spellings = [s for s, a in parser._option_string_actions.items() if a is action and s not in ("-h", "--help")]
-        if spellings:
-            flags.append(spellings)
+    flags = parser_flags(parser)
     lines = ",\n".join(f"  {json.dumps(group)}" for group in flags)  # one flag (its spellings) a line
     OUT.write_text(f'{{\n "vllm": "{vllm.__version__}",\n "flags": [\n{lines}\n ]\n}}\n')
     print(f"wrote {len(flags)} flags of vLLM {vllm.__version__} to {OUT}")
@@ -55,6 +49,17 @@ def main() -> None:
     }
     (DATA / "vllm_request_fields.json").write_text(json.dumps(fields, indent=1) + "\n")
     write_routes(parser)
+
+
+def parser_flags(parser) -> list[list[str]]:
+    """Each flag of an argparse parser as the list of its spellings: every one the parser takes, those hidden from
+    --help too (vLLM >= 0.33 pairs --enable-x with --disable-x and still takes --no-enable-x, unlisted)."""
+    flags = []
+    for action in parser._actions:
+        spellings = [s for s, a in parser._option_string_actions.items() if a is action and s not in ("-h", "--help")]
+        if spellings:
+            flags.append(spellings)
+    return flags
 
 
 def write_routes(parser) -> None:

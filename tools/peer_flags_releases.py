@@ -20,7 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "peer_flags"
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data" / "peer_flags"
 STUBBED = ("vllm._C", "cpuinfo", "lmformatenforcer")  # imported at module level, unused by the parser
 PACKAGES = {"PIL": "pillow", "zmq": "pyzmq", "yaml": "pyyaml", "google": "protobuf"}  # module -> PyPI name
 
@@ -56,12 +57,9 @@ for where in ("vllm.entrypoints.openai.cli_args", "vllm.entrypoints.launchers.cl
     except ModuleNotFoundError as exc:
         if exc.name != where:  # a module it imports is missing: installed by the caller
             raise
-parser = make_arg_parser(FlexibleArgumentParser())
-flags = []
-for action in parser._actions:
-    spellings = [s for s, a in parser._option_string_actions.items() if a is action and s not in ("-h", "--help")]
-    if spellings:
-        flags.append(spellings)
+sys.path.insert(0, sys.argv[4])
+from tools.peer_flags import parser_flags
+flags = parser_flags(make_arg_parser(FlexibleArgumentParser()))
 requests = {}
 for route, name, places in (
     ("/v1/chat/completions", "ChatCompletionRequest", ("protocol", "chat_completion.protocol")),
@@ -88,7 +86,9 @@ def release_flags(version: str, work: Path) -> tuple[list[list[str]], dict[str, 
         wheel.extractall(site, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")])
     for _ in range(20):  # install what the parser's imports need, one missing package at a time
         run = subprocess.run(
-            [sys.executable, "-c", DUMP, str(site), str(deps), ",".join(STUBBED)], capture_output=True, text=True
+            [sys.executable, "-c", DUMP, str(site), str(deps), ",".join(STUBBED), str(REPO)],
+            capture_output=True,
+            text=True,
         )
         found = {  # vLLM logs to stdout too
             x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1])
