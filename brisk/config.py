@@ -63,15 +63,13 @@ VLLM_ATTENTION_BACKENDS = {
 # vLLM's compilation_config.cudagraph_mode values that capture decode steps (brisk captures whole decode steps)
 VLLM_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
 # Options naming a peer's implementation where brisk has one of its own: the value that means it, and the refusal.
-STRUCTURED_OUTPUTS_ONLY = {
+BRISKS_OWN_ONLY = {
     "reasoning_parser_plugin": (("",), "brisk loads no reasoning-parser plugins (given {value!r})"),
     "enable_in_reasoning": (
         (False,),
         "brisk leaves gpt-oss's reasoning unconstrained and constrains its final answer (and strict tools' "
         "arguments); constraining the reasoning too is not available",
     ),
-}
-BRISKS_OWN_ONLY = {
     "backend": (
         ("pytorch",),
         "brisk has no {value} engine; its own PyTorch engine serves the model (--backend pytorch, or leave --backend "
@@ -146,10 +144,14 @@ class StructuredOutputsConfig(OptionModel):
         False,
         "vLLM's: brisk runs every grammar on xgrammar, with no other engine to fall back to (a grammar xgrammar cannot "
         "compile is a 400)",
+        vllm="guided_decoding_disable_fallback",  # vLLM <= 0.11's flag
         no_effect=True,
     )
     disable_additional_properties: bool = option(
-        False, "a setting of vLLM's guidance backend; brisk's structured outputs run on xgrammar", no_effect=True
+        False,
+        "a setting of vLLM's guidance backend; brisk's structured outputs run on xgrammar",
+        vllm="guided_decoding_disable_additional_properties",  # vLLM <= 0.11's flag
+        no_effect=True,
     )
     reasoning_parser: str = option(
         "",
@@ -172,7 +174,7 @@ class StructuredOutputsConfig(OptionModel):
     @field_validator("reasoning_parser_plugin", "enable_in_reasoning")
     @classmethod
     def _brisks_behaviour_only(cls, value: Any, info: ValidationInfo) -> Any:
-        return only_values(value, str(info.field_name), STRUCTURED_OUTPUTS_ONLY)
+        return only_values(value, str(info.field_name), BRISKS_OWN_ONLY)
 
 
 class EngineConfig(OptionModel):

@@ -205,7 +205,7 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_switches("disable-cascade-attn", "no effect in vLLM either: cascade attention is gone from both", ANY),
     *_values("hf-overrides model-class-overrides", _NO_OVERRIDES),
-    *_values("pooler-config", "brisk runs generative models only (no pooling)"),
+    *_values("pooler-config override-pooler-config", "brisk runs generative models only (no pooling)"),
     *_switches(
         "enable-sleep-mode sleep-mode-offload-cudagraph enable-cumem-allocator enable-nccl-comm-suspend", _SLEEP
     ),
@@ -405,17 +405,6 @@ PEER_OPTIONS: list[PeerOption] = [
     *_switches("eplb-log-balancedness", _STATIC_EXPERTS),
     *_values("eplb-window-size eplb-step-interval", _STATIC_EXPERTS),
     *_values("num-redundant-experts", _STATIC_EXPERTS, ("0",)),
-    *_switches(
-        "guided-decoding-disable-fallback",
-        "no effect: brisk runs every grammar on xgrammar, with no other engine to fall back to (a grammar xgrammar "
-        "cannot compile is a 400)",
-        ANY,
-    ),
-    *_switches(
-        "guided-decoding-disable-additional-properties",
-        "no effect: a setting of vLLM's guidance backend; brisk's structured outputs run on xgrammar",
-        ANY,
-    ),
     *_values("logits-processor-pattern", _NO_PLUGINS),
     *_values(
         "max-num-partial-prefills max-long-partial-prefills",
@@ -433,7 +422,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "brisk's attention computes in the model's dtype (--dtype) and stores KV in --kv-cache-dtype",
     ),
     *_values("override-neuron-config", "brisk runs on NVIDIA GPUs and on CPUs (no AWS Neuron)"),
-    *_values("override-pooler-config", "brisk runs generative models only (no pooling)"),
     *_values(
         "preemption-mode",
         "brisk preempts by recompute, as vLLM's V1 engine: a preempted request's full blocks stay in the prefix "

@@ -204,6 +204,7 @@ def test_every_flag_of_vllm_releases_since_gpt_oss_is_known():
         (["--swap-space", "16", "--disable-frontend-multiprocessing", "--max-seq-len-to-capture", "8192"], {}),
         (["--calculate-kv-scales", "--kv-cache-dtype", "fp8", "--num-lookahead-slots", "0"], {"kv_cache_dtype": "fp8"}),
         (["--guided-decoding-disable-any-whitespace"], {"disable_any_whitespace": True}),
+        (["--guided-decoding-disable-fallback", "--guided-decoding-disable-additional-properties"], {}),
         (["--no-guided-decoding-disable-any-whitespace"], {"disable_any_whitespace": False}),
         (["--task", "generate", "--preemption-mode", "recompute", "--max-num-partial-prefills", "1"], {}),
         (["--preemption-mode", "swap"], "brisk preempts by recompute"),

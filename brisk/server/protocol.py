@@ -342,8 +342,8 @@ class _SamplingFields(_GenerationFields):
 
     def _guided(self) -> StructuredOutputs | None:
         """vLLM <= 0.11's guided_* fields as the structured outputs they name."""
-        kinds: dict[str, Any] = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice}
-        given = {kind: value for kind, value in {**kinds, "grammar": self.guided_grammar}.items() if value is not None}
+        given = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+        given = {kind: value for kind, value in given.items() if value is not None}
         if not given:
             return None
         if len(given) > 1:
@@ -359,9 +359,6 @@ class _SamplingFields(_GenerationFields):
         if guided is not None and (answer is not None or self.structured_outputs is not None):
             raise InvalidRequest(guided.param, "give one of response_format, structured_outputs and guided_*.")
         return guided or super()._answer(answer)
-
-    def _vllm_structured_outputs(self) -> StructuredOutputs | None:
-        return self._guided() or super()._vllm_structured_outputs()
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any], **extra: Any
