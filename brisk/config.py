@@ -25,7 +25,7 @@ from brisk.host import check_cpu_kernels_choice
 from brisk.kv_cache.config import DEFAULT_RETENTION_PRIORITY, KvCacheConfig
 from brisk.model_config import SAMPLING_DEFAULT_KEYS, ModelConfig, read_generation_config, sampling_defaults
 from brisk.options import Alias, OptionError, OptionModel, OptionTable, human_int, only_values, option, parse_human_int
-from brisk.peer_options import PEER_OPTIONS
+from brisk.peer_options import PEER_CONTAINERS, PEER_OPTIONS, STATIC_EXPERTS
 from brisk.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("brisk.config")
@@ -90,18 +90,19 @@ class CudaGraphConfig(OptionModel):
         256,
         "decode batches up to this size run as captured CUDA graphs (padded to a captured size)",
         ge=0,
-        trtllm="cuda_graph_config.max_batch_size",
+        trtllm=("cuda_graph_config.max_batch_size", "cuda_graph_max_batch_size"),
         vllm="max_cudagraph_capture_size",
     )
     enable_padding: bool = option(
         True,
         "pad a decode batch to the next captured size (else only exact sizes replay)",
-        trtllm="cuda_graph_config.enable_padding",
+        # trtllm 1.0.0rc2-rc3: padding_enabled; <= 1.0.0rc1: cuda_graph_padding_enabled (top level)
+        trtllm=("cuda_graph_config.enable_padding", "cuda_graph_config.padding_enabled", "cuda_graph_padding_enabled"),
     )
     batch_sizes: list[int] | None = option(
         None,
         "the batch sizes to capture (default: from max_batch_size)",
-        trtllm="cuda_graph_config.batch_sizes",
+        trtllm=("cuda_graph_config.batch_sizes", "cuda_graph_batch_sizes"),
         vllm="cudagraph_capture_sizes",
         nargs="+",
         parse=int,
@@ -118,6 +119,33 @@ class MoeConfig(OptionModel):
         "DENSEGEMM -> auto, VANILLA -> torch, TRITON -> triton",
         trtllm=("moe_config.backend", "moe_backend"),
     )
+    max_num_tokens: int | None = option(
+        None,
+        "trtllm's cap on tokens per fused-MoE call (larger steps run in chunks to bound its workspace): brisk's MoE "
+        "runs a step's tokens (at most max_num_tokens) in one call",
+        trtllm=("moe_config.max_num_tokens", "moe_max_num_tokens"),
+        ge=1,
+        no_effect=True,
+    )
+    load_balancer: dict[str, Any] | str | None = option(
+        None,
+        "trtllm's expert load balancer (a config or its file): brisk places experts statically, so only null",
+        trtllm=("moe_config.load_balancer", "moe_load_balancer"),
+    )
+    disable_finalize_fusion: bool = option(
+        False,
+        "trtllm's switch for its CUTLASS MoE's fused finalize: brisk's MoE sums the experts' outputs in a fixed "
+        "order either way",
+        trtllm="moe_config.disable_finalize_fusion",
+        no_effect=True,
+    )
+    use_low_precision_moe_combine: bool = option(
+        False,
+        "trtllm's low-precision all-to-all combine for attention-DP MoE: brisk combines the experts' outputs in the "
+        "model's dtype",
+        trtllm="moe_config.use_low_precision_moe_combine",
+        no_effect=True,
+    )
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -125,6 +153,13 @@ class MoeConfig(OptionModel):
         if not isinstance(value, str):
             return value
         return TRTLLM_MOE_BACKENDS.get(value.lower(), value.lower())  # TensorRT-LLM's YAMLs write TRITON
+
+    @field_validator("load_balancer")
+    @classmethod
+    def _static_experts(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{STATIC_EXPERTS}: give null")
+        return value
 
 
 class StructuredOutputsConfig(OptionModel):
@@ -297,7 +332,8 @@ class EngineConfig(OptionModel):
         help="CUDA graphs of decode steps (null: none); on a CPU, given explicitly, the same padded static buffers "
         "run uncaptured",
         vllm=Alias("enforce_eager", sets=None),
-        trtllm="cuda_graph_config",
+        # trtllm <= 1.0rc1: use_cuda_graph (false: none)
+        trtllm=("cuda_graph_config", Alias("use_cuda_graph", sets=None, when=False)),
     )
     compilation_config: dict[str, Any] | int | None = option(
         None,
@@ -382,7 +418,9 @@ class EngineConfig(OptionModel):
         None,
         "speculative decoding: trtllm's keys ({decoding_type: NGram, max_draft_len: 4}) or vLLM's JSON "
         '({"method": "ngram", "num_speculative_tokens": 4}); an EAGLE3 head is split over the ranks as the target '
-        "is, so vLLM's draft_tensor_parallel_size has no effect",
+        "is, so vLLM's draft_tensor_parallel_size has no effect; trtllm's earlier keys too (decoding_type Eagle is "
+        "Eagle3, max_concurrency N drafts while at most N requests run; its NGram pool switches is_keep_all, "
+        "is_use_oldest, is_public_pool have no effect)",
         vllm="speculative_config",
         trtllm="speculative_config",
         short=("-sc",),
@@ -442,7 +480,7 @@ class EngineConfig(OptionModel):
         False,
         "trtllm's per-request sampling switch: brisk always samples each request with its own parameters, so true "
         "and false both do that (no effect)",
-        trtllm="enable_mixed_sampler",
+        trtllm=("enable_mixed_sampler", "mixed_sampler", "mixed_decoder"),  # the earlier names (trtllm <= 1.0rc)
     )
     print_iter_log: bool = option(
         False,
@@ -632,6 +670,11 @@ class EngineConfig(OptionModel):
         """Peers' implementation choices where brisk has only its own: that one, or a clear refusal."""
         return only_values(value, str(info.field_name), BRISKS_OWN_ONLY)
 
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _trtllm_backend_spellings(cls, value: Any) -> Any:
+        return "tensorrt" if value == "trt" else value  # trtllm-serve's --backend trt (1.0 on)
+
     @field_validator("attn_backend", mode="before")
     @classmethod
     def _brisk_attention(cls, value: Any) -> Any:
@@ -752,7 +795,7 @@ class EngineConfig(OptionModel):
                 )
             if self.moe_config.backend == "triton":
                 notes.append("moe_config.backend 'triton' means nothing on a CPU: the CPU MoE path runs")
-                changes["moe_config"] = MoeConfig(backend="auto")
+                changes["moe_config"] = self.moe_config.model_copy(update={"backend": "auto"})
             if self.attn_backend == "triton":
                 notes.append("attn_backend 'triton' means nothing on a CPU: the CPU attention path runs")
                 changes["attn_backend"] = "auto"
@@ -1134,7 +1177,7 @@ class OptionFiles(OptionModel):
     )
 
 
-OPTIONS = OptionTable(OptionFiles, ServerConfig, EngineConfig, peers=PEER_OPTIONS)
+OPTIONS = OptionTable(OptionFiles, ServerConfig, EngineConfig, peers=PEER_OPTIONS, containers=PEER_CONTAINERS)
 
 
 def resolve_options(given: dict[str, Any], source: str) -> dict[type[BaseModel], dict[str, Any]]:

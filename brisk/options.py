@@ -64,12 +64,15 @@ class Alias:
     """Another spelling of an option (a flag `--NAME` and a key `NAME:`), and how its value maps onto the option.
 
     invert: a bool option spelled the other way round (vLLM's async_scheduling = not disable_overlap_scheduler).
-    sets: a switch: `true` sets the option to this value, `false` leaves it alone (enforce_eager sets
-    cuda_graph_config to null)."""
+    sets: a switch: `when` (true, unless given) sets the option to this value, the other leaves it alone
+    (enforce_eager: true sets cuda_graph_config to null; trtllm's use_cuda_graph: false does).
+    A dotted name is a spelling inside the option's group (cuda_graph_config.padding_enabled), unless it is the
+    option's own path (listed in the docs only)."""
 
     name: str
     invert: bool = False
     sets: Any = _UNSET
+    when: bool = True
 
     def apply(self, value: Any) -> Any:
         """The option's value for this spelling's `value`; _UNSET when it leaves the option alone."""
@@ -79,7 +82,7 @@ class Alias:
             raise OptionError(f"option '{self.name}' is a switch: give true or false (got {value!r})")
         if self.invert:
             return not value
-        return self.sets if value else _UNSET
+        return self.sets if value is self.when else _UNSET
 
     @property
     def is_switch(self) -> bool:
@@ -340,9 +343,14 @@ def _text_of(value: Any) -> str:
 class OptionTable:
     """The options of some config models, and what comes from them (see the module docstring)."""
 
-    def __init__(self, *models: type[BaseModel], peers: Sequence[PeerOption] = ()) -> None:
+    def __init__(
+        self, *models: type[BaseModel], peers: Sequence[PeerOption] = (), containers: Mapping[str, str] | None = None
+    ) -> None:
+        """containers: keys whose mapping holds options as top-level keys (trtllm <= 0.20's pytorch_backend_config),
+        each with one line of help for the docs."""
         self.models = models
         self.peers = tuple(peers)
+        self.containers = dict(containers or {})
         self.rows: list[OptionRow] = []
         for model in models:
             self.rows += list(self._rows(model, model, ""))
@@ -355,6 +363,13 @@ class OptionTable:
             for alias in row.aliases:
                 if "." not in alias.name:  # a dotted spelling is the option's own path in a group (docs only)
                     self._add_key(alias.name, row, alias)
+        # spellings inside a group (cuda_graph_config.padding_enabled) -> the option's row
+        self._nested_keys = {
+            a.name.replace("-", "_"): row
+            for row in self.rows
+            for a in row.aliases
+            if "." in a.name and a.name != row.path
+        }
         self._peer_keys: dict[str, PeerOption] = {}
         for peer in self.peers:
             for name in peer.names:
@@ -387,8 +402,8 @@ class OptionTable:
         key for an unknown one, or for two spellings of one option with different values."""
         out: dict[type[BaseModel], dict[str, Any]] = {model: {} for model in self.models}
         seen: dict[str, str] = {}  # option path -> the key that set it
-        for key, value in given.items():
-            name = str(key).lstrip("-").replace("-", "_")
+        for key, spelled, value in self._unpacked(given, source):
+            name = spelled.lstrip("-").replace("-", "_")
             found, peer = self._keys.get(name), self._peer_keys.get(name)
             inverse = name[3:] if name.startswith("no_") else _inverse_switch_name(name)
             if found is None and peer is None and inverse is not None and isinstance(value, bool):
@@ -404,7 +419,7 @@ class OptionTable:
                     raise OptionError(f"option '{key}' in {source}: {peer.reason}")
                 continue
             if found is None:
-                raise OptionError(f"unknown option '{key}' in {source}{self.suggest(str(key))}")
+                raise OptionError(f"unknown option '{key}' in {source}{self.suggest(spelled)}")
             row, alias = found
             if alias is not None:
                 value = alias.apply(value)
@@ -412,6 +427,18 @@ class OptionTable:
                     continue
             self._place(out[row.model], row, value, source, str(key), seen)
         return out
+
+    def _unpacked(self, given: Mapping[str, Any], source: str) -> Iterator[tuple[str, str, Any]]:
+        """(the key as errors name it, the key, its value) for `given`'s keys, a container's (pytorch_backend_config's)
+        in its place, named `container.key` in errors."""
+        for key, value in given.items():
+            container = str(key).lstrip("-").replace("-", "_")
+            if container not in self.containers:
+                yield str(key), str(key), value
+            elif isinstance(value, Mapping):
+                yield from ((f"{key}.{inner}", str(inner), inner_value) for inner, inner_value in value.items())
+            elif value is not None:
+                raise OptionError(f"'{key}' in {source} holds options by name: give a mapping (got {value!r})")
 
     def _place(
         self, root: dict[str, Any], row: OptionRow, value: Any, source: str, key: str, seen: dict[str, str]
@@ -439,7 +466,8 @@ class OptionTable:
         if not isinstance(into.setdefault(last, {}), dict):  # {} too: a group given empty is given (its defaults)
             raise OptionError(f"'{key}' in {source} sets '{row.path}', which is null there")
         for child_key, child_value in value.items():
-            child = self.by_path.get(f"{row.path}.{str(child_key).replace('-', '_')}")
+            child_path = f"{row.path}.{str(child_key).replace('-', '_')}"
+            child = self.by_path.get(child_path) or self._nested_keys.get(child_path)
             if child is None:
                 names = [r.name for r in self.rows if r.path.startswith(row.path + ".")]
                 hint = _did_you_mean(str(child_key), names)
@@ -474,9 +502,17 @@ class OptionTable:
         return exclude
 
     def knows(self, key: str) -> bool:
-        """Whether `key` (any spelling) is an option or a peer's option brisk refuses with a reason."""
+        """Whether `key` (any spelling; a dotted one inside a group or a container) is an option or a peer's option
+        brisk refuses with a reason."""
         name = key.lstrip("-").replace("-", "_")
-        return name in self._keys or name in self._peer_keys
+        outer, _, inner = name.partition(".")
+        if inner:
+            return name in self.by_path or name in self._nested_keys or (outer in self.containers and self.knows(inner))
+        if name in self._keys or name in self._peer_keys or name in self.containers:
+            return True
+        inverse = name[3:] if name.startswith("no_") else _inverse_switch_name(name)  # a switch's opposite (resolve)
+        found, peer = self._keys.get(inverse or ""), self._peer_keys.get(inverse or "")
+        return (found is not None and _is_switch(*found)) or (peer is not None and peer.switch)
 
     def suggest(self, key: str) -> str:
         return _did_you_mean(key.lstrip("-").replace("-", "_"), list(self._keys))
@@ -514,14 +550,17 @@ class OptionTable:
             if not (alias.invert or alias.is_switch):
                 continue
             spelled = [f"--{alias.name.replace('_', '-')}", f"--{alias.name.replace('-', '_')}"]
-            action = _Switch  # --NAME true, --no-NAME false (a switch alias's false leaves the option alone)
-            what = f"`{row.path}: {_text_of(alias.sets)}`" if alias.is_switch else f"the opposite of {row.path}"
+            action = _Switch  # --NAME true, --no-NAME false (a switch alias's other value leaves the option alone)
+            if alias.is_switch:
+                what = f"{_text_of(alias.when)}: `{row.path}: {_text_of(alias.sets)}`"
+            else:
+                what = f"the opposite of {row.path}"
             parser.add_argument(
                 *dict.fromkeys(spelled),
                 dest=f"option:{alias.name}",
                 action=action,
                 default=argparse.SUPPRESS,
-                help=f"{what} (vLLM's spelling)",
+                help=f"{what} (a peer's spelling)",
             )
 
     @staticmethod
@@ -564,6 +603,10 @@ class OptionTable:
             for row in self.rows:
                 if row.model is model:
                     lines.append(_markdown_row(row))
+            lines.append("")
+        if self.containers:
+            lines += ["## Options given inside a mapping", "", "| key | what it holds |", "|---|---|"]
+            lines += [f"| `{name}` | {text} |" for name, text in self.containers.items()]
             lines.append("")
         if self.peers:
             lines += [
@@ -657,8 +700,10 @@ def _spelled(aliases: tuple[Alias, ...], as_flags: bool) -> str:
         name = f"--{a.name.replace('_', '-')}" if as_flags and "." not in a.name else a.name
         if a.invert:
             out.append(f"`{name}` (inverted)")
-        elif a.is_switch:
+        elif a.is_switch and a.when:
             out.append(f"`{name}` (= `{_text_of(a.sets)}`)")
+        elif a.is_switch:
+            out.append(f"`{name}` (false = `{_text_of(a.sets)}`)")
         else:
             out.append(f"`{name}`")
     return ", ".join(out)

@@ -65,10 +65,18 @@ _NO_OVERRIDES = "brisk reads the model's config.json as it is; edit a local copy
 _ENGINE_INTERNALS = "an implementation detail of vLLM's engine that brisk's engine does not have"
 _CONTEXT_PARALLEL = "brisk has no context parallelism: attention is tensor or data parallel"
 _WEIGHT_OFFLOAD = "brisk keeps every weight on the device: weight offloading to host memory is not available"
-_STATIC_EXPERTS = (
+STATIC_EXPERTS = (
     "brisk places experts statically (rank r holds a contiguous range); expert load balancing is not available"
 )
 _V0_ENGINE = "no effect: a knob of vLLM's V0 engine, which its V1 engine ignored too"
+_TRTLLM_SAMPLER = "no effect: it picks TensorRT-LLM's sampler implementation; brisk samples with its own"
+
+# Keys whose mapping holds options by their top-level names (OptionTable's containers), with what the docs say.
+PEER_CONTAINERS = {
+    "pytorch_backend_config": "TensorRT-LLM <= 0.20's PyTorch backend options (its PyTorchConfig): each key is read "
+    "as the top-level key of that name, as later releases spell them (use_cuda_graph, cuda_graph_batch_sizes, "
+    "enable_overlap_scheduler as the opposite of disable_overlap_scheduler, moe_backend, kv_cache_dtype...)",
+}
 
 PEER_OPTIONS: list[PeerOption] = [
     # ---- vLLM: the API server ----
@@ -95,7 +103,13 @@ PEER_OPTIONS: list[PeerOption] = [
         "enable-mixed-moe-lora-format enable-moe-shared-loras",
         _LORA,
     ),
-    *_values("max-loras max-lora-rank lora-dtype max-cpu-loras lora-target-modules default-mm-loras", _LORA),
+    *_values("lora-target-modules default-mm-loras", _LORA),
+    *_values(
+        "max-loras max-lora-rank lora-dtype max-cpu-loras",
+        "no effect: sizes of LoRA adapter slots, which vLLM and trtllm too use only with LoRA on; brisk serves no "
+        "LoRA adapters (--enable-lora is refused)",
+        ANY,
+    ),
     *_values("max-lora-cls-labels", _LORA),
     *_values(
         "chat-template-content-format",
@@ -268,8 +282,8 @@ PEER_OPTIONS: list[PeerOption] = [
         "elastic-ep-max-dp-size fault-tolerance-config",
         _ENGINE_INTERNALS,
     ),
-    *_switches("enable-eplb", _STATIC_EXPERTS),
-    *_values("eplb-config", _STATIC_EXPERTS),
+    *_switches("enable-eplb", STATIC_EXPERTS),
+    *_values("eplb-config", STATIC_EXPERTS),
     *_values(
         "expert-placement-strategy", "brisk places experts in contiguous ranges per rank (vLLM's linear)", ("linear",)
     ),
@@ -402,9 +416,9 @@ PEER_OPTIONS: list[PeerOption] = [
     *_switches("enable-prompt-adapter", "brisk serves no prompt adapters (vLLM removed them too)"),
     *_switches("enable-mamba-fine-grained-prefix-cache", _MAMBA),
     *_switches("enable-multimodal-encoder-data-parallel", _MULTIMODAL),
-    *_switches("eplb-log-balancedness", _STATIC_EXPERTS),
-    *_values("eplb-window-size eplb-step-interval", _STATIC_EXPERTS),
-    *_values("num-redundant-experts", _STATIC_EXPERTS, ("0",)),
+    *_switches("eplb-log-balancedness", STATIC_EXPERTS),
+    *_values("eplb-window-size eplb-step-interval", STATIC_EXPERTS),
+    *_values("num-redundant-experts", STATIC_EXPERTS, ("0",)),
     *_values("logits-processor-pattern", _NO_PLUGINS),
     *_values(
         "max-num-partial-prefills max-long-partial-prefills",
@@ -495,6 +509,40 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_values("perf_metrics_output_dir prometheus_metrics_config", _METRICS, ("null",)),
     *_values("checkpoint_format", "brisk reads Hugging Face safetensors checkpoints", ("null", "hf")),
+    # ---- TensorRT-LLM's LLM API keys of its releases 0.19 to 1.2 that later ones dropped ----
+    *_switches(
+        "enable_trtllm_sampler enable_trtllm_decoder use_torch_sampler disable_flashinfer_sampling",
+        _TRTLLM_SAMPLER,
+        ANY,
+    ),
+    *_values("sampler_type", _TRTLLM_SAMPLER, ANY),
+    *_switches("use_kv_cache", "brisk always keeps a KV cache", ("true",)),
+    *_values("extra_resource_managers", _NO_PLUGINS, ("null", "{}")),
+    *_values("connector_config disagg_cluster", _DISAGGREGATION, ("null",)),
+    *_switches("enable_sleep", _SLEEP),
+    *_values(
+        "batching_type",
+        "brisk batches in flight (requests join and leave the batch at every step); static batching is not available",
+        ("null", "inflight"),
+    ),
+    *_switches(
+        "normalize_log_probs",
+        "brisk reports each token's log-probability; length-normalized sequence log-probabilities (a beam-search "
+        "output) are not available",
+    ),
+    *_values("max_prompt_adapter_token", "brisk serves no prompt adapters (vLLM removed them too)", ("0",)),
+    *_values(
+        "quant_config",
+        "brisk reads the weights' quantization from the checkpoint's config.json (quantization_config); the KV "
+        "cache's is kv_cache_config.dtype (fp8)",
+        ("null", "{}"),
+    ),
+    *_values(
+        "build_config",
+        "no effect: TensorRT engine-build settings, which trtllm-serve drops for its PyTorch backend too; give "
+        "max_batch_size, max_num_tokens and max_seq_len as top-level keys",
+        ANY,
+    ),
     *_values("checkpoint_io_policy", "brisk's loader reads checkpoints its own way", ("auto",)),
     *_values(
         "max_input_len",
@@ -516,11 +564,12 @@ PEER_OPTIONS: list[PeerOption] = [
         ANY,
     ),
     *_switches(
-        "enable_iter_perf_stats enable_iter_req_stats enable_autotuner enable_layerwise_nvtx_marker "
+        "enable_iter_perf_stats enable_iter_req_stats enable_autotuner autotuner_enabled enable_layerwise_nvtx_marker "
         "enable_min_latency enable_lm_head_tp_in_adp enable_mla_skip_correction sampler_force_async_worker "
         "enable_early_first_token_response enable_low_latency_host_dispatch use_fine_grained_sync "
         "use_cute_dsl_blockscaling_mm use_cute_dsl_blockscaling_bmm use_cute_dsl_bf16_bmm use_cute_dsl_bf16_gemm "
-        "enable_encoder_decoder_mixed_cuda_graph disable_mm_encoder",
+        "enable_encoder_decoder_mixed_cuda_graph disable_mm_encoder torch_compile_enabled torch_compile_fullgraph "
+        "torch_compile_inductor_enabled torch_compile_piecewise_cuda_graph torch_compile_enable_userbuffers",
         "no effect: a statistics or kernel-tuning switch of TensorRT-LLM's engine; brisk's engine has none of these",
         ANY,
     ),

@@ -19,6 +19,7 @@ from brisk.cli import build_parser
 from brisk.config import (
     OPTIONS,
     ConfigError,
+    CudaGraphConfig,
     EngineConfig,
     ServerConfig,
     build_serve_configs,
@@ -272,6 +273,72 @@ def test_every_key_of_trtllms_llm_api_is_known():
     accepted = {"scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"}, "enable_autotuner": False}
     assert OPTIONS.resolve(accepted, "test")[EngineConfig] == {}
     assert OPTIONS.resolve({"num_serve_frontends": 2}, "test")[ServerConfig] == {"api_server_count": 2}
+
+
+TRTLLM_EARLIER = TESTS / "data" / "trtllm_earlier_configs"
+
+
+def test_every_key_of_trtllms_earlier_releases_is_known():
+    """An options file written for TensorRT-LLM 0.19 to 1.2 (pytorch_backend_config, the flat keys before
+    cuda_graph_config and moe_config, their sampler switches...) loads: each key those releases had is known."""
+    lines = (PEER_FLAGS / "trtllm_llm_args_releases.txt").read_text().splitlines()
+    keys = [line for line in lines if line and not line.startswith("#")]
+    assert len(keys) > 60 and "pytorch_backend_config.enable_overlap_scheduler" in keys
+    # speculative_config's keys are its model's (tests/test_spec_decode_config.py); the others are the table's
+    assert [k for k in keys if not k.startswith("speculative_config.") and not OPTIONS.knows(k)] == []
+    assert not OPTIONS.knows("pytorch_backend_config.no_such_key") and not OPTIONS.knows("moe_config.no_such_key")
+
+
+def test_trtllms_earlier_options_files_load_as_their_releases_meant(caplog):
+    with caplog.at_level(logging.INFO, logger="brisk"):
+        eagle = EngineConfig.build("m", TRTLLM_EARLIER / "gpt_oss_eagle3_trtllm_1.1.yaml", device="cpu")
+        spec = eagle.speculative_config
+        assert spec is not None and (spec.decoding_type, spec.max_draft_len) == ("Eagle3", 3)
+        assert spec.speculative_model_dir == "/models/gpt-oss-120b-eagle3"
+        assert eagle.cuda_graph_config is not None and eagle.cuda_graph_config.max_batch_size == 8
+        assert eagle.enable_attention_dp and not eagle.enable_prefix_caching
+
+        nested = EngineConfig.build("m", TRTLLM_EARLIER / "pytorch_backend_config_trtllm_0.20.yaml", device="cpu")
+        assert nested.disable_overlap_scheduler is False  # enable_overlap_scheduler: true
+        assert nested.cuda_graph_config == CudaGraphConfig(batch_sizes=[1, 2, 4, 8, 64], enable_padding=True)
+        assert nested.kv_cache_config.dtype == "fp8" and nested.max_batch_size == 64
+
+        caplog.clear()
+        flat = EngineConfig.build("m", TRTLLM_EARLIER / "flat_keys_trtllm_1.0rc.yaml", device="cpu")
+        assert flat.cuda_graph_config == CudaGraphConfig(max_batch_size=32, enable_padding=False)
+        assert flat.disable_overlap_scheduler is True and flat.print_iter_log and flat.stream_interval == 4
+        assert flat.enable_mixed_sampler and flat.moe_config.max_num_tokens == 8192
+        assert "moe_config.max_num_tokens 8192: no effect" in caplog.text
+
+        caplog.clear()
+        switches = {"disable_finalize_fusion": True, "use_low_precision_moe_combine": True}
+        assert EngineConfig.build("m", moe_config=switches).moe_config.use_low_precision_moe_combine
+        assert "moe_config.disable_finalize_fusion true: no effect" in caplog.text
+        assert "moe_config.use_low_precision_moe_combine true: no effect" in caplog.text
+    # use_cuda_graph false is no graphs; a group's earlier key name; two spellings that disagree; refusals
+    assert EngineConfig.build("m", use_cuda_graph=False).cuda_graph_config is None
+    assert EngineConfig.build("m", use_cuda_graph=True).cuda_graph_config == CudaGraphConfig()
+    padded = EngineConfig.build("m", cuda_graph_config={"padding_enabled": False}).cuda_graph_config
+    assert padded is not None and padded.enable_padding is False
+    for options, message in (
+        (
+            {"cuda_graph_max_batch_size": 8, "cuda_graph_config": {"max_batch_size": 16}},
+            "both set option 'cuda_graph_config.max_batch_size'",
+        ),
+        (
+            {"pytorch_backend_config": {"use_cuda_graph": False}, "cuda_graph_config": {"max_batch_size": 8}},
+            "'pytorch_backend_config.use_cuda_graph' and 'cuda_graph_config' .* both set option 'cuda_graph_config'",
+        ),
+        ({"pytorch_backend_config": {"use_kv_cache": False}}, "pytorch_backend_config.use_kv_cache.*always keeps"),
+        ({"pytorch_backend_config": {"no_such_key": 1}}, "unknown option 'pytorch_backend_config.no_such_key'"),
+        ({"pytorch_backend_config": 3}, "holds options by name: give a mapping"),
+        ({"moe_load_balancer": {"num_slots": 8}}, "places experts statically"),
+        ({"backend": "trt"}, "brisk has no tensorrt engine"),
+        ({"sampler_type": "TRTLLMSampler", "batching_type": "STATIC"}, "static batching is not available"),
+        ({"quant_config": {"quant_algo": "FP8"}}, "quantization from the checkpoint"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.build("m", **options)
 
 
 def test_a_peers_option_is_refused_with_its_reason_unless_it_means_what_brisk_does():
@@ -1061,6 +1128,10 @@ OPTION_TESTS: dict[str, list[str]] = {
     "disable_log_stats": [f"{HERE}::test_vllm_attention_backends_and_block_count"],
     "disable_overlap_scheduler": [f"{HERE}::test_overlap_scheduling_spelled_either_way"],
     "moe_config": [f"{HERE}::test_moe_backend_names_of_trtllm"],
+    **{
+        f"moe_config.{name}": [f"{HERE}::test_trtllms_earlier_options_files_load_as_their_releases_meant"]
+        for name in ("max_num_tokens", "load_balancer", "disable_finalize_fusion", "use_low_precision_moe_combine")
+    },
     "moe_config.backend": [
         f"{HERE}::test_moe_backend_names_of_trtllm",
         f"{HERE}::test_moe_backend_on_a_gpu_names_the_triton_kernels",

@@ -8,10 +8,18 @@ vLLM (--speculative-config / LLM(speculative_config=...)):
 Both dialects accept `disable_by_batch_size` (vLLM's key): no drafts while this many requests run or more, and
 brisk's `draft_len_after_rejection` (adaptive draft length, below).
 A dict is one dialect or the other (mixing them is an error naming the key).
+
+trtllm's other keys, of its releases since 0.19: `decoding_type: Eagle` is Eagle3 (as trtllm's PyTorch backend
+runs it); `speculative_model`, `pytorch_weights_path` and `pytorch_eagle_weights_path` are speculative_model_dir;
+`prompt_lookup_num_tokens` (NGram) is max_draft_len; `max_concurrency: N` is disable_by_batch_size N + 1 (trtllm
+drafts while at most N requests run). Its NGram pool policy (is_keep_all, is_use_oldest, is_public_pool) and
+eagle3_one_model have no effect (brisk looks up each request's own tokens; only drafts differ, never the output:
+logged); draft trees and schedules are refused unless they describe one chain of max_draft_len tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,7 +35,27 @@ _VLLM_KEYS = {
     "draft_len_after_rejection": "draft_len_after_rejection",  # brisk's, not vLLM's
 }
 _VLLM_METHODS = {"ngram": "NGram", "eagle3": "Eagle3"}
-_DECODING_TYPES = {"ngram": "NGram", "eagle3": "Eagle3"}  # trtllm's names, case-insensitive here
+_DECODING_TYPES = {"ngram": "NGram", "eagle3": "Eagle3", "eagle": "Eagle3"}  # trtllm's names, case-insensitive here
+# trtllm's earlier spellings -> its current key
+_TRTLLM_RENAMED = {
+    "speculative_model": "speculative_model_dir",
+    "pytorch_weights_path": "speculative_model_dir",
+    "pytorch_eagle_weights_path": "speculative_model_dir",
+    "prompt_lookup_num_tokens": "max_draft_len",
+}
+_TRTLLM_NO_EFFECT = ("is_keep_all", "is_use_oldest", "is_public_pool", "eagle3_one_model")
+# trtllm's draft trees and schedules: accepted where they describe brisk's one chain of max_draft_len tokens
+_TRTLLM_CHAIN_ONLY = (
+    "num_eagle_layers",
+    "max_total_draft_tokens",
+    "eagle_choices",
+    "use_dynamic_tree",
+    "dynamic_tree_max_topK",
+    "max_non_leaves_per_layer",
+    "draft_len_schedule",
+)
+
+logger = logging.getLogger(__name__)
 
 
 class SpeculativeConfig(BaseModel):
@@ -58,13 +86,7 @@ class SpeculativeConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         if "method" not in data:
-            data = dict(data)
-            kind = data.get("decoding_type")
-            if isinstance(kind, str) and kind.lower() in _DECODING_TYPES:
-                data["decoding_type"] = _DECODING_TYPES[kind.lower()]
-            if "speculative_model" in data:  # trtllm's newer spelling of the same key
-                data["speculative_model_dir"] = data.pop("speculative_model")
-            return data
+            return _from_trtllm(data)
         out: dict[str, Any] = {}
         for key, value in data.items():
             if key == "draft_tensor_parallel_size":
@@ -106,3 +128,51 @@ class SpeculativeConfig(BaseModel):
                     f"(vLLM: prompt_lookup_max, {self.max_matching_ngram_size})"
                 )
         return self
+
+
+def _from_trtllm(data: dict[str, Any]) -> dict[str, Any]:
+    """trtllm's dialect, in any of its releases' spellings, as SpeculativeConfig's fields (module docstring)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _TRTLLM_RENAMED.get(key, key)
+        if name in out and out[name] != value:
+            raise ValueError(f"'{key}' and another spelling of '{name}' give different values")
+        out[name] = value
+    kind = out.get("decoding_type")
+    if isinstance(kind, str):
+        if kind.lower() not in _DECODING_TYPES:
+            raise ValueError(
+                f"decoding_type {kind!r}: brisk speculates with NGram (prompt lookup) and Eagle3 draft heads (trtllm's "
+                "Eagle runs as Eagle3); MTP, Medusa, Lookahead and draft models are not available"
+            )
+        out["decoding_type"] = _DECODING_TYPES[kind.lower()]
+    ignored = [key for key in _TRTLLM_NO_EFFECT if out.pop(key, None) is not None]
+    if ignored:
+        logger.info(
+            "speculative_config %s: no effect; brisk drafts from each request's own tokens (NGram) or its draft "
+            "head (Eagle3), and only the drafts depend on it, never the output",
+            ", ".join(ignored),
+        )
+    chain = out.get("max_draft_len")
+    for key in _TRTLLM_CHAIN_ONLY:
+        value = out.pop(key, None)
+        is_chain = key in ("num_eagle_layers", "max_total_draft_tokens") and value == chain
+        if value is not None and value is not False and not is_chain:
+            raise ValueError(
+                f"{key} {value!r}: brisk drafts one chain of max_draft_len tokens a step (no draft trees or schedules)"
+            )
+    if "max_concurrency" in out:
+        concurrency = out.pop("max_concurrency")
+        if concurrency is not None:
+            if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+                raise ValueError(f"max_concurrency must be a positive integer (got {concurrency!r})")
+            if out.get("disable_by_batch_size", concurrency + 1) != concurrency + 1:
+                raise ValueError("max_concurrency and disable_by_batch_size both given: give one of them")
+            out["disable_by_batch_size"] = concurrency + 1
+    if out.get("load_format") in (None, "auto"):
+        out.pop("load_format", None)
+    else:
+        raise ValueError(
+            f"load_format {out['load_format']!r}: the draft head loads from its checkpoint's safetensors (auto)"
+        )
+    return out
