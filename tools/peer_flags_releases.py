@@ -84,7 +84,7 @@ def release_flags(version: str, work: Path) -> tuple[list[list[str]], dict[str, 
     subprocess.run([*pip, "download", "--no-deps", f"vllm=={version}", "-d", str(wheels)], check=True)
     with zipfile.ZipFile(next(wheels.glob("vllm-*.whl"))) as wheel:
         wheel.extractall(site, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")])
-    for _ in range(20):  # install what the parser's imports need, one missing package at a time
+    for _ in range(40):  # install what the parser's imports need, one missing package at a time
         run = subprocess.run(
             [sys.executable, "-c", DUMP, str(site), str(deps), ",".join(STUBBED), str(REPO)],
             capture_output=True,
@@ -102,8 +102,10 @@ def release_flags(version: str, work: Path) -> tuple[list[list[str]], dict[str, 
             raise RuntimeError(f"vLLM {version}'s parser failed:\n{run.stderr[-2000:]}")
         module = missing[1].split("'", 1)[0].split(".", 1)[0]
         package = PACKAGES.get(module, module)
-        subprocess.run([*pip, "install", "--target", str(deps), package], check=True)
-    raise RuntimeError(f"vLLM {version}: still missing packages after 20 installs")
+        # without its dependencies: a package that requires torch would put the CUDA build in `deps`, ahead of the
+        # running Python's; each dependency the parser does import is missing next round and installed then
+        subprocess.run([*pip, "install", "--no-deps", "--target", str(deps), package], check=True)
+    raise RuntimeError(f"vLLM {version}: still missing packages after 40 installs")
 
 
 def main(versions: list[str]) -> None:
