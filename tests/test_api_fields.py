@@ -13,12 +13,14 @@ import typing
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
 import brisk
+from brisk.sampling_params import InvalidRequest
 from brisk.server.protocol import ChatCompletionRequest
 from tests.server_utils import RunningServer
 
@@ -93,6 +95,47 @@ def test_every_field_of_vllms_requests_is_listed():
         earlier = [field for route, field, _, _ in releases["fields"] if route == endpoint]
         missing = [f for f in vllm[endpoint] + earlier if f not in listed]
         assert missing == [], endpoint
+
+
+def test_every_field_of_trtllm_serves_requests_is_listed():
+    """trtllm-serve's chat, completion and Responses request fields (tests/data/peer_flags/trtllm_request_fields.json)
+    are each a row of the endpoint's table: a trtllm client's body never fails on an unknown field."""
+    trtllm = json.loads((PEER_FLAGS / "trtllm_request_fields.json").read_text())["routes"]
+    assert "top_p_min" in trtllm["/v1/completions"] and "thinking" in trtllm["/v1/chat/completions"]
+    for endpoint, fields in trtllm.items():
+        listed = {r["field"] for r in ROWS if r["endpoint"] == endpoint}
+        assert [f for f in fields if f not in listed] == [], endpoint
+
+
+def test_trtllm_serves_response_formats_and_thinking_constrain_as_brisks_own_fields_do():
+    """trtllm-serve's response_format types are the structured outputs they name; thinking.effort is
+    reasoning_effort; its defaults (early_stopping false, top_p_min 0, priority null) are accepted."""
+    bodies = [
+        ({"type": "json", "schema": {"type": "object"}}, {"json": {"type": "object"}}),
+        ({"type": "json_schema", "json_schema": {"type": "object"}}, {"json": {"type": "object"}}),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, {"json": {"type": "object"}}),
+        ({"type": "regex", "regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+        ({"type": "ebnf", "ebnf": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+    ]
+    messages = [{"role": "user", "content": "Hi"}]
+    for trtllm, vllm in bodies:
+        ours = ChatCompletionRequest(messages=messages, response_format=trtllm).to_sampling_params({})
+        theirs = ChatCompletionRequest(messages=messages, structured_outputs=vllm).to_sampling_params({})
+        assert ours.structured_outputs is not None and theirs.structured_outputs is not None
+        assert msgspec.structs.replace(ours.structured_outputs, param="") == msgspec.structs.replace(
+            theirs.structured_outputs, param=""
+        )
+    for bad, message in (
+        ({"type": "structural_tag", "format": {}}, "no structural tags"),
+        ({"type": "text", "regex": "x"}, "regex does not go with type: text"),
+        ({"type": "ebnf"}, "type ebnf needs ebnf"),
+    ):
+        with pytest.raises(InvalidRequest, match=message):
+            ChatCompletionRequest(messages=messages, response_format=bad).to_sampling_params({})
+    request = ChatCompletionRequest(messages=messages, reasoning_effort="medium", thinking={"effort": "High"})
+    assert request.reasoning_effort == "high"
+    defaults = {"early_stopping": False, "top_p_min": 0.0, "priority": None, "prompt_ignore_length": 0}
+    assert ChatCompletionRequest(messages=messages, **defaults).to_sampling_params({}).priority == 0
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])

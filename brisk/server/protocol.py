@@ -12,7 +12,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from brisk.errors import InvalidRequest
@@ -52,6 +52,11 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
                     raise ValueError("strings must be valid Unicode (a lone UTF-16 surrogate was found)")
             elif isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))
+
+
+def lower_case(value: Any) -> Any:
+    """A choice in any case: trtllm-serve takes openai_harmony's efforts ("Low", "High") too."""
+    return value.lower() if isinstance(value, str) else value
 
 
 def refused(reason: str) -> AfterValidator:
@@ -126,7 +131,7 @@ class _GenerationFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     ignore_eos: bool = False
-    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
+    priority: int | None = Field(None, ge=-MAX_INT32, le=MAX_INT32)  # None: 0
     timeout: float | None = Field(None, gt=0.0, description="seconds; the request is aborted when it runs longer")
     structured_outputs: StructuredOutputsField | None = None
     # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
@@ -143,6 +148,9 @@ class _GenerationFields(_Body):
     return_mm_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
     media_io_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
     mm_processor_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
+    thinking_token_budget: Annotated[
+        Any, refused("a reasoning token budget is not available; reasoning_effort sets gpt-oss's reasoning depth.")
+    ] = None
 
     def field_names(self) -> dict[str, str]:
         """This endpoint's names of SamplingParams fields where they differ, so errors name the client's field."""
@@ -186,12 +194,15 @@ class _GenerationFields(_Body):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
-            priority=self.priority,
+            priority=self.priority or 0,
             **extra,
         )
 
 
 TEXT_ONLY = "brisk serves text-only models: there is no multimodal input or output."
+NO_STRUCTURAL_TAGS = (
+    "brisk has no structural tags: strict function tools constrain tool calls' arguments, response_format the answer."
+)
 GUIDED_WHITESPACE = (
     "guided_whitespace_pattern is a setting of vLLM's outlines backend; brisk's JSON whitespace is set by "
     "structured_outputs: {disable_any_whitespace: false}."
@@ -291,13 +302,7 @@ class _SamplingFields(_GenerationFields):
         Any, only(("auto", "xgrammar"), "brisk's structured outputs run on xgrammar.")
     ] = None
     guided_whitespace_pattern: Annotated[Any, refused(GUIDED_WHITESPACE)] = None
-    structural_tag: Annotated[
-        Any,
-        refused(
-            "brisk has no structural tags: strict function tools constrain tool calls' arguments, response_format "
-            "the answer."
-        ),
-    ] = None
+    structural_tag: Annotated[Any, refused(NO_STRUCTURAL_TAGS)] = None
     logits_processors: Annotated[Any, refused("brisk runs no logits processors named in a request.")] = None
     # vLLM's extensions brisk cannot honour (docs/api.md): each refused with its reason, never as unknown
     use_beam_search: Annotated[Any, only((False,), "brisk has no beam search.")] = None
@@ -322,11 +327,26 @@ class _SamplingFields(_GenerationFields):
     repetition_detection: Annotated[
         Any, refused("repetition_detection is not available; repetition_penalty discourages repeats.")
     ] = None
-    thinking_token_budget: Annotated[
-        Any, refused("a reasoning token budget is not available; reasoning_effort sets gpt-oss's reasoning depth.")
-    ] = None
     stream_interval: Annotated[
         Any, refused("the streaming interval is the server's --stream-interval, not a request's.")
+    ] = None
+    # TensorRT-LLM's extensions (trtllm-serve's request fields) brisk honours in one value, or not at all
+    early_stopping: Annotated[Any, only((False,), "early_stopping ends beam search: brisk has no beam search.")] = None
+    top_p_min: Annotated[
+        Any, only((0,), "top-p decay is not available (top_p_min is its floor); top_p sets the nucleus.")
+    ] = None
+    # trtllm's: presence and frequency penalties skip the prompt's first N tokens (0: they count the whole prompt)
+    prompt_ignore_length: int | None = Field(None, ge=-MAX_INT32, le=MAX_INT32)
+    lora_request: Annotated[Any, refused("brisk serves no LoRA adapters.")] = None
+    disaggregated_params: Annotated[
+        Any, refused("brisk has no disaggregated serving (context and generation instances).")
+    ] = None
+    conversation_params: Annotated[
+        Any,
+        refused(
+            "brisk routes no conversations: one engine serves every request, and its prefix cache matches each "
+            "prompt by its tokens."
+        ),
     ] = None
 
     def truncated(self, prompt_ids: list[int], max_seq_len: int) -> list[int]:
@@ -365,6 +385,12 @@ class _SamplingFields(_GenerationFields):
     ) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of", "best_of other than n is not supported.")
+        if self.prompt_ignore_length is not None and (self.presence_penalty or self.frequency_penalty):
+            raise InvalidRequest(
+                "prompt_ignore_length",
+                "brisk's presence and frequency penalties count output tokens only (OpenAI's), as trtllm's do with "
+                "prompt_ignore_length at least the prompt's length; it is accepted while both penalties are 0.",
+            )
         bias = token_bias(self.logit_bias)
         return super().sampling_params(
             max_tokens,
@@ -417,21 +443,68 @@ class JSONSchemaSpec(_Request):
 
 
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    """OpenAI's types (text, json_object, json_schema), and trtllm-serve's: json with `schema`, regex, ebnf (EBNF as
+    xgrammar reads it), and json_schema given as the bare schema."""
+
+    type: Literal["text", "json_object", "json_schema", "json", "regex", "ebnf", "structural_tag"] = "text"
     json_schema: JSONSchemaSpec | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    regex: str | None = Field(None, min_length=1)
+    ebnf: str | None = Field(None, min_length=1)
+    format: NoEffect = None  # trtllm's structural tag: refused with its type
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _bare_schema(cls, value: Any) -> Any:
+        """trtllm's json_schema: the schema itself, or OpenAI's wrapper without its name."""
+        if isinstance(value, dict) and "name" not in value:
+            return {"name": "response", "schema": value["schema"] if "schema" in value else value}
+        return value
 
     def spec(self, param: str = "response_format") -> StructuredOutputs | None:
         """The answer constraint, None for plain text. `strict: false` still constrains: brisk has one mode, and
         a schema the output may break is a schema the client does not get."""
+        given = {"json_schema": self.json_schema, "schema": self.schema_, "regex": self.regex, "ebnf": self.ebnf}
+        given["format"] = self.format
+        needs = {"json_schema": "json_schema", "json": "schema", "regex": "regex", "ebnf": "ebnf"}.get(self.type)
+        needs = "format" if self.type == "structural_tag" else needs
+        stray = [name for name, value in given.items() if value is not None and name != needs]
+        if stray:
+            raise InvalidRequest(param, f"{stray[0]} does not go with type: {self.type}.")
         if self.type == "text":
-            if self.json_schema is not None:
-                raise InvalidRequest(param, "json_schema needs type: json_schema.")
             return None
         if self.type == "json_object":
             return StructuredOutputs(json_object=True, param=param)
+        if self.type == "structural_tag":
+            raise InvalidRequest(param, NO_STRUCTURAL_TAGS)
+        if self.type == "json":
+            return StructuredOutputs(json=self.schema_ or {"type": "object"}, param=param)
+        if self.type == "regex" and self.regex is not None:
+            return StructuredOutputs(regex=self.regex, param=param)
+        if self.type == "ebnf" and self.ebnf is not None:
+            return StructuredOutputs(grammar=self.ebnf, param=param)
+        if self.type in ("regex", "ebnf"):
+            raise InvalidRequest(param, f"type {self.type} needs {self.type}.")
         if self.json_schema is None:
             raise InvalidRequest(param, "type json_schema needs json_schema: {name, schema}.")
         return StructuredOutputs(json=self.json_schema.schema_ or {"type": "object"}, param=param)
+
+
+class ThinkingParam(_Request):
+    """trtllm's `thinking`: enabled (the model reasons, as gpt-oss always does), and how hard."""
+
+    type: Annotated[
+        Literal["enabled", "disabled"],
+        only(
+            ("enabled",),
+            "brisk's models reason as their chat template has them (gpt-oss always does); include_reasoning: false "
+            "leaves the reasoning out of the answer.",
+        ),
+    ] = "enabled"
+    keep: Annotated[Any, refused("brisk renders earlier turns' reasoning as the chat template does.")] = None
+    effort: Annotated[ReasoningEffort | None, BeforeValidator(lower_case)] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -454,10 +527,32 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: ReasoningEffort | None = None
+    reasoning_effort: Annotated[ReasoningEffort | None, BeforeValidator(lower_case)] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: false leaves reasoning_content out (the model still reasons)
+    # TensorRT-LLM's: the reasoning's effort (as reasoning_effort, which it overrides)
+    thinking: ThinkingParam | None = None
+    agent_hierarchy: Annotated[
+        Any, refused("brisk's scheduler orders requests by priority and arrival; it has no agent hierarchy.")
+    ] = None
+    injected_chat_template_kwargs: Annotated[
+        Any, refused("trtllm-serve fills this in itself; chat_template_kwargs passes keys to the chat template.")
+    ] = None
+    prompt_token_ids: Annotated[
+        Any,
+        refused("brisk renders the messages with the chat template; /v1/completions takes a prompt as token ids."),
+    ] = None
+    prompt_token_ids_b64: Annotated[
+        Any, refused("brisk has no disaggregated serving; the prompt comes from the messages.")
+    ] = None
+
+    @model_validator(mode="after")
+    def _thinking_effort(self) -> ChatCompletionRequest:
+        if self.thinking is not None and self.thinking.effort is not None:
+            self.reasoning_effort = self.thinking.effort
+        return self
+
     add_special_tokens: Annotated[
         Any, only((False,), "the chat template writes the special tokens a chat prompt has; none are added.")
     ] = None
@@ -548,6 +643,13 @@ class CompletionRequest(_SamplingFields):
     # vLLM's extensions
     add_special_tokens: bool = True  # the tokenizer's BOS (where it has one) leads a text prompt
     prompt_embeds: Annotated[Any, refused("brisk takes prompts as text or token ids, not embeddings.")] = None
+    # TensorRT-LLM's
+    detokenize: Annotated[
+        Any, only((True,), "brisk always returns the text; return_token_ids: true adds the token ids beside it.")
+    ] = None
+    return_context_logits: Annotated[
+        Any, only((False,), "brisk returns no logits; prompt_logprobs gives the prompt tokens' logprobs.")
+    ] = None
 
     @property
     def echoes_logprobs(self) -> bool:
