@@ -131,6 +131,23 @@ def test_continuous_usage_stats_grow_chunk_by_chunk(server):
     assert chunks[-1]["choices"] == [] and counts[-1] == counts[-2] == whole["completion_tokens"]
 
 
+def test_completions_continuous_usage_stats_grow_chunk_by_chunk(server):
+    body = {"prompt": "What say you, good my lord?", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["usage"]
+    for options, closing in (({"continuous_usage_stats": True}, False), ({"include_usage": True}, True)):
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={**body, "stream": True, "stream_options": options}, timeout=120
+        )
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        if not closing:  # every chunk carries the usage so far; no usage chunk of its own without include_usage
+            counts = [c["usage"]["completion_tokens"] for c in chunks]
+            assert all(c["usage"]["prompt_tokens"] == whole["prompt_tokens"] for c in chunks)
+            assert counts == sorted(counts) and len(set(counts)) > 2 and counts[-1] == whole["completion_tokens"]
+            assert all(c["choices"] for c in chunks)
+        else:  # the usage in a closing chunk only
+            assert [c["usage"] for c in chunks[:-1] if c.get("usage")] == [] and chunks[-1]["usage"] == whole
+
+
 def test_bad_words_are_never_generated(server, answer):
     word = answer.split()[1].strip(".,;:!?")
     banned = _chat(server, bad_words=[word])["choices"][0]["message"]["content"] or ""

@@ -211,11 +211,12 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     include_usage = include_usage or state.server.enable_force_include_usage
+    continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     accumulator = StreamAccumulator(state.config.stream_interval)
 
     def chunk_body(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
         body = CompletionChunk(id=rid, created=created, model=model, choices=choices)
-        if include_usage:
+        if include_usage or continuous_usage:
             body.usage = usage
         return body
 
@@ -254,7 +255,7 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         if first:
             text = echoed[p] + text
         text_offset[index] = text_offset.get(index, 0) + len(pending.text)
-        if logprobs is None and pending.finish_reason is None and not req.return_token_ids:
+        if logprobs is None and pending.finish_reason is None and not (req.return_token_ids or continuous_usage):
             template = templates.get(index) or templates.setdefault(index, text_template(index))
             return template.render(text)
         choice = CompletionChoice(
@@ -268,16 +269,17 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             choice.token_ids = pending.token_ids
             if first:
                 choice.prompt_token_ids = prompts[p][1]
-        event = sse(chunk_body([choice]))
+        event = sse(chunk_body([choice], usage_so_far() if continuous_usage else None))
         num_open -= pending.finish_reason is not None
         return event + usage_event() if num_open == 0 and include_usage else event
 
-    def usage_event() -> str:
+    def usage_so_far() -> Usage:
         completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
-        usage = Usage.of(
-            sum(len(ids) for _, ids in prompts), completion_tokens, sum(f.num_cached_tokens for f in finals.values())
-        )
-        return sse(chunk_body([], usage))
+        cached = sum(f.num_cached_tokens for f in finals.values())
+        return Usage.of(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
+
+    def usage_event() -> str:
+        return sse(chunk_body([], usage_so_far()))
 
     async def chunks() -> AsyncIterator[str | bytes]:
         generations = [
