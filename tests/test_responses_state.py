@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 import brisk
+from brisk.server.response_items import OutputItems, reasoning_blob
 from brisk.server.response_store import ResponseStore, StoredResponse, owner_of
 from tests.server_utils import RunningServer, wait_until
 
@@ -184,6 +185,43 @@ def test_include_output_text_logprobs_streamed_or_not(server):
     assert done["logprobs"] == part["logprobs"]
     plain = next(i for i in _post(server, input="What say you?")["output"] if i["type"] == "message")
     assert plain["content"][0]["logprobs"] == []  # not asked: none computed
+
+
+def test_encrypted_reasoning_round_trips_without_a_store(server):
+    """include reasoning.encrypted_content (Codex, store: false): each reasoning item carries its text as a blob, in
+    the stream's output_item.done too; an item sent back with the blob alone renders the reasoning as in clear."""
+    items = OutputItems(encrypted_reasoning=True)
+    items.add({"reasoning_content": "The user greets me."})
+    items.add({"content": "Good morrow."})
+    items.close()
+    blob = items.items[0]["encrypted_content"]
+    done = [e["item"] for e in items.take_events() if e["type"] == "response.output_item.done"]
+    assert blob.startswith("brisk-reasoning-v1.") and done[0]["encrypted_content"] == blob
+    assert "encrypted_content" not in items.items[1] and blob == reasoning_blob("The user greets me.")
+    plain = OutputItems()
+    plain.add({"reasoning_content": "The user greets me."})
+    plain.close()
+    assert "encrypted_content" not in plain.items[0]
+    asked = {"input": "Good morrow, sir.", "store": False, "include": ["reasoning.encrypted_content"]}
+    assert _post(server, **asked)["status"] == "completed"
+
+    def prompt_tokens(reasoning: dict) -> int:  # reasoning before a tool call stays in gpt-oss's prompt
+        turn = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], **reasoning},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ]
+        return _post(server, input=turn, tools=[TOOL], store=False, max_output_tokens=1)["usage"]["input_tokens"]
+
+    clear = prompt_tokens({"content": [{"type": "reasoning_text", "text": "The user greets me."}]})
+    assert prompt_tokens({"encrypted_content": blob}) == clear > prompt_tokens({})
+    r = httpx.post(
+        f"{server.url}/v1/responses",
+        json={"input": [{"type": "reasoning", "encrypted_content": blob[:-8]}, {"role": "user", "content": "Hi"}]},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "encrypted_content is damaged" in r.json()["error"]["message"], r.text
 
 
 def test_stored_responses_outlive_the_server(state_dir, server):

@@ -743,10 +743,6 @@ ResponseIncludable = Literal[
     "reasoning.encrypted_content",
     "message.output_text.logprobs",
 ]
-# include values brisk cannot produce: a 400 naming them (the others concern tools brisk does not have)
-REFUSED_INCLUDES = {
-    "reasoning.encrypted_content": "brisk does not encrypt reasoning; pass reasoning items back as they came.",
-}
 
 
 class ResponsesRequest(_GenerationFields):
@@ -803,18 +799,6 @@ class ResponsesRequest(_GenerationFields):
         Any, refused("continue a conversation with previous_response_id (or send the whole input).")
     ] = None
 
-    @field_validator("include")
-    @classmethod
-    def _refused_includes(cls, include: list[str] | None) -> list[str] | None:
-        for value in include or []:
-            if value in REFUSED_INCLUDES:
-                raise PydanticCustomError(
-                    "unsupported_value",
-                    "include {value}: {reason}",
-                    {"value": value, "reason": REFUSED_INCLUDES[value]},
-                )
-        return include
-
     def field_names(self) -> dict[str, str]:
         return {"prompt": "input", "max_tokens": "max_output_tokens"}
 
@@ -834,6 +818,12 @@ class ResponsesRequest(_GenerationFields):
             logit_bias=token_bias(self.logit_bias) or None,
             stop_token_ids=list(self.stop_token_ids or []),
         )
+
+    @property
+    def includes_encrypted_reasoning(self) -> bool:
+        """`include: ["reasoning.encrypted_content"]`: each reasoning item carries its text as an opaque blob, for
+        clients that keep no store (store: false, Codex) and send reasoning items back that way."""
+        return "reasoning.encrypted_content" in (self.include or [])
 
     @property
     def includes_logprobs(self) -> bool:

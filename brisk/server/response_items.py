@@ -3,7 +3,9 @@ the per-choice parser's fields."""
 
 from __future__ import annotations
 
+import base64
 import uuid
+import zlib
 from typing import Any
 
 from brisk.server.errors import APIError
@@ -15,6 +17,34 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     raise APIError(400, "message content must be a string or a list of text parts", param="input")
+
+
+# include reasoning.encrypted_content: a reasoning item's text, compressed and base64-encoded behind this tag. Encoded,
+# not encrypted: the client holds the reasoning it was shown anyway; the blob only has to come back unchanged.
+_REASONING_BLOB = "brisk-reasoning-v1."
+_MAX_REASONING_BYTES = 1 << 24  # a blob inflating past this is no reasoning brisk returned (a zip bomb, say)
+
+
+def reasoning_blob(text: str) -> str:
+    return _REASONING_BLOB + base64.urlsafe_b64encode(zlib.compress(text.encode())).decode()
+
+
+def _reasoning_of(item: dict[str, Any]) -> str:
+    """A reasoning input item's text: its content, else its encrypted_content if brisk made it, else its summary
+    (another server's blob: its reasoning is not readable here, and gpt-oss's prompt drops earlier turns' reasoning
+    anyway, but within a chain of tool calls)."""
+    text = _text_of(item.get("content") or [])
+    blob = item.get("encrypted_content")
+    if not text and isinstance(blob, str) and blob.startswith(_REASONING_BLOB):
+        inflate = zlib.decompressobj()
+        try:
+            data = inflate.decompress(base64.urlsafe_b64decode(blob[len(_REASONING_BLOB) :]), _MAX_REASONING_BYTES)
+            if inflate.unconsumed_tail or not inflate.eof:
+                raise ValueError("longer than any reasoning brisk returns, or cut short")
+            return data.decode()
+        except (ValueError, zlib.error):  # binascii.Error and UnicodeDecodeError are ValueErrors
+            raise APIError(400, "a reasoning item's encrypted_content is damaged", param="input") from None
+    return text or _text_of(item.get("summary") or [])
 
 
 def input_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -40,7 +70,7 @@ def items_to_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
                 msg["reasoning_content"], pending_reasoning = pending_reasoning, None
             messages.append(msg)
         elif kind == "reasoning":
-            pending_reasoning = _text_of(item.get("content") or item.get("summary") or [])
+            pending_reasoning = _reasoning_of(item)
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -67,7 +97,8 @@ def items_to_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
 class OutputItems:
     """Builds output items from parser fields, and the stream events that describe them."""
 
-    def __init__(self) -> None:
+    def __init__(self, encrypted_reasoning: bool = False) -> None:
+        self.encrypted_reasoning = encrypted_reasoning  # include reasoning.encrypted_content
         self.items: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
@@ -227,6 +258,8 @@ class OutputItems:
         item["status"] = "completed"
         if item["type"] == "reasoning":
             item.pop("status")
+            if self.encrypted_reasoning:
+                item["encrypted_content"] = reasoning_blob(item["content"][0]["text"])
         self.events.append({"type": "response.output_item.done", "output_index": i, "item": item})
 
     def take_events(self) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ class ResponseRun:
         self.input_items, self.history_items = input_items, history_items
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.parser = make_choice_parser(state, forced)
-        self.items = OutputItems()
+        self.items = OutputItems(encrypted_reasoning=req.includes_encrypted_reasoning)
         self.status = "queued" if req.background else "in_progress"
         self.error: ErrorDetail | None = None
         self.incomplete_reason: str | None = None
