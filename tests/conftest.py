@@ -8,11 +8,13 @@ import torch
 
 from brisk.config import EngineConfig
 from brisk.host import CPU_KERNEL_CHOICES, check_cpu_kernels_choice, cpu_kernel_isas
+from tests.triton_interpreter import skip_nested_language_patches
 
 # Without a GPU the Triton kernels run in Triton's interpreter. The variable is read when a kernel is
 # defined, so it must be set before any module defines one, whichever test module imports it first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    skip_nested_language_patches()
 
 # brisk's CPU kernels are C built at first use: where there is no compiler, brisk (and these tests) run the
 # PyTorch paths, and the kernel tests skip.
