@@ -4,8 +4,8 @@ The interpreter runs a kernel by patching triton.language's builtins with host v
 patches them again at every call of a @triton.jit helper from inside the kernel (an `inspect.getmembers` over the
 language's modules each time; the helper call's patches are never restored). Inside a launch the language is patched
 already, so those calls change nothing but cost a third of the MXFP4 MoE kernels' interpreted time (their helpers
-run every K step). `skip_nested_language_patches` leaves the launch's own patching as it is and makes the nested
-ones no-ops; what a kernel computes is unchanged, as every kernel test checks against its torch reference.
+run every K step). `skip_nested_language_patches` leaves the launch's own patching as it is and makes a nested one a
+no-op where the launch has patched the modules it names; what a kernel computes is unchanged, as every kernel test checks against its torch reference.
 """
 
 from __future__ import annotations
@@ -47,18 +47,17 @@ class _LaunchPatches:
         return scope
 
 
-def skip_nested_language_patches() -> bool:
-    """Installs the once-a-launch patching in Triton's interpreter; False where this Triton has no such hook (its
-    interpreter then runs as it is)."""
+def skip_nested_language_patches() -> None:
+    """Installs the once-a-launch patching in Triton's interpreter; where this Triton has no such hook its
+    interpreter runs as it is."""
     try:
         from triton.runtime import interpreter
     except ImportError:
-        return False
+        return
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if patch_lang is None or scope_type is None or isinstance(patch_lang, _LaunchPatches):
-        return False
+        return
     import triton.language as tl
 
     interpreter._patch_lang = _LaunchPatches(patch_lang, scope_type, (tl, tl.core))
-    return True
