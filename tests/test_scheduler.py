@@ -106,6 +106,36 @@ def test_prefix_cache_hits_are_exact(groups, overlap):
     _check_all(engine, reqs, prompts, [5] * 6)
 
 
+@pytest.mark.parametrize("host_blocks", [0, 64], ids=["device", "host-tier"])
+@pytest.mark.parametrize("groups", [FULL, HYBRID], ids=["full", "hybrid"])
+def test_hit_rate_counters_count_each_admission_once(groups, host_blocks):
+    """A request waiting for blocks is looked up again at every step; /metrics' prefix_cache_queries / _hits (and
+    the host tier's) count it once, when it is admitted (a preempted request again when it comes back): queries
+    are the tokens of the requests the scheduler admitted, hits the tokens they were admitted with."""
+    rng = random.Random(11)
+    engine = FakeEngine(groups, num_blocks=24, block_size=4, max_batch_size=8, host_blocks=host_blocks)
+    lookups = 0
+    lookup = engine.kv.get_computed_blocks
+
+    def counted(req):
+        nonlocal lookups
+        lookups += 1
+        return lookup(req)
+
+    engine.kv.get_computed_blocks = counted
+    prompts = _prompts(rng, 6, shared_prefix=9) + _prompts(rng, 6, shared_prefix=9)
+    reqs = [engine.add(p, 12) for p in prompts]
+    admitted = []
+    while engine.busy():
+        admitted += engine.step().new_requests
+    assert len(admitted) == len(reqs) + engine.sched.num_preemptions > len(reqs)
+    assert lookups > len(admitted)  # some waited for blocks: looked up again
+    assert engine.kv.prefix_queries == sum(len(new.token_ids) for new in admitted)
+    assert engine.kv.prefix_hits == sum(new.num_computed_tokens for new in admitted) > 0
+    assert engine.kv.host_hits <= engine.kv.prefix_hits
+    _check_all(engine, reqs, prompts, [12] * len(reqs))
+
+
 def test_identical_prompt_hit_leaves_one_token_to_compute():
     engine = FakeEngine(FULL, num_blocks=100, block_size=4)
     prompt = list(range(1, 13))  # exactly 3 blocks

@@ -90,7 +90,7 @@ class KVCacheManager:
         self.tables: dict[str, list[list[int]]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: its leading hashing units in the prefix index
         self._hashes: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {}
-        self.prefix_queries = 0  # tokens looked up
+        self.prefix_queries = 0  # tokens looked up (admitted requests only: record_prefix_lookup)
         self.prefix_hits = 0  # tokens found
         self.host_hits = 0  # prompt tokens whose KV the host tier gave back (admitted requests only)
 
@@ -120,7 +120,6 @@ class KVCacheManager:
             if spec.sliding_window is None:
                 missing = next((i for i, b in enumerate(found[g]) if b is None), len(found[g]))
                 limit = min(limit, missing * self.units[g])
-        self.prefix_queries += req.num_tokens
         for n in range(limit - limit % self.hit_unit, 0, -self.hit_unit):
             blocks: list[list[int]] = []
             for g in range(len(self.groups)):
@@ -130,9 +129,27 @@ class KVCacheManager:
                     break  # a block this group still reads is not cached: try a shorter prefix
                 blocks.append([NULL_BLOCK] * start + needed)
             else:
-                self.prefix_hits += n * bs
                 return PrefixHit(n * bs, blocks)
         return empty
+
+    def record_prefix_lookup(self, req: KVRequest, hit: PrefixHit) -> None:
+        """Count a lookup into the hit-rate counters once its request is admitted, as vLLM does: a request that
+        waits for blocks is looked up again at every step, and counting each of those would inflate both counters.
+        A preempted request coming back counts again (what it finds is KV not recomputed, from the host tier too;
+        vLLM counts those apart); one whose prompt logprobs skip the cache does not."""
+        if not self.enable_prefix_caching:
+            return
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += hit.num_tokens
+        if self.host_tier is not None:  # the tokens some group's KV comes back from host memory for
+            from_host = {
+                u
+                for t, k in zip(hit.blocks, self.units)
+                for i, b in enumerate(t)
+                if b < 0
+                for u in range(i * k, i * k + k)
+            }
+            self.host_hits += self.block_size * len(from_host)
 
     def _lookup(self, key: BlockKey) -> int | None:
         """The device block holding `key`, else -1 - h for host block h holding it, else None."""
@@ -228,10 +245,6 @@ class KVCacheManager:
             for b in t:
                 if b < 0:
                     host.pin(-1 - b)
-        from_host = {
-            u for t, k in zip(tables, self.units) for i, b in enumerate(t) if b < 0 for u in range(i * k, i * k + k)
-        }
-        self.host_hits += self.block_size * len(from_host)  # the tokens some group's KV came back for
         hashes = self._block_hashes(req, max(len(t) * k for t, k in zip(tables, self.units)))
         for g, (t, k) in enumerate(zip(tables, self.units)):
             for i, b in enumerate(t):

@@ -227,6 +227,8 @@ class Scheduler:
                     break
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = hit.num_tokens
+                if req.params.prompt_logprobs is None:
+                    self.kv.record_prefix_lookup(req, hit)
                 req.num_computed_tokens = hit.num_tokens
                 req.follows = None
                 req.status = RequestStatus.RUNNING
