@@ -491,11 +491,13 @@ def test_tool_call_ids_are_unique_and_reproducible(tokenizer: PreTrainedTokenize
 def test_malformed_output_degrades_with_a_warning(
     tokenizer: PreTrainedTokenizerFast, caplog: pytest.LogCaptureFixture, text: str, expected: tuple, warning: str
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="brisk.harmony.parser"):
+    with caplog.at_level(logging.DEBUG, logger="brisk.harmony.parser"):
         result = parse(tokenizer, text)
     assert (result.reasoning_content, result.content) == expected
     assert any(warning in message for message in result.warnings), result.warnings
-    assert any(warning in record.getMessage() for record in caplog.records)
+    # An output cut short (max_tokens does that to every length-limited answer) is logged at debug level only.
+    level = logging.DEBUG if "inside a message" in warning else logging.WARNING
+    assert {r.levelno for r in caplog.records if warning in r.getMessage()} == {level}  # parsed whole and streamed
 
 
 def test_truncated_tool_call_keeps_its_arguments(tokenizer: PreTrainedTokenizerFast) -> None:

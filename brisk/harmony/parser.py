@@ -168,6 +168,7 @@ class HarmonyParser:
         self._content: list[str] = []
         self._tool_calls: list[ToolCall] = []
         self._warnings: list[str] = []
+        self._ended = False
         self._out = _DeltaBuilder()
 
     @classmethod
@@ -213,6 +214,9 @@ class HarmonyParser:
         if self._result is not None:
             return self._result
         header, body = self._header, self._body
+        # What is noted from here on is an output cut short, which max_tokens does as a matter of course: kept in
+        # the result's warnings, logged at debug level only (a warning for every length-limited answer floods the log)
+        self._ended = True
         if header is not None:
             self._abandon_header(header, "output ended inside a message header")
         elif body is not None:
@@ -427,7 +431,7 @@ class HarmonyParser:
     def _warn(self, message: str) -> None:
         if message not in self._warnings:  # once per output: a stuck model must not flood the log
             self._warnings.append(message)
-            logger.warning("harmony output: %s", message)
+            logger.log(logging.DEBUG if self._ended else logging.WARNING, "harmony output: %s", message)
 
 
 def _looks_like_header(text: str) -> bool:
