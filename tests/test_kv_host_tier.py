@@ -11,6 +11,7 @@ at the end; with overlap scheduling and concurrent requests too; a tier of 0 is 
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from brisk.model_runner import kv_offload, setup
 from brisk.model_runner.kv_offload import HostKVCache, copy_batches, host_runs
 from brisk.server.metrics import ServerMetrics
 from tests.fake_engine import FakeEngine
-from tests.server_utils import RunningServer
+from tests.server_utils import RunningServer, wait_until
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -515,7 +516,8 @@ def test_vllm_flags_serve_fp8_beside_sliding_windows_with_a_host_tier(tmp_path):
     """`brisk serve` with vLLM's flags (--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window
     --kv-offloading-size, a device pool far smaller than the conversations): the served greedy turns are the
     offline engine's with a pool that holds everything, /metrics counts the host tier's hits and bytes both ways, and
-    the start-up lines name each group's tokens a block (FP8 full attention: 4x the fp32 sliding group's)."""
+    the start-up lines name each group's tokens a block (FP8 full attention: 4x the fp32 sliding group's). After a
+    storm of clients hanging up mid-stream the server is idle, every block free, and serves the same turns again."""
     make_tiny_model("gpt_oss", tmp_path, seed=0)
     make_tiny_tokenizer(tmp_path)
     path = str(tmp_path)
@@ -538,13 +540,22 @@ def test_vllm_flags_serve_fp8_beside_sliding_windows_with_a_host_tier(tmp_path):
 
         served = _multi_turn_with(lambda prompts: [complete(p) for p in prompts])
         metrics = server.metrics()
+        # Clients that hang up mid-stream while the pool overflows (evictions to the host tier, copies back): every
+        # block comes back, and what the tiers then hold still serves the turns exactly.
+        asyncio.run(_disconnect_storm(server.url, path))
+        assert wait_until(lambda: _idle(server.metrics())), server.metrics()
+        after = server.metrics()
+        aborted = 'brisk:request_success_total{finished_reason="abort",model_name="' + path + '"}'
+        assert after.get(aborted, 0) > 0
+        to_host = 'brisk:kv_offload_bytes_total{direction="to_host"'
+        assert _value(after, to_host) > _value(metrics, to_host)  # the storm overflowed the pool again
+        assert _multi_turn_with(lambda prompts: [complete(p) for p in prompts]) == expected
     finally:
         server.stop()
     assert served == expected
 
     def value(prefix: str) -> float:
-        (found,) = [v for name, v in metrics.items() if name.startswith(prefix)]
-        return found
+        return _value(metrics, prefix)
 
     assert value("brisk:external_prefix_cache_hits_total") > 0
     assert value('brisk:kv_offload_bytes_total{direction="to_host"') > 0
@@ -553,3 +564,33 @@ def test_vllm_flags_serve_fp8_beside_sliding_windows_with_a_host_tier(tmp_path):
     log = server.log()
     assert f"full float8_e4m3fn ({4 * BS} tokens a block), sliding float32 ({BS} tokens a block)" in log
     assert f"{SMALL_POOL['gpt_oss']} KV blocks of {4 * BS}/{BS} tokens" in log  # the ready line
+
+
+async def _disconnect_storm(url: str, model: str) -> None:
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 512) for _ in range(24)]  # prefixes to hit, evict and copy back
+
+    async def hang_up(http: httpx.AsyncClient, i: int) -> None:
+        prompt = shared[: rng.randrange(0, 25)] + [rng.randrange(1, 512) for _ in range(rng.randrange(1, 40))]
+        body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        after = rng.randrange(0, 8)
+        async with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data:")
+                if seen > after:
+                    return  # leaving the block drops the connection: the server aborts the request
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        await asyncio.gather(*(hang_up(http, i) for i in range(32)))
+
+
+def _idle(metrics: dict[str, float]) -> bool:
+    gauges = ("brisk:kv_cache_usage_perc{", "brisk:num_requests_running{", "brisk:num_requests_waiting{")
+    return all(v == 0.0 for name, v in metrics.items() if name.startswith(gauges))
+
+
+def _value(metrics: dict[str, float], prefix: str) -> float:
+    (found,) = [v for name, v in metrics.items() if name.startswith(prefix)]
+    return found
