@@ -27,6 +27,13 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
     return False
 
 
+def is_idle(metrics: dict[str, float], model: str) -> bool:
+    """A server's /metrics (RunningServer.metrics()) say no KV block in use and no request running, waiting or in
+    flight for `model` (its served name): each gauge present and 0."""
+    gauges = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_in_flight")
+    return all(metrics.get(f'brisk:{gauge}{{model_name="{model}"}}') == 0.0 for gauge in gauges)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -32,7 +32,7 @@ from brisk.model_runner import kv_offload, setup
 from brisk.model_runner.kv_offload import HostKVCache, copy_batches, host_runs
 from brisk.server.metrics import ServerMetrics
 from tests.fake_engine import FakeEngine
-from tests.server_utils import RunningServer, wait_until
+from tests.server_utils import RunningServer, is_idle, wait_until
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -543,7 +543,7 @@ def test_vllm_flags_serve_fp8_beside_sliding_windows_with_a_host_tier(tmp_path):
         # Clients that hang up mid-stream while the pool overflows (evictions to the host tier, copies back): every
         # block comes back, and what the tiers then hold still serves the turns exactly.
         asyncio.run(_disconnect_storm(server.url, path))
-        assert wait_until(lambda: _idle(server.metrics())), server.metrics()
+        assert wait_until(lambda: is_idle(server.metrics(), path)), server.metrics()
         after = server.metrics()
         aborted = 'brisk:request_success_total{finished_reason="abort",model_name="' + path + '"}'
         assert after.get(aborted, 0) > 0
@@ -584,11 +584,6 @@ async def _disconnect_storm(url: str, model: str) -> None:
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         await asyncio.gather(*(hang_up(http, i) for i in range(32)))
-
-
-def _idle(metrics: dict[str, float]) -> bool:
-    gauges = ("brisk:kv_cache_usage_perc{", "brisk:num_requests_running{", "brisk:num_requests_waiting{")
-    return all(v == 0.0 for name, v in metrics.items() if name.startswith(gauges))
 
 
 def _value(metrics: dict[str, float], prefix: str) -> float:

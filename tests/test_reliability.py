@@ -26,16 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from brisk.engine.client import DeltaBuffer
 from brisk.engine.output_processor import CompletionDelta
-from tests.server_utils import RunningServer, wait_until
+from tests.server_utils import RunningServer, is_idle, wait_until
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "ignore_eos": True}
-KV_USAGE = f'brisk:kv_cache_usage_perc{{model_name="{MODEL}"}}'
 RUNNING = f'brisk:num_requests_running{{model_name="{MODEL}"}}'
-WAITING = f'brisk:num_requests_waiting{{model_name="{MODEL}"}}'
-IN_FLIGHT = f'brisk:num_requests_in_flight{{model_name="{MODEL}"}}'
 COALESCED = f'brisk:stream_deltas_coalesced{{model_name="{MODEL}"}}'
 
 
@@ -74,13 +71,10 @@ def server(model_dir):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def is_idle(server: RunningServer) -> bool:
-    m = server.metrics()
-    return m.get(KV_USAGE) == 0.0 and m.get(RUNNING) == 0.0 and m.get(WAITING) == 0.0 and m.get(IN_FLIGHT) == 0.0
 
 
 def assert_idle_and_serving(server: RunningServer) -> None:
-    assert wait_until(lambda: is_idle(server)), server.metrics()
+    assert wait_until(lambda: is_idle(server.metrics(), MODEL)), server.metrics()
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2, **GREEDY}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
