@@ -1,14 +1,19 @@
 """Layer-level checks: MXFP4 vs HF, tensor-parallel weight slicing (tp_size 2 and 4), RoPE and RMSNorm vs HF,
-the MoE reference backend vs HF's experts and vs a per-slot loop, prepacked CPU bf16 weights."""
+the MoE reference backend vs HF's experts and vs a per-slot loop, prepacked CPU bf16 weights, the few row counts
+half-precision CPU matmuls run at."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import brisk
+from brisk import LLM, SamplingParams
 from brisk.layers.attention import Attention
 from brisk.layers.backends import make_attention_backend, make_moe_backend
 from brisk.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -19,6 +24,8 @@ from brisk.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     get_weight_loader,
+    linear,
+    onednn_rows,
     prepack_cpu_weight,
     prepack_weights,
 )
@@ -327,6 +334,61 @@ def test_prepacked_bf16_weights_give_the_same_outputs():
     # fp32 weights and MXFP4 experts are left as they are
     assert prepack_cpu_weight(torch.zeros(8, 8)) is None
     assert FusedMoE(2, 1, 32, 32, quantization="mxfp4").prepack() == 0
+
+
+def _bf16_rows(rows: int) -> int:
+    return onednn_rows(torch.empty(rows, 1, dtype=torch.bfloat16))
+
+
+def test_half_precision_cpu_matmuls_run_at_a_few_row_counts():
+    # oneDNN makes and keeps a kernel for every matmul shape it meets: up to 16 rows as given, then 8 sizes an
+    # octave, each at most 1/8 more rows than asked for
+    sizes = [_bf16_rows(rows) for rows in range(1, 8193)]
+    assert sizes[:16] == list(range(1, 17))
+    assert all(rows <= padded <= rows * 9 / 8 for rows, padded in enumerate(sizes, 1))
+    assert sorted(set(sizes))[16:26] == [18, 20, 22, 24, 26, 28, 30, 32, 36, 40]
+    assert len(set(sizes)) == 16 + 8 * 9  # 16 exact, then 8 in each octave from 16-32 to 4096-8192
+    assert onednn_rows(torch.empty(100, 4)) == 100  # fp32 (MKL) as given
+    assert onednn_rows(torch.empty(2, 100, 4, dtype=torch.bfloat16)) == 2  # only [rows, in] inputs are padded
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(48, 64, generator=gen).bfloat16(), torch.randn(48, generator=gen).bfloat16()
+    packed = prepack_cpu_weight(weight)
+    for rows in (0, 5, 17, 100, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        padded = torch.cat([x, torch.zeros(_bf16_rows(rows) - rows, 64, dtype=torch.bfloat16)])
+        expected = F.linear(padded, weight, bias)[:rows]
+        for got in [linear(x, weight, bias)] + ([] if packed is None else [linear(x, weight, bias, packed)]):
+            assert got.shape == (rows, 48) and torch.equal(got, expected)
+            # oneDNN's rows are computed each on its own (exactly so on AVX512-BF16; to a rounding elsewhere)
+            torch.testing.assert_close(got, F.linear(x, weight, bias))
+
+
+def test_a_served_model_runs_its_bf16_matmuls_at_the_few_row_counts(monkeypatch):
+    # Every bf16 matmul of the bundled demo model (dense layers prepacked, the experts, the LM head) over prompts of
+    # many lengths, chunked and batched, goes to oneDNN at one of onednn_rows' sizes.
+    seen: list[int] = []
+
+    def recording(original):
+        def call(x, *args, **kwargs):
+            if x.dtype == torch.bfloat16 and x.dim() == 2:
+                seen.append(x.shape[0])
+            return original(x, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(F, "linear", recording(F.linear))
+    if torch.backends.mkldnn.is_available():
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording(torch.ops.mkldnn._linear_pointwise))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, 4000, (n,), generator=gen).tolist()} for n in range(1, 250, 6)]
+    with LLM(str(Path(brisk.__file__).parent / "demo_model"), max_num_tokens=192, max_batch_size=8) as llm:
+        assert llm.engine.model_config.dtype == torch.bfloat16
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for prompt in prompts[::2]:  # alone: a step of each prompt's length
+            llm.generate(prompt, params)
+        llm.generate(prompts[1::2], params)  # batched and chunked
+    assert max(seen) > 16 and len(set(seen)) > 10  # steps of many sizes reached the matmuls
+    assert {rows for rows in seen if _bf16_rows(rows) != rows} == set()
 
 
 def test_moe_backend_choice_is_bound_like_attention(tmp_path):

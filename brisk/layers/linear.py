@@ -82,6 +82,26 @@ def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
+ONEDNN_EXACT_ROWS = 16  # up to this many rows a half-precision CPU matmul runs at its own size (decode batches)
+ONEDNN_SIZES_AN_OCTAVE = 8  # above it, one of 8 sizes between each power of two and the next: at most 1/8 more rows
+
+
+def onednn_rows(x: torch.Tensor) -> int:
+    """The rows a matmul of x [rows, in] runs at. oneDNN, which computes torch's bf16 / fp16 matmuls on CPUs, makes
+    and keeps a kernel for every shape it meets (~0.5 ms to make, 0.5-1.3 MB kept, up to 1024 shapes): a server's
+    steps, each of its own token count, and each expert's share of them, made new kernels for minutes and held
+    1.1 GB more after a minute of load on the 6 MB demo model. Rounding the rows up to a few sizes bounds both
+    (docs/performance.md); fp32 (MKL) and other devices run at the rows given."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+        return rows
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    octave = rows.bit_length() - 1  # 2**octave <= rows < 2**(octave + 1)
+    step = (1 << octave) // ONEDNN_SIZES_AN_OCTAVE
+    return -(-rows // step) * step
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -90,12 +110,18 @@ def linear(
     cpu_kernels: CpuKernels | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias: a decode-sized x through brisk's CPU kernel when bound (it streams the weight at memory
-    speed), else through the prepacked weight when there is one, else F.linear."""
+    speed), else through the prepacked weight when there is one, else F.linear; a CPU matmul in half precision at
+    `onednn_rows` rows (zero rows added, their results dropped: each row's result is its own)."""
     if cpu_kernels is not None and cpu_kernels.linear_accepts(x, weight, bias):
         return cpu_kernels.linear(x, weight, bias)
-    if packed is not None and x.shape[0] > 0:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    rows, padded = x.shape[0], onednn_rows(x)
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    if packed is not None and rows > 0:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    else:
+        out = F.linear(x, weight, bias)
+    return out if padded == rows else out[:rows]
 
 
 @runtime_checkable

@@ -345,8 +345,8 @@ class FusedMoE(nn.Module):
                 and kernels.mxfp4_linear_accepts(x, blocks, bias)
             ):
                 return kernels.mxfp4_linear(x, blocks, scales, bias)
-            return F.linear(x, self._dequantized(expert, which, x.dtype, buffer), bias)
-        return F.linear(x, self.expert_weights(expert, x.dtype)[down], bias)
+            return linear(x, self._dequantized(expert, which, x.dtype, buffer), bias)
+        return linear(x, self.expert_weights(expert, x.dtype)[down], bias)
 
     def activation(self, gate_up: torch.Tensor, halves: bool) -> torch.Tensor:
         """clamped_swiglu of gate_up rows: one C call on CPU where brisk's kernels are bound, else torch ops."""
