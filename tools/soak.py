@@ -7,6 +7,7 @@ and engine processes and the server's metrics. At the end it waits for the serve
 that every KV block is free, stops the server with SIGTERM and expects exit code 0.
 
     python tools/soak.py --minutes 10 --out soak.json        # prints a markdown summary
+    python tools/soak.py --minutes 10 --features             # with FP8 KV, a host tier, speculation, more kinds
 """
 
 from __future__ import annotations
@@ -35,6 +36,40 @@ max_num_tokens: 512
 kv_cache_config:
   max_blocks: 120       # 119 usable blocks of 32 tokens, 2 KV groups: two long prompts nearly fill it
 """
+# --features: FP8 KV (full attention; the sliding windows kept in the model dtype), a host tier that evicted prefix
+# blocks go to, and n-gram speculation, on the same small pool
+FEATURE_OPTIONS = """\
+  dtype: fp8
+  dtype_skip_layers: [sliding_window]
+  host_cache_size: 16000000
+speculative_config:
+  decoding_type: NGram
+  max_draft_len: 3
+"""
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+KINDS = {  # kind: weight
+    "stream_chat": 3,
+    "completion": 3,
+    "abort": 2,
+    "long": 1,
+    "prefix": 2,
+}
+FEATURE_KINDS = {"responses": 2, "n2": 1, "json": 1, "tools": 1, "logprobs": 1}
 WORDS = "thou art the king of all that is and was in this fair land my lord good sir".split()
 SHARED_PREFIX = " ".join(WORDS * 12)  # prefix-cache reuse across requests
 
@@ -71,10 +106,63 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-async def _one_request(http: httpx.AsyncClient, rng: random.Random) -> str:
+async def _feature_request(http: httpx.AsyncClient, rng: random.Random, kind: str, words: str) -> str:
+    """One request of the --features kinds; '<kind>:ok' only where its answer has the shape asked for."""
+    if kind == "responses":  # stored, and half the time continued from the stored one
+        r = await http.post("/v1/responses", json={"input": words, "max_output_tokens": 24})
+        if r.status_code != 200 or rng.random() < 0.5:
+            return f"{kind}:{'ok' if r.status_code == 200 else r.status_code}"
+        body = {"input": words, "max_output_tokens": 24, "previous_response_id": r.json()["id"], "stream": True}
+        async with http.stream("POST", "/v1/responses", json=body) as r:
+            events = [line async for line in r.aiter_lines() if line.startswith("event:")]
+        # the last event ends the response: completed, or incomplete where max_output_tokens cut it
+        done = (
+            r.status_code == 200
+            and events
+            and events[-1] in ("event: response.completed", "event: response.incomplete")
+        )
+        return f"{kind}:{'ok' if done else r.status_code}"
+    if kind == "logprobs":
+        body = {"prompt": words, "max_tokens": 8, "logprobs": 3, "echo": True}
+        r = await http.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            return f"{kind}:{r.status_code}"
+        lp = r.json()["choices"][0]["logprobs"]
+        return f"{kind}:{'ok' if len(lp['tokens']) == len(lp['token_logprobs']) > 8 else 'bad'}"
+    body = {"messages": [{"role": "user", "content": words}], "max_tokens": 48}
+    if kind == "n2":
+        body.update(n=2, temperature=0.8, seed=rng.randint(0, 1000))
+    elif kind == "json":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": JSON_SCHEMA}}
+        body["max_tokens"] = 200
+    else:
+        body.update(tools=TOOLS, tool_choice="required")
+    r = await http.post("/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        return f"{kind}:{r.status_code}"
+    choices = r.json()["choices"]
+    if kind == "n2":
+        return f"{kind}:{'ok' if [c['index'] for c in choices] == [0, 1] else 'bad'}"
+    message, finish = choices[0]["message"], choices[0]["finish_reason"]
+    try:
+        if kind == "json" and finish == "stop":
+            json.loads(message["content"])
+        if kind == "tools" and finish in ("stop", "tool_calls"):
+            json.loads(message["tool_calls"][0]["function"]["arguments"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return f"{kind}:bad"
+    return f"{kind}:ok"
+
+
+async def _one_request(http: httpx.AsyncClient, rng: random.Random, kinds: dict[str, int]) -> str:
     """Runs one request of a random kind; returns '<kind>:<outcome>'."""
-    kind = rng.choices(["stream_chat", "completion", "abort", "long", "prefix"], [3, 3, 2, 1, 2])[0]
+    kind = rng.choices(list(kinds), list(kinds.values()))[0]
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))
+    if kind in FEATURE_KINDS:
+        try:
+            return await _feature_request(http, rng, kind, words)
+        except httpx.HTTPError as exc:
+            return f"{kind}:{type(exc).__name__}"
     if kind == "stream_chat":
         body = {"messages": [{"role": "user", "content": words}], "max_tokens": 64, "stream": True}
         url = "/v1/chat/completions"
@@ -108,7 +196,7 @@ async def _one_request(http: httpx.AsyncClient, rng: random.Random) -> str:
         return f"{kind}:{type(exc).__name__}"
 
 
-async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, seed: int) -> dict:
+async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, seed: int, kinds: dict[str, int]) -> dict:
     deadline = time.monotonic() + minutes * 60
     outcomes: Counter[str] = Counter()
     samples: list[dict] = []
@@ -118,7 +206,7 @@ async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, see
         # Generous: on a small KV pool a request may queue behind long prompts for minutes on a busy CPU.
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
             while time.monotonic() < deadline:
-                outcomes[await _one_request(http, rng)] += 1
+                outcomes[await _one_request(http, rng, kinds)] += 1
 
     async def sampler() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -148,10 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON result here")
+    parser.add_argument(
+        "--features",
+        action="store_true",
+        help="FP8 KV, a host KV tier and n-gram speculation on the server; Responses (stored, continued), n=2, "
+        "JSON-schema, tool and logprobs requests among the kinds",
+    )
     args = parser.parse_args(argv)
 
     options = Path(tempfile.mkdtemp(prefix="brisk-soak-")) / "soak.yaml"
-    options.write_text(SERVER_OPTIONS)
+    options.write_text(SERVER_OPTIONS + (FEATURE_OPTIONS if args.features else ""))
+    kinds = KINDS | (FEATURE_KINDS if args.features else {})
     port = _free_port()
     log = open(options.with_suffix(".log"), "w")
     server = subprocess.Popen(
@@ -183,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.5)  # readiness polling
     rss_start = {"server_mb": _rss_mb(server.pid), "engine_mb": sum(_rss_mb(p) for p in _children(server.pid))}
 
-    result = asyncio.run(_soak(url, server.pid, args.minutes, args.concurrency, args.seed))
+    result = asyncio.run(_soak(url, server.pid, args.minutes, args.concurrency, args.seed, kinds))
 
     idle_by = time.monotonic() + 60
     final = ""
@@ -211,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures,
         "preemptions": _metric(final, "brisk:num_preemptions_total"),
         "prefix_cache_hits_tokens": _metric(final, "brisk:prefix_cache_hits_total"),
+        "host_tier_hits_tokens": _metric(final, "brisk:external_prefix_cache_hits_total"),
         "final_kv_usage": _metric(final, "brisk:kv_cache_usage_perc"),
         "final_health": health,
         "rss_start": rss_start,
