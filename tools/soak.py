@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -92,11 +93,21 @@ def _rss_mb(pid: int) -> float:
 
 
 def _children(pid: int) -> list[int]:
+    """Every process below pid (the engine, its other ranks, the API-server processes), each with its own RSS."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
+            children = [int(p) for p in f.read().split()]
     except OSError:
         return []
+    return children + [grandchild for child in children for grandchild in _children(child)]
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
 def _metric(text: str, name: str) -> float | None:
@@ -218,6 +229,7 @@ async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, see
                         "t_s": round(time.monotonic() - (deadline - minutes * 60), 1),
                         "server_rss_mb": round(_rss_mb(server_pid), 1),
                         "engine_rss_mb": round(sum(_rss_mb(p) for p in engine), 1),
+                        "each_rss_mb": {f"{p} {_name(p)}": round(_rss_mb(p), 1) for p in engine},
                         "kv_usage": _metric(metrics, "brisk:kv_cache_usage_perc"),
                         "running": _metric(metrics, "brisk:num_requests_running"),
                         "health": (await http.get("/health")).status_code,
@@ -236,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON result here")
+    parser.add_argument("--serve-flags", default="", help="more `brisk serve` flags, e.g. '--tensor-parallel-size 2'")
     parser.add_argument(
         "--features",
         action="store_true",
@@ -260,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             str(port),
             "--extra_llm_api_options",
             str(options),
+            *shlex.split(args.serve_flags),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
