@@ -35,16 +35,13 @@ from brisk.server.api_servers import Supervisor
 from brisk.server.errors import APIError
 from brisk.server.peers import Peers
 from brisk.server.state import ServerState
-from tests.server_utils import RunningServer, wait_until
+from tests.server_utils import RunningServer, is_idle, wait_until
 
 DEMO_MODEL = Path(brisk.__file__).parent / "demo_model"
 MODEL = "brisk-demo"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SUCCESS = f'brisk:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
 GENERATED = f'brisk:generation_tokens_total{{model_name="{MODEL}"}}'
-IN_FLIGHT = f'brisk:num_requests_in_flight{{model_name="{MODEL}"}}'
-RUNNING = f'brisk:num_requests_running{{model_name="{MODEL}"}}'
-KV_USAGE = f'brisk:kv_cache_usage_perc{{model_name="{MODEL}"}}'
 STEPS = f'brisk:iteration_tokens_total_count{{model_name="{MODEL}"}}'
 
 
@@ -112,11 +109,6 @@ def _sse(text: str) -> list:
         for line in text.splitlines()
         if line[:6] == "data: "
     ]
-
-
-def _idle(server: RunningServer) -> bool:
-    m = server.metrics()
-    return m.get(IN_FLIGHT) == 0.0 and m.get(RUNNING) == 0.0 and m.get(KV_USAGE) == 0.0
 
 
 # ---- the engine side: each output to the process that owns its request ----------------------------------------------
@@ -260,7 +252,7 @@ def test_a_disconnect_aborts_in_whichever_process(server, processes):
         await asyncio.gather(hang_up(0), hang_up(1))
 
     asyncio.run(run())
-    assert wait_until(lambda: _idle(server), timeout=60), server.metrics()
+    assert wait_until(lambda: is_idle(server.metrics(), MODEL), timeout=60), server.metrics()
 
 
 # ---- Responses across processes -------------------------------------------------------------------------------------
@@ -300,7 +292,8 @@ def test_a_background_response_is_followed_and_cancelled_through_another_process
         cancelled = b.post(f"/v1/responses/{long['id']}/cancel")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
         assert a.get(f"/v1/responses/{long['id']}").json()["status"] == "cancelled"
-    assert wait_until(lambda: _idle(server), timeout=60), server.metrics()  # its engine request was aborted
+    # its engine request was aborted
+    assert wait_until(lambda: is_idle(server.metrics(), MODEL), timeout=60), server.metrics()
 
 
 def _self_signed(folder: Path) -> tuple[str, str]:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import RunningServer, wait_until
+from tests.server_utils import RunningServer, is_idle, wait_until
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -203,13 +203,7 @@ def test_disconnects_release_kv_blocks(server):
         await asyncio.gather(*(connect_and_drop(i) for i in range(16)))
 
     asyncio.run(run())
-    key = 'brisk:kv_cache_usage_perc{model_name="tiny"}'
-    assert wait_until(
-        lambda: (
-            server.metrics().get(key) == 0.0
-            and server.metrics().get('brisk:num_requests_running{model_name="tiny"}') == 0.0
-        )
-    )
+    assert wait_until(lambda: is_idle(server.metrics(), "tiny")), server.metrics()
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
