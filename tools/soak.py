@@ -38,7 +38,8 @@ kv_cache_config:
   max_blocks: 120       # 119 usable blocks of 32 tokens, 2 KV groups: two long prompts nearly fill it
 """
 # --features: FP8 KV (full attention; the sliding windows kept in the model dtype), a host tier that evicted prefix
-# blocks go to, and n-gram speculation, on the same small pool
+# blocks go to, and n-gram speculation, on the same small pool. Appended to SERVER_OPTIONS: its first lines go on
+# SERVER_OPTIONS' last mapping, kv_cache_config.
 FEATURE_OPTIONS = """\
   dtype: fp8
   dtype_skip_layers: [sliding_window]
