@@ -978,6 +978,27 @@ class ServerConfig(OptionModel):
         "serve GET /tokenizer_info (the tokenizer's configuration and the chat template)",
         vllm="enable_tokenizer_info_endpoint",
     )
+    exclude_tools_when_tool_choice_none: bool = option(
+        True,
+        "tool_choice 'none' leaves the tools out of the prompt (OpenAI's meaning: no call is possible); off, the prompt "
+        "shows them, as vLLM's default does, and a call the model writes is dropped from the answer",
+        vllm="exclude_tools_when_tool_choice_none",
+    )
+    enable_prompt_tokens_details: bool = option(
+        True,
+        "chat completions and completions report usage.prompt_tokens_details.cached_tokens, as OpenAI does (vLLM's "
+        "default is off; off, the field is null)",
+        vllm="enable_prompt_tokens_details",
+    )
+    fingerprint_mode: Literal["full", "hash", "custom", "none"] = option(
+        "full",
+        "the system_fingerprint of chat completions and completions: full, brisk-<version>[-tp<n>][-dp<n>][-ep]-<hash "
+        "of the engine options>; hash, without the parallel layout; custom, --fingerprint-value; none, no field",
+        vllm="fingerprint_mode",
+    )
+    fingerprint_value: str | None = option(
+        None, "the system_fingerprint under --fingerprint-mode custom", vllm="fingerprint_value"
+    )
     sse_keep_alive_interval: float = option(
         0.0,
         "a streamed response sends an SSE comment line after this many seconds without an event (queued, in "
@@ -986,7 +1007,9 @@ class ServerConfig(OptionModel):
         vllm="sse_keep_alive_interval",
     )
     shutdown_timeout: float = option(
-        30.0, "seconds in-flight requests may run after SIGTERM before being aborted", gt=0.0
+        30.0,
+        "seconds in-flight requests may run after SIGTERM before being aborted (0: at once, vLLM's default)",
+        ge=0.0,
     )
     otlp_traces_endpoint: str | None = option(
         None, "export OpenTelemetry traces by OTLP/HTTP to this URL (the otel extra)", vllm="otlp_traces_endpoint"
@@ -1101,6 +1124,12 @@ class ServerConfig(OptionModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fingerprint_value_with_custom(self) -> ServerConfig:
+        if (self.fingerprint_mode == "custom") != (self.fingerprint_value is not None):
+            raise ValueError("fingerprint_value goes with fingerprint_mode custom (and custom needs the value)")
+        return self
+
     @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile is not None else "http"
@@ -1139,6 +1168,8 @@ class ServerConfig(OptionModel):
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value == "":  # vLLM's default: no parser; harmony models' reasoning is parsed all the same
+            return None
         if value is not None and value.replace("_", "").replace("-", "").lower() not in HARMONY_REASONING_PARSERS:
             raise ValueError(
                 f"brisk has no reasoning parser {value!r}: it parses the reasoning of harmony models (gpt-oss) "

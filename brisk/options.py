@@ -214,7 +214,11 @@ class PeerOption:
     nargs: str | None = None
 
     def allows(self, value: Any) -> bool:
-        return "*" in self.accepted or _text_of(value).lower() in self.accepted
+        text = _text_of(value).lower()
+        if "*" in self.accepted or text in self.accepted:
+            return True
+        number = _number(text)  # 5 in a YAML file is the 5.0 vLLM's --help shows
+        return number is not None and number in {_number(a) for a in self.accepted}
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -328,6 +332,13 @@ def _json_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _text_of(value: Any) -> str:
@@ -621,7 +632,8 @@ class OptionTable:
             for peer in self.peers:
                 by_reason.setdefault((peer.reason, peer.accepted), []).extend(_flag_spellings(n)[0] for n in peer.names)
             for (reason, accepted), flags in by_reason.items():
-                shown = "any (no effect)" if "*" in accepted else ", ".join(f"`{a}`" for a in accepted) or "none"
+                values = ", ".join(f"`{a}`" if a else '`""`' for a in accepted)  # "": vLLM's empty default
+                shown = "any (no effect)" if "*" in accepted else values or "none"
                 lines.append(
                     f"| {', '.join(f'`{f}`' for f in flags)} | {shown} | {reason.replace('|', chr(92) + '|')} |"
                 )

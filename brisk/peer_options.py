@@ -13,19 +13,97 @@ documents them in docs/options.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 from brisk.options import PeerOption
 
 ANY = ("*",)
 
 
+# vLLM 0.33's value of an option when it is not given, where that value asks for nothing brisk does not do (no
+# plugin, no overrides, one node, the feature off). A command line that states it (launchers and deployment charts
+# often write every flag out; tests/data/peer_flags/vllm_serve_defaults.json has each) is accepted, with no effect.
+# Where vLLM's default means something brisk does otherwise, brisk has the option (--fingerprint-mode,
+# --enable-prompt-tokens-details, --exclude-tools-when-tool-choice-none).
+VLLM_DEFAULTS = {
+    "tool-parser-plugin": ("",),
+    "reasoning-parser-plugin": ("",),
+    "worker-cls": ("auto",),
+    "worker-extension-cls": ("",),
+    "cohere-is-reasoning-model": ("true",),
+    "cohere-format": ("cmd4",),
+    "anthropic-disabled-thinking-effort": ("auto",),
+    "data-parallel-supervisor-port": ("9256",),
+    "dp-supervisor-probe-interval-s": ("5.0",),
+    "dp-supervisor-probe-timeout-s": ("5.0",),
+    "dp-supervisor-probe-failure-threshold": ("3",),
+    "master-addr": ("127.0.0.1",),
+    "master-port": ("29501",),
+    "enable-flash-late-interaction": ("true",),
+    "allowed-local-media-path": ("",),
+    "hf-overrides": ("{}",),
+    "model-class-overrides": ("{}",),
+    "renderer-num-workers": ("1",),
+    "model-loader-extra-config": ("{}",),
+    "ignore-patterns": ('["original/**/*"]', "original/**/*"),
+    "pt-load-map-location": ("cpu",),
+    "mamba-backend": ("triton",),
+    "mamba-cache-philox-rounds": ("0",),
+    "mamba-cache-dtype": ("auto",),
+    "mamba-ssm-cache-dtype": ("auto",),
+    "replayssm-buffer-len": ("16",),
+    "dcp-kv-cache-interleave-size": ("1",),
+    "all2all-backend": ("allgather_reducescatter",),
+    "ubatch-size": ("0",),
+    "dbo-decode-token-threshold": ("32",),
+    "dbo-prefill-token-threshold": ("512",),
+    "dp-sync-interval": ("16",),
+    "prefix-cache-retention-interval": ("0",),
+    "swa-bounded-replay": ("true",),
+    "offload-backend": ("auto",),
+    "offload-group-size": ("0",),
+    "offload-num-in-group": ("1",),
+    "offload-prefetch-step": ("1",),
+    "limit-mm-per-prompt": ("{}",),
+    "media-io-kwargs": ("{}",),
+    "mm-processor-cache-gb": ("4",),
+    "mm-processor-cache-type": ("lru",),
+    "mm-hasher-algorithm": ("blake3",),
+    "mm-shm-cache-max-object-size-mb": ("128",),
+    "mm-encoder-tp-mode": ("weights",),
+    "mm-encoder-fp8-scale-save-margin": ("1.5",),
+    "video-pruning-method": ("evs",),
+    "mm-tensor-ipc": ("direct_rpc",),
+    "mm-processor-device": ("auto",),
+    "mm-ipc-gpu-memory-gb": ("0",),
+    "per-request-spec-decode-metrics": ("none",),
+    "kv-cache-metrics-sample": ("0.01",),
+    "jit-monitor-mode": ("warn",),
+    "scheduler-reserve-full-isl": ("true",),
+    "watermark": ("0.0",),
+    "prefill-schedule-interval": ("1",),
+    "linear-backend": ("auto",),
+    "sparse-indexer-topk-backend": ("auto",),
+    "additional-config": ("{}",),
+}
+
+
+def _peer_option(name: str, reason: str, accepted: tuple[str, ...], **kwargs: Any) -> PeerOption:
+    """`name`'s spellings are joined by '/' (`nnodes/-n`); vLLM's default (VLLM_DEFAULTS) is accepted too."""
+    names = tuple(name.split("/"))
+    if accepted != ANY:
+        accepted = accepted + tuple(v for v in VLLM_DEFAULTS.get(names[0], ()) if v not in accepted)
+    return PeerOption(names, reason, accepted, **kwargs)
+
+
 def _switches(names: str, reason: str, accepted: tuple[str, ...] = ("false",)) -> list[PeerOption]:
-    """One switch a word of `names`; a word's spellings are joined by '/' (`nnodes/-n`)."""
-    return [PeerOption(tuple(name.split("/")), reason, accepted) for name in names.split()]
+    """One switch a word of `names`."""
+    return [_peer_option(name, reason, accepted) for name in names.split()]
 
 
 def _values(names: str, reason: str, accepted: tuple[str, ...] = (), nargs: str | None = None) -> list[PeerOption]:
-    """One option taking a value a word of `names`; a word's spellings are joined by '/' (`nnodes/-n`)."""
-    return [PeerOption(tuple(name.split("/")), reason, accepted, switch=False, nargs=nargs) for name in names.split()]
+    """One option taking a value a word of `names`."""
+    return [_peer_option(name, reason, accepted, switch=False, nargs=nargs) for name in names.split()]
 
 
 _LORA = (
@@ -123,11 +201,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "not accepted",
     ),
     *_values("response-role", "brisk's responses always have the role 'assistant'", ("assistant",)),
-    *_switches(
-        "exclude-tools-when-tool-choice-none",
-        "brisk leaves the tools out of the prompt whenever tool_choice is 'none' (the switch on is its behaviour)",
-        ("true",),
-    ),
     *_values("tool-parser-plugin reasoning-parser-plugin", _NO_PLUGINS),
     *_values(
         "tool-strict-level",
@@ -138,11 +211,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "tool-server",
         "brisk runs no built-in tools (browser, python, MCP servers): clients run their tools through function calling",
     ),
-    *_switches(
-        "enable-prompt-tokens-details",
-        "brisk always reports usage.prompt_tokens_details.cached_tokens (the switch on is its behaviour)",
-        ("true",),
-    ),
     *_switches("enable-per-request-metrics", _METRICS),
     *_switches(
         "enable-server-load-tracking",
@@ -151,7 +219,8 @@ PEER_OPTIONS: list[PeerOption] = [
     ),
     *_switches(
         "enable-log-deltas",
-        "brisk logs a request's outputs whole when it ends (--enable-log-outputs), not each streamed delta",
+        "no effect: brisk logs a request's outputs whole when it ends (--enable-log-outputs), not each streamed delta",
+        ANY,
     ),
     *_switches(
         "log-error-stack",
@@ -159,7 +228,6 @@ PEER_OPTIONS: list[PeerOption] = [
         "at --log-level debug",
         ("true", "false"),
     ),
-    *_values("fingerprint-mode fingerprint-value", "brisk's responses carry no system_fingerprint setting"),
     *_values(
         "disable-access-log-for-endpoints",
         "brisk logs /health and /metrics requests at debug level only; --disable-log-requests quiets every request "
@@ -173,7 +241,9 @@ PEER_OPTIONS: list[PeerOption] = [
     *_switches("enable-offline-docs", "brisk's /docs page loads its scripts from a CDN"),
     *_values(
         "h11-max-incomplete-event-size h11-max-header-count",
-        "brisk bounds requests by --max-request-body-size; its HTTP server's own limits are its defaults",
+        "no effect: brisk's HTTP server parses with httptools (a dependency), to which h11's limits do not apply; it "
+        "bounds a request's body by --max-request-body-size",
+        ANY,
     ),
     *_switches("enable-flash-late-interaction", _ENGINE_INTERNALS),
     # ---- vLLM: the model ----
@@ -250,6 +320,7 @@ PEER_OPTIONS: list[PeerOption] = [
     *_values(
         "ignore-patterns",
         "brisk downloads a model's config, tokenizer and safetensors files only (never original/ or .bin files)",
+        nargs="+",
     ),
     *_values(
         "mamba-backend mamba-ssu-algorithm mamba-cache-philox-rounds mamba-cache-dtype mamba-ssm-cache-dtype "
@@ -291,7 +362,9 @@ PEER_OPTIONS: list[PeerOption] = [
     # ---- vLLM: the KV cache ----
     *_values(
         "prefix-caching-hash-algo",
-        "brisk keys its prefix cache by each block's tokens and its parent's key (exact matches only, no digest)",
+        "no effect: brisk keys its prefix cache by each block's tokens and its parent's key (exact matches, no digest "
+        "to choose)",
+        ANY,
     ),
     *_values("prefix-cache-retention-interval", _ENGINE_INTERNALS),
     *_switches("kv-sharing-fast-prefill swa-bounded-replay disable-hybrid-kv-cache-manager", _ENGINE_INTERNALS),

@@ -241,6 +241,57 @@ def test_every_flag_of_vllm_serve_and_trtllm_serve_is_known():
     assert unknown == []  # every spelling: --no-enforce-eager, -sc, -ep, -dcp...
 
 
+def test_a_command_line_stating_vllms_defaults_starts_brisk():
+    """Launchers and deployment charts write every flag out: each of vLLM 0.33's flags at its default value
+    (tools/peer_flags.py wrote them, each read back to the default by vLLM's own parser) is accepted, alone and all
+    on one command line; where vLLM's default differs from brisk's, the option takes vLLM's value."""
+    stated = json.loads((PEER_FLAGS / "vllm_serve_defaults.json").read_text())
+    assert stated["vllm"] == "0.33.0" and len(stated["argv"]) > 150
+    refused = {}
+    for words in stated["argv"]:
+        try:
+            build_serve_configs(None, OPTIONS.given(build_parser().parse_args(["serve", *words])), default_model=DEMO)
+        except ConfigError as error:
+            refused[" ".join(words)] = str(error)
+    assert refused == {}
+    everything = [word for words in stated["argv"] for word in words]
+    engine, server = build_serve_configs(
+        None, OPTIONS.given(build_parser().parse_args(["serve", *everything])), default_model=DEMO
+    )
+    assert engine.seed == 0 and engine.max_logprobs == 20 and engine.kv_cache_config.dtype == "auto"
+    assert server.port == 8000 and server.fingerprint_mode == "full" and server.reasoning_parser is None
+    # vLLM's defaults where brisk's differ: the tools shown under tool_choice none, no prompt_tokens_details, no
+    # drain at shutdown
+    assert server.exclude_tools_when_tool_choice_none is False and server.enable_prompt_tokens_details is False
+    assert server.shutdown_timeout == 0
+    # the same values in a YAML file (--config), where a number may be written either way
+    assert OPTIONS.resolve({"dp-supervisor-probe-interval-s": 5, "master_port": 29501}, "test")[EngineConfig] == {}
+    with pytest.raises(OptionError, match="one node"):
+        OPTIONS.resolve({"master-port": 29502}, "test")
+
+
+def test_system_fingerprint_names_the_parallel_layout_and_hashes_the_options():
+    from brisk.server.state import system_fingerprint
+
+    layout = EngineConfig.build("m", tp_size=2, enable_expert_parallel=True)
+    full = system_fingerprint(layout, ServerConfig())
+    assert full is not None and re.fullmatch(r"brisk-[0-9.]+-tp2-ep-[0-9a-f]{8}", full)
+    assert (
+        system_fingerprint(layout, ServerConfig(fingerprint_mode="hash"))
+        == f"{full.split('-')[0]}-{full.split('-')[1]}-{full[-8:]}"
+    )
+    plain = system_fingerprint(EngineConfig.build("m"), ServerConfig())
+    assert plain == system_fingerprint(EngineConfig.build("m"), ServerConfig())  # the same on every start
+    fp8 = system_fingerprint(EngineConfig.build("m", kv_cache_config={"dtype": "fp8"}), ServerConfig())
+    assert len({full[-8:], plain, fp8}) == 3  # an option that changes tokens changes the hash
+    assert system_fingerprint(layout, ServerConfig(fingerprint_mode="none")) is None
+    custom = ServerConfig(fingerprint_mode="custom", fingerprint_value="fp_x")
+    assert system_fingerprint(layout, custom) == "fp_x"
+    for given in ({"fingerprint_mode": "custom"}, {"fingerprint_value": "fp_x"}):
+        with pytest.raises(ConfigError, match="fingerprint_value goes with fingerprint_mode custom"):
+            build_serve_configs(None, given, default_model=DEMO)
+
+
 TRTLLM_CONFIGS = TESTS / "data" / "trtllm_gpt_oss_configs"
 
 
@@ -982,7 +1033,19 @@ OPTION_TESTS: dict[str, list[str]] = {
     "allowed_origins": ["tests/test_security.py::test_cors_allows_only_the_configured_origin"],
     "log_prompts": ["tests/test_security.py::test_log_prompts_flag"],
     "request_timeout": ["tests/test_security.py::test_server_request_timeout_caps_every_request"],
-    "shutdown_timeout": ["tests/test_reliability.py::test_sigterm_drains_then_exits_zero"],
+    "shutdown_timeout": [
+        "tests/test_reliability.py::test_sigterm_drains_then_exits_zero",
+        "tests/test_security.py::test_a_shutdown_timeout_of_0_aborts_the_requests_in_flight_at_once",
+    ],
+    "enable_prompt_tokens_details": ["tests/test_server.py::test_fingerprint_modes_and_prompt_tokens_details_off"],
+    "fingerprint_mode": [
+        "tests/test_server.py::test_fingerprint_modes_and_prompt_tokens_details_off",
+        "tests/test_options.py::test_system_fingerprint_names_the_parallel_layout_and_hashes_the_options",
+    ],
+    "fingerprint_value": ["tests/test_server.py::test_fingerprint_modes_and_prompt_tokens_details_off"],
+    "exclude_tools_when_tool_choice_none": [
+        "tests/test_server_chat.py::test_tool_choice_none_shows_the_tools_only_when_asked"
+    ],
     "otlp_traces_endpoint": [f"{HERE}::test_observability_options"],
     "log_format": [
         f"{HERE}::test_observability_options",

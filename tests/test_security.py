@@ -463,6 +463,33 @@ def test_requests_are_refused_from_the_moment_sigterm_arrives():
     assert http.get("/health").status_code == 503
 
 
+def test_a_shutdown_timeout_of_0_aborts_the_requests_in_flight_at_once():
+    """--shutdown-timeout 0 (vLLM's default): no wait for requests in flight; they are aborted, then the server
+    stops. With none in flight, nothing is aborted."""
+    import uvicorn
+
+    from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
+
+    class Client:
+        def __init__(self, num_in_flight: int) -> None:
+            self.num_in_flight, self.waits, self.aborts = num_in_flight, [], 0
+
+        async def wait_idle(self, timeout: float) -> bool:
+            self.waits.append(timeout)
+            return self.num_in_flight == 0
+
+        async def abort_all(self) -> None:
+            self.aborts += 1
+            self.num_in_flight = 0
+
+    for num_in_flight, waits, aborts in ((3, [0.0, ABORT_GRACE_S], 1), (0, [0.0], 0)):
+        state = fake_state()
+        state.client = client = Client(num_in_flight)  # type: ignore[assignment]
+        server = DrainingServer(uvicorn.Config(build_app(state)), state, shutdown_timeout=0.0)
+        asyncio.run(server._drain())
+        assert (client.waits, client.aborts, server.should_exit) == (waits, aborts, True)
+
+
 def test_a_draining_server_reads_the_request_body_before_its_503_and_close():
     # The 503 carries `connection: close`; a socket closed with request bytes still unread is reset by the kernel,
     # which drops the answer not yet sent: the client saw a broken connection (httpx.ReadError) instead of the 503.

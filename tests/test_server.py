@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 
 import httpx
@@ -498,3 +499,73 @@ def test_logprobs_name_tokens_by_id(server):
     chat |= {"logprobs": True, "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
     choice = httpx.post(f"{url}/v1/chat/completions", json=chat).json()["choices"][0]
     assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
+# ---- system_fingerprint and prompt_tokens_details (vLLM's --fingerprint-mode, --enable-prompt-tokens-details) ------
+def _sse_events(url: str, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}{route}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _fingerprints(url: str) -> dict[str, object]:
+    """Each kind of answer's system_fingerprint: the whole answers', and of each stream's chunks the last one's
+    (None where absent); a stream's other chunks must carry none."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2}
+    completion = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "n": 2}
+    found: dict[str, object] = {}
+    for route, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        whole = httpx.post(f"{url}{route}", json=body, timeout=60).json()
+        found[f"{route} whole"] = whole.get("system_fingerprint", None)
+        found[f"{route} usage"] = whole["usage"]
+        for usage in (False, True):
+            events = _sse_events(url, route, {**body, "stream": True, "stream_options": {"include_usage": usage}})
+            stamped = [e for e in events if "system_fingerprint" in e]
+            finishing = [e for e in events if any(c.get("finish_reason") for c in e["choices"])]
+            # stamped: the chunks that may end the stream (each choice's finish, or the usage chunk after them)
+            assert stamped == ([events[-1]] if usage else finishing) or not stamped, (route, usage)
+            found[f"{route} stream usage={usage}"] = [e["system_fingerprint"] for e in stamped] or None
+    return found
+
+
+def test_system_fingerprint_and_prompt_tokens_details_by_default(server):
+    """Whole answers and a stream's closing chunks carry brisk-<version>-<hash of the engine options> (vLLM's full
+    mode, its default); usage has prompt_tokens_details.cached_tokens (OpenAI's; vLLM's default leaves it out)."""
+    import brisk
+
+    found = _fingerprints(server.url)
+    fingerprint = found["/v1/chat/completions whole"]
+    assert isinstance(fingerprint, str) and re.fullmatch(
+        rf"brisk-{re.escape(brisk.__version__)}-[0-9a-f]{{8}}", fingerprint
+    )
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        assert found[f"{route} whole"] == fingerprint
+        assert found[f"{route} stream usage=True"] == [fingerprint]  # the usage chunk only
+        assert found[f"{route} stream usage=False"] == [fingerprint] * 2  # each choice's finish_reason chunk
+        assert found[f"{route} usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
+def test_fingerprint_modes_and_prompt_tokens_details_off(model_dir):
+    """--fingerprint-mode custom sends --fingerprint-value as it is; none sends no system_fingerprint;
+    --disable-prompt-tokens-details makes usage.prompt_tokens_details null."""
+    args = ("--served-model-name", "tiny", "--max_batch_size", "4", "--max_num_tokens", "256")
+    srv = RunningServer(model_dir, *args, "--fingerprint-mode", "custom", "--fingerprint-value", "fp_test")
+    try:
+        found = _fingerprints(srv.url)
+    finally:
+        srv.stop()
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        assert found[f"{route} whole"] == "fp_test"
+        assert found[f"{route} stream usage=False"] == ["fp_test"] * 2
+        assert found[f"{route} usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    srv = RunningServer(model_dir, *args, "--fingerprint-mode", "none", "--disable-prompt-tokens-details")
+    try:
+        found = _fingerprints(srv.url)
+    finally:
+        srv.stop()
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        assert found[f"{route} whole"] is None
+        assert found[f"{route} stream usage=False"] is None and found[f"{route} stream usage=True"] is None
+        assert found[f"{route} usage"]["prompt_tokens_details"] is None

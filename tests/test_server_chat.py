@@ -219,3 +219,72 @@ def test_offline_chat_renders_gpt_oss_prompts_as_the_server_does(server):
         assert out.prompt_token_ids == served
         with pytest.raises(ValueError, match="wizard"):
             llm.chat([{"role": "wizard", "content": "Hi"}])
+
+
+@pytest.mark.parametrize("piece", [1, 5])
+def test_a_call_written_under_tool_choice_none_is_dropped(piece):
+    # tool_choice "none" with the tools shown (--no-exclude-tools-when-tool-choice-none, vLLM's default): a call
+    # the model writes anyway is not returned, and the answer stays plain text.
+    from transformers import AutoTokenizer
+
+    from brisk.server.output_parsers import HarmonyChoiceParser
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    output = (
+        "<|channel|>analysis<|message|>Ask the sky.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "York"}<|call|>'
+    )
+    ids = tokenizer.encode(output, add_special_tokens=False)
+    messages = []
+    for include_tool_calls in (True, False):
+        parser = HarmonyChoiceParser(tokenizer, [], include_tool_calls=include_tool_calls)
+        deltas = [parser.feed(ids[start : start + piece], "") for start in range(0, len(ids), piece)]
+        assert any("tool_calls" in d for d in deltas) is include_tool_calls is parser.has_tool_calls
+        messages.append(parser.finish())
+    called, dropped = messages
+    assert called["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "York"}'}
+    assert dropped == {"content": None, "reasoning_content": "Ask the sky."}
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def _prompt_shows_the_tool(server, route: str) -> bool:
+    if route == "/v1/chat/completions":
+        body = {**GREEDY, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "none", "return_token_ids": True}
+        r = httpx.post(f"{server.url}{route}", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        prompt = r.json()["prompt_token_ids"]
+    else:  # the Responses API: the prompt's length (it reports no ids), with and without the tool
+        lengths = []
+        for tools in ([], [{"type": "function", **WEATHER["function"]}]):
+            body = {"input": "What say you?", "max_output_tokens": 4, "tools": tools, "tool_choice": "none"}
+            r = httpx.post(f"{server.url}{route}", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            lengths.append(r.json()["usage"]["input_tokens"])
+        return lengths[1] > lengths[0]
+    from transformers import AutoTokenizer
+
+    return "get_weather" in AutoTokenizer.from_pretrained(DEMO_MODEL).decode(prompt)
+
+
+def test_tool_choice_none_shows_the_tools_only_when_asked(server):
+    """By default tool_choice "none" leaves the tools out of the prompt; --no-exclude-tools-when-tool-choice-none
+    (vLLM's default) shows them, in chat completions and Responses alike."""
+    for route in ("/v1/chat/completions", "/v1/responses"):
+        assert not _prompt_shows_the_tool(server, route), route
+    shown = RunningServer(
+        str(DEMO_MODEL), "--served-model-name", "brisk-demo", "--no-exclude-tools-when-tool-choice-none"
+    )
+    try:
+        for route in ("/v1/chat/completions", "/v1/responses"):
+            assert _prompt_shows_the_tool(shown, route), route
+    finally:
+        shown.stop()

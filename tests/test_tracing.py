@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from brisk.config import EngineConfig
 from brisk.engine.client import AsyncEngineClient
+from brisk.sampling_params import SamplingParams
 from brisk.server.app import build_app
 from brisk.server.state import ServerState
 from brisk.server.tracing import JSONFormatter, ObservabilityConfig, make_tracer_provider
@@ -151,3 +152,22 @@ def test_profiling_endpoints_are_off_without_profile_dir(served) -> None:
             return [(await http.post(path)).status_code for path in ("/start_profile", "/stop_profile")]
 
     assert loop.run_until_complete(go()) == [404, 404]
+
+
+def test_an_idle_engine_client_is_idle_without_waiting(served):
+    """(This module holds the tests' one in-process engine client.) --shutdown-timeout 0 asks wait_idle for 0
+    seconds: an idle client says so, where asyncio.wait_for alone times out before the wait starts; a request in
+    flight is not waited for."""
+    loop, _, _, state = served
+    assert loop.run_until_complete(state.client.wait_idle(0)) is True
+
+    async def with_one_in_flight() -> bool:
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        deltas = state.client.generate("idle-check", [1, 2, 3], params)
+        await deltas.__anext__()  # running now
+        idle = await state.client.wait_idle(0)
+        await deltas.aclose()  # aborts it
+        return idle
+
+    assert loop.run_until_complete(with_one_in_flight()) is False
+    assert loop.run_until_complete(state.client.wait_idle(30)) is True

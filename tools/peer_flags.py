@@ -2,10 +2,15 @@
 tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
 with a reason: brisk/peer_options.py), and the fields of its chat, completion and Responses requests to
 tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each,
-and its HTTP routes to tests/data/peer_flags/vllm_routes.json, for tests/test_peer_routes.py's check that brisk
+each flag spelled out at its default value to tests/data/peer_flags/vllm_serve_defaults.json, for tests/test_options.py's
+check that a command line stating vLLM's defaults starts brisk (launchers and deployment charts often write every
+flag out), and its HTTP routes to tests/data/peer_flags/vllm_routes.json, for tests/test_peer_routes.py's check that brisk
 serves each or answers it with a reason (brisk/server/peer_routes.py).
 
     python tools/peer_flags.py        # run with the Python of a venv where vLLM is installed
+
+(on a machine without a GPU, with VLLM_TARGET_DEVICE=cpu in the environment: vLLM's CUDA wheel cannot tell its
+device otherwise, and its parser's defaults do not depend on it)
 
 trtllm-serve's flags (tests/data/peer_flags/trtllm_serve.txt) are copied by hand from the click options of
 tensorrt_llm/commands/serve.py, its routes (trtllm_serve_routes.txt) from tensorrt_llm/serve/openai_server.py:
@@ -14,6 +19,7 @@ TensorRT-LLM does not install on a machine without a GPU.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -48,6 +54,7 @@ def main() -> None:
         "/v1/responses": list(ResponsesRequest.model_fields),
     }
     (DATA / "vllm_request_fields.json").write_text(json.dumps(fields, indent=1) + "\n")
+    write_defaults(parser)
     write_routes(parser)
 
 
@@ -60,6 +67,42 @@ def parser_flags(parser) -> list[list[str]]:
         if spellings:
             flags.append(spellings)
     return flags
+
+
+def write_defaults(parser) -> None:
+    """Each flag as a command line states its default: a switch by the spelling that sets its default, an option by
+    its default value as text. Kept only where vLLM's own parser reads the words back to the default, so every line
+    means "vLLM's default, said out loud"; config objects (--eplb-config...) and empty values have no such words."""
+    import vllm
+
+    lines = []
+    for action in parser._actions:
+        spellings = [s for s in action.option_strings if s.startswith("--") and s != "--help"]
+        if not spellings or action.default in (None, argparse.SUPPRESS) or action.dest == "model":
+            continue
+        for argv in _default_words(action, spellings):
+            read = getattr(parser.parse_args(argv), action.dest)
+            if read == action.default or getattr(read, "value", read) == getattr(action.default, "value", None):
+                lines.append(argv)
+                break
+    text = ",\n".join(f"  {json.dumps(argv)}" for argv in lines)
+    (DATA / "vllm_serve_defaults.json").write_text(f'{{\n "vllm": "{vllm.__version__}",\n "argv": [\n{text}\n ]\n}}\n')
+
+
+def _default_words(action, spellings: list[str]) -> list[list[str]]:
+    """The command lines that might state an action's default: each spelling alone (a switch), or the first with the
+    default as text (a list as its items, a mapping as JSON)."""
+    default = action.default
+    if action.nargs == 0:
+        return [[s] for s in spellings] if isinstance(default, bool) else []
+    if isinstance(default, bool):
+        return [[spellings[0], str(default).lower()]]
+    if isinstance(default, (list, set, tuple)):
+        return [[spellings[0], *map(str, default)]] if default and action.nargs in ("+", "*") else []
+    if isinstance(default, dict):
+        return [[spellings[0], json.dumps(default)]]
+    value = getattr(default, "value", default)  # an enum (--mamba-backend, --optimization-level) by its value
+    return [[spellings[0], str(value)]] if isinstance(value, (str, int, float)) else []
 
 
 def write_routes(parser) -> None:

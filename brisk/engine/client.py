@@ -264,6 +264,8 @@ class AsyncEngineClient:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if some still are after `timeout` seconds."""
+        if self._idle.is_set():  # (asyncio.wait_for with 0 seconds times out before the wait starts)
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:

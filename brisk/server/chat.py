@@ -85,7 +85,9 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     if stop:
         params.stop = []
     parsers = [
-        make_choice_parser(state, parser_prefix, stop, params.include_stop_str_in_output, req.include_reasoning)
+        make_choice_parser(
+            state, parser_prefix, stop, params.include_stop_str_in_output, req.include_reasoning, plan.returns_calls
+        )
         for _ in range(params.n)
     ]
     rid, created, model = state.completion_id("chatcmpl-", raw, req.request_id), int(time.time()), state.model_name
@@ -110,7 +112,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         return "tool_calls" if reason == "stop" and parser.has_tool_calls else reason
 
     def usage(num_cached: int) -> Usage:
-        return Usage.of(len(prompt_ids), sum(generated), num_cached)
+        return state.usage(len(prompt_ids), sum(generated), num_cached)
 
     async def whole_response() -> ChatCompletion:
         reasons: list[str | None] = [None] * params.n
@@ -156,6 +158,8 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                 choice.token_ids = token_ids[i]
             choices.append(choice)
         body = ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(num_cached))
+        if state.system_fingerprint is not None:
+            body.system_fingerprint = state.system_fingerprint
         if req.return_token_ids:
             body.prompt_token_ids = prompt_ids
         if req.prompt_logprobs is not None and output is not None:
@@ -170,13 +174,19 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
     continuous_usage = bool(options and options.continuous_usage_stats)
     accumulator = StreamAccumulator(state.config.stream_interval)
 
-    def chunk(choices: list[ChatChunkChoice], usage_: Usage | None = None) -> str:
-        return sse(chunk_body(choices, usage_))
+    def chunk(choices: list[ChatChunkChoice], usage_: Usage | None = None, last: bool = False) -> str:
+        return sse(chunk_body(choices, usage_, last))
 
-    def chunk_body(choices: list[ChatChunkChoice], usage_: Usage | None = None) -> ChatCompletionChunk:
+    def chunk_body(
+        choices: list[ChatChunkChoice], usage_: Usage | None = None, last: bool = False
+    ) -> ChatCompletionChunk:
+        """`last`: a chunk that may end the stream (a finish_reason's, or the usage chunk after them), which carries
+        the system_fingerprint, as vLLM sends it."""
         body = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices)
         if include_usage or continuous_usage:
             body.usage = usage_
+        if last and state.system_fingerprint is not None:
+            body.system_fingerprint = state.system_fingerprint
         return body
 
     # A chunk of one text field (content or reasoning_content) and nothing else varying: from a template.
@@ -264,7 +274,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
                         choice.reasoning_logprobs = ChoiceLogprobs(content=[])
                     if req.return_token_ids:
                         choice.token_ids = []
-                    out.append(chunk([choice], usage(num_cached) if continuous_usage else None))
+                    out.append(chunk([choice], usage(num_cached) if continuous_usage else None, not include_usage))
                     num_open -= 1
                 if all(p.stopped for p in parsers):
                     closing = out  # sent with the usage chunk
@@ -276,7 +286,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Serv
         finally:
             await deltas.aclose()  # aborts the request in the engine if it is still running
         if include_usage:
-            closing.append(chunk([], usage(num_cached)))
+            closing.append(chunk([], usage(num_cached), last=True))
         if closing:
             yield join_events(closing)
 

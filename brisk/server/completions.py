@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
 
@@ -37,6 +38,7 @@ from brisk.server.streaming import (
 )
 
 router = APIRouter(responses=ERROR_RESPONSES)
+AnyCompletion = TypeVar("AnyCompletion", bound=Completion)  # a whole completion or a chunk
 
 
 async def _prompts(
@@ -145,6 +147,13 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         state.check_prompt(ids, params, req.field_names())
     rid, created, model = state.completion_id("cmpl-", raw, req.request_id), int(time.time()), state.model_name
     n = params.n
+
+    def fingerprinted(body: AnyCompletion) -> AnyCompletion:
+        """A whole completion, or a chunk that may end the stream, carries the system_fingerprint (as vLLM's)."""
+        if state.system_fingerprint is not None:
+            body.system_fingerprint = state.system_fingerprint
+        return body
+
     # echo: each choice's text starts with its prompt
     echoed = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else "" for text, ids in prompts]
 
@@ -157,13 +166,13 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         if req.return_token_ids:
             for choice in choices:
                 choice.prompt_token_ids, choice.token_ids = prompts[choice.index // n][1], []
-        usage = Usage.of(sum(len(ids) for _, ids in prompts), 0)
+        usage = state.usage(sum(len(ids) for _, ids in prompts), 0)
         if not req.stream:
-            return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
+            return fingerprinted(Completion(id=rid, created=created, model=model, choices=choices, usage=usage))
 
         async def echo_chunks() -> AsyncIterator[str]:
-            for choice in choices:
-                yield sse(CompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+            for choice in choices:  # each ends its choice (finish_reason "length")
+                yield sse(fingerprinted(CompletionChunk(id=rid, created=created, model=model, choices=[choice])))
 
         return EventStreamResponse(echo_chunks(), keep_alive_s=state.server.sse_keep_alive_interval)
 
@@ -201,24 +210,20 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
         completion_tokens = sum(len(o.token_ids) for f in outputs for o in f.outputs)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         cached = sum(f.num_cached_tokens for f in outputs)
-        return Completion(
-            id=rid,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=Usage.of(prompt_tokens, completion_tokens, cached),
-        )
+        usage = state.usage(prompt_tokens, completion_tokens, cached)
+        return fingerprinted(Completion(id=rid, created=created, model=model, choices=choices, usage=usage))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     include_usage = include_usage or state.server.enable_force_include_usage
     continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     accumulator = StreamAccumulator(state.config.stream_interval)
 
-    def chunk_body(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
+    def chunk_body(choices: list[CompletionChoice], usage: Usage | None = None, last: bool = False) -> CompletionChunk:
+        """`last`: a chunk that may end the stream (a finish_reason's, or the usage chunk after them)."""
         body = CompletionChunk(id=rid, created=created, model=model, choices=choices)
         if include_usage or continuous_usage:
             body.usage = usage
-        return body
+        return fingerprinted(body) if last else body
 
     def text_template(index: int) -> TextChunkTemplate:
         """A choice's chunks that carry text only (no logprobs, not the last)."""
@@ -269,17 +274,18 @@ async def completions(req: CompletionRequest, raw: Request, state: ServerState =
             choice.token_ids = pending.token_ids
             if first:
                 choice.prompt_token_ids = prompts[p][1]
-        event = sse(chunk_body([choice], usage_so_far() if continuous_usage else None))
+        last = pending.finish_reason is not None and not include_usage
+        event = sse(chunk_body([choice], usage_so_far() if continuous_usage else None, last))
         num_open -= pending.finish_reason is not None
         return event + usage_event() if num_open == 0 and include_usage else event
 
     def usage_so_far() -> Usage:
         completion_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
         cached = sum(f.num_cached_tokens for f in finals.values())
-        return Usage.of(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
+        return state.usage(sum(len(ids) for _, ids in prompts), completion_tokens, cached)
 
     def usage_event() -> str:
-        return sse(chunk_body([], usage_so_far()))
+        return sse(chunk_body([], usage_so_far(), last=True))
 
     async def chunks() -> AsyncIterator[str | bytes]:
         generations = [

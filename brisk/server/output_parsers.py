@@ -80,11 +80,13 @@ class HarmonyChoiceParser:
         include_stop=False,
         text_decoder=None,
         include_reasoning: bool = True,
+        include_tool_calls: bool = True,
     ) -> None:
         from brisk.harmony import HarmonyParser
 
         self.parser = HarmonyParser.from_tokenizer(tokenizer, text_decoder=text_decoder)
         self.include_reasoning = include_reasoning  # vLLM's include_reasoning: false leaves reasoning_content out
+        self.include_tool_calls = include_tool_calls  # false under tool_choice "none": a call written is dropped
         self.has_tool_calls = False
         self._stop = StopTrimmer(list(stop or []), include_stop)
         self._finished = False
@@ -165,7 +167,7 @@ class HarmonyChoiceParser:
                 fields["content"] = content
             if self.stopped:
                 return fields  # what followed the stop string in this delta is dropped
-        if delta.tool_calls:
+        if delta.tool_calls and self.include_tool_calls:
             self.has_tool_calls = True
             fields["tool_calls"] = [_tool_call_delta(c) for c in delta.tool_calls]
         return fields
@@ -199,11 +201,19 @@ def make_choice_parser(
     stop: list[str] | None = None,
     include_stop: bool = False,
     include_reasoning: bool = True,
+    include_tool_calls: bool = True,
 ):
     """The parser of one choice; `stop`: the stop strings a harmony parser applies to `content`;
-    include_reasoning false: no `reasoning_content` (the model still reasons)."""
+    include_reasoning false: no `reasoning_content` (the model still reasons); include_tool_calls false: no
+    `tool_calls` (tool_choice "none" with the tools shown)."""
     if state.is_harmony:
         return HarmonyChoiceParser(
-            state.tokenizer, prefix_ids, stop, include_stop, state.harmony_text_decoder, include_reasoning
+            state.tokenizer,
+            prefix_ids,
+            stop,
+            include_stop,
+            state.harmony_text_decoder,
+            include_reasoning,
+            include_tool_calls,
         )
     return PlainChoiceParser()

@@ -48,12 +48,14 @@ class ResponseRun:
         forced: list[int],
         input_items: list[dict[str, Any]],
         history_items: list[dict[str, Any]],
+        returns_calls: bool = True,
     ) -> None:
+        """`returns_calls` False: tool_choice "none" with the tools shown; a call the model writes is dropped."""
         self.state, self.req, self.owner = state, req, owner
         self.prompt_ids, self.params = prompt_ids, params
         self.input_items, self.history_items = input_items, history_items
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.parser = make_choice_parser(state, forced)
+        self.parser = make_choice_parser(state, forced, include_tool_calls=returns_calls)
         self.items = OutputItems(encrypted_reasoning=req.includes_encrypted_reasoning)
         self.status = "queued" if req.background else "in_progress"
         self.error: ErrorDetail | None = None

@@ -123,7 +123,7 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     forced = await forced_call_prefix(state, plan, prompt_ids, params, req.timeout, req.cache_salt)
     prompt_ids += forced
     state.check_prompt(prompt_ids, params, req.field_names())
-    run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history)
+    run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history, plan.returns_calls)
 
     if req.background:
         await run.save()  # `queued`, before its id goes out

@@ -40,15 +40,16 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    prompt_tokens_details: PromptTokensDetails | None = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, details: bool = True) -> Usage:
+        """`details` False: prompt_tokens_details null (--disable-prompt-tokens-details)."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens) if details else None,
         )
 
 
@@ -123,6 +124,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None  # --fingerprint-mode
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with `prompt_logprobs` asked
     prompt_token_ids: list[int] | None = None  # vLLM's extension, with `return_token_ids`
 
@@ -164,6 +166,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # on the stream's last chunk (--fingerprint-mode)
     prompt_token_ids: list[int] | None = None  # with `return_token_ids`: in the stream's first chunk
 
 
@@ -196,6 +199,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # a whole completion's, a stream's last chunk's (--fingerprint-mode)
 
 
 class CompletionChunk(Completion):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import re
 import time
@@ -21,6 +22,7 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
+import brisk
 from brisk.config import EngineConfig, ServerConfig
 from brisk.detokenizer import TokenDecoder
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
@@ -36,6 +38,7 @@ from brisk.server.metrics import RequestTiming, ServerMetrics
 from brisk.server.peers import Peers
 from brisk.server.response_run import BackgroundRuns
 from brisk.server.response_store import ResponseStore
+from brisk.server.schemas import Usage
 from brisk.server.tracing import ObservabilityConfig
 from brisk.structured.compiler import GrammarCompiler
 from brisk.structured.state import GrammarCompileError
@@ -88,6 +91,15 @@ class ServerState:
     def request_timeout(self) -> float | None:
         """The server-wide cap on a request's run time, seconds."""
         return self.server.request_timeout
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str | None:
+        """What chat completions and completions report as their system_fingerprint (--fingerprint-mode)."""
+        return system_fingerprint(self.config, self.server)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        """A chat completion's or completion's usage, with prompt_tokens_details unless the server turned it off."""
+        return Usage.of(prompt_tokens, completion_tokens, cached_tokens, self.server.enable_prompt_tokens_details)
 
     @property
     def log_prompts(self) -> bool:
@@ -396,3 +408,21 @@ async def server_state(request: Request) -> ServerState:
     """The app's ServerState (a FastAPI dependency of every router; async, so FastAPI does not run it in a
     worker thread)."""
     return request.app.state.brisk
+
+
+def system_fingerprint(config: EngineConfig, server: ServerConfig) -> str | None:
+    """vLLM's system_fingerprint, brisk's name in it: `brisk-<version>[-tp<n>][-pp<n>][-dp<n>][-ep]-<hash8>`, the hash
+    of every engine option (what can change a sampled token: model, dtype, KV dtype, kernels, speculation...) but
+    the hub token and download directory. The same options give the same fingerprint on every start."""
+    mode = server.fingerprint_mode
+    if mode == "none":
+        return None
+    if mode == "custom":
+        return server.fingerprint_value
+    options = config.model_dump_json(exclude={"hf_token", "download_dir"})
+    parts = [f"brisk-{brisk.__version__}"]
+    if mode == "full":
+        layout = (("tp", config.tp_size), ("pp", config.pp_size), ("dp", config.data_parallel_size))
+        parts += [f"{name}{size}" for name, size in layout if size > 1]
+        parts += ["ep"] if config.enable_expert_parallel or config.ep_size > 1 else []
+    return "-".join([*parts, hashlib.sha256(options.encode()).hexdigest()[:8]])

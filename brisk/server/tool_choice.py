@@ -26,6 +26,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # what the prompt offers
     forced_name: str | None = None  # a named tool_choice
     required: bool = False  # tool_choice "required": some call must be made
+    returns_calls: bool = True  # False: tool_choice "none" with the tools shown, so a call written is dropped
 
     @property
     def forces_call(self) -> bool:
@@ -41,8 +42,8 @@ def plan_tools(state, tools: list[dict] | None, tool_choice: Any) -> ToolPlan:
         return ToolPlan(None)
     if not state.is_harmony:
         raise APIError(400, "Function tools are supported for gpt-oss (harmony) models only.", param="tools")
-    if choice == "none":
-        return ToolPlan(None)
+    if choice == "none":  # the tools shown only with --no-exclude-tools-when-tool-choice-none (vLLM's default)
+        return ToolPlan(None if state.server.exclude_tools_when_tool_choice_none else tools, returns_calls=False)
     if choice == "auto":
         return ToolPlan(tools)
     if choice == "required":
