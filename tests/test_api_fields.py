@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import typing
+import uuid
 from pathlib import Path
 
 import httpx
@@ -202,6 +203,31 @@ def test_every_documented_field_behaves_as_its_row_says(server, row):
     if body.get("stream"):
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert events and not any(e.get("error") for e in events), r.text  # no in-band error event
+
+
+@pytest.mark.parametrize("endpoint", list(BASE))
+def test_vllms_requests_written_out_whole_at_its_defaults_are_served(server, endpoint):
+    """Proxies and routers built on vLLM's protocol classes send every field at its default (tools/peer_flags.py
+    wrote each request so from vLLM's own models): brisk serves them as they are. A Response's request_id is its
+    id, once."""
+    whole = json.loads((PEER_FLAGS / "vllm_request_defaults.json").read_text())
+    assert whole["vllm"] == "0.33.0"
+    body = {**whole[endpoint], "model": "brisk-demo"}
+    assert len(body) > 50 and "mm_payload" in body
+    # a few tokens, not vLLM's default of the whole context
+    body["max_output_tokens" if endpoint == "/v1/responses" else "max_tokens"] = 4
+    if endpoint == "/v1/responses":
+        body["request_id"] = f"resp_defaults_{uuid.uuid4().hex}"
+    r = httpx.post(f"{server.url}{endpoint}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if endpoint != "/v1/responses":
+        return
+    assert r.json()["id"] == body["request_id"]
+    assert httpx.get(f"{server.url}/v1/responses/{body['request_id']}", timeout=60).json()["id"] == body["request_id"]
+    again = httpx.post(f"{server.url}{endpoint}", json=body, timeout=120)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "request_id", again.text
+    bad = httpx.post(f"{server.url}{endpoint}", json={**body, "request_id": "../x"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id", bad.text
 
 
 @pytest.mark.parametrize("endpoint", list(BASE))

@@ -1,7 +1,9 @@
 """Write the flags of an installed vLLM's `vllm serve` to tests/data/peer_flags/vllm_serve.json, for
 tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
 with a reason: brisk/peer_options.py), and the fields of its chat, completion and Responses requests to
-tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each,
+tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each
+(and each request written out whole at vLLM's defaults to tests/data/peer_flags/vllm_request_defaults.json, which
+the same tests send to a live server),
 each flag spelled out at its default value to tests/data/peer_flags/vllm_serve_defaults.json, for tests/test_options.py's
 check that a command line stating vLLM's defaults starts brisk (launchers and deployment charts often write every
 flag out), and its HTTP routes to tests/data/peer_flags/vllm_routes.json, for tests/test_peer_routes.py's check that brisk
@@ -54,6 +56,18 @@ def main() -> None:
         "/v1/responses": list(ResponsesRequest.model_fields),
     }
     (DATA / "vllm_request_fields.json").write_text(json.dumps(fields, indent=1) + "\n")
+    # Each request as vLLM's own models write it out whole (proxies and routers built on vLLM's protocol classes
+    # send every field, at its default): tests/test_api_fields.py sends each to brisk
+    minimal = {
+        "/v1/chat/completions": (ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}),
+        "/v1/completions": (CompletionRequest, {"prompt": "Hi"}),
+        "/v1/responses": (ResponsesRequest, {"input": "Hi"}),
+    }
+    bodies = {"vllm": vllm.__version__}
+    for route, (model, body) in minimal.items():
+        bodies[route] = json.loads(model(model="m", **body).model_dump_json())
+        bodies[route].pop("request_id")  # a fresh random id each time: the test sends its own
+    (DATA / "vllm_request_defaults.json").write_text(json.dumps(bodies, indent=1) + "\n")
     write_defaults(parser)
     write_routes(parser)
 

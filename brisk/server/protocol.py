@@ -144,7 +144,8 @@ class _GenerationFields(_Body):
     ec_transfer_params: Annotated[Any, refused("brisk has no transfer between instances (disaggregation).")] = None
     vllm_xargs: Annotated[Any, refused("brisk takes no plugin arguments: it loads no plugins.")] = None
     watermarking: Annotated[Any, refused("brisk does not watermark its outputs.")] = None
-    mm_payload: Annotated[Any, refused(TEXT_ONLY)] = None
+    # vLLM's default "tensors"; it reads the field on its render routes only ("ignored on generation endpoints")
+    mm_payload: Annotated[Any, only(("tensors", "none"), TEXT_ONLY)] = None
     return_mm_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
     media_io_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
     mm_processor_kwargs: Annotated[Any, refused(TEXT_ONLY)] = None
@@ -289,7 +290,7 @@ class _SamplingFields(_GenerationFields):
     # extensions
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = True  # None (vLLM's unset): true
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: top logprobs of each prompt token
     best_of: int | None = Field(None, ge=1, le=128)  # OpenAI's on completions, vLLM's on chat (<= 0.11): n only
@@ -323,7 +324,7 @@ class _SamplingFields(_GenerationFields):
     return_weight_versions: Annotated[
         Any, only((False,), "brisk serves one set of weights for its life: there are no weight versions to report.")
     ] = None
-    routed_experts_prompt_start: Annotated[Any, refused("brisk does not report the experts tokens route to.")] = None
+    routed_experts_prompt_start: Annotated[Any, only((0,), "brisk does not report the experts tokens route to.")] = None
     repetition_detection: Annotated[
         Any, refused("repetition_detection is not available; repetition_penalty discourages repeats.")
     ] = None
@@ -404,7 +405,7 @@ class _SamplingFields(_GenerationFields):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens is not False,
             structured_outputs=extra.pop("structured_outputs", None) or self._vllm_structured_outputs(),
             **{"prompt_logprobs": self.prompt_logprobs, **extra},
         )
@@ -608,7 +609,7 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message and add_generation_prompt cannot both be true: the one continues the last "
                 "message, the other starts a new assistant turn.",
             )
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 (vLLM's default) asks for nothing
             raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true.")
         if self.reasoning_logprobs and not self.logprobs:
             raise InvalidRequest("reasoning_logprobs", "reasoning_logprobs needs logprobs: true.")
@@ -747,8 +748,8 @@ ResponseIncludable = Literal[
 
 class ResponsesRequest(_GenerationFields):
     input: str | list[dict[str, Any]]
-    # a Response's id names it in the store and in previous_response_id: brisk makes each one unique
-    request_id: Annotated[Any, refused("brisk names each Response itself: its id.")] = None
+    # vLLM's: the Response's id (unique in the store: one a stored Response has is a 400); letters, digits, _.:-
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9_.:-]+$")
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -777,9 +778,9 @@ class ResponsesRequest(_GenerationFields):
     logit_bias: LogitBias = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST)
     chat_template_kwargs: dict[str, Any] | None = None
-    stop: Annotated[Any, refused("stop strings are not available on /v1/responses; /v1/chat/completions has them.")] = (
-        None
-    )
+    stop: Annotated[
+        Any, only(([],), "stop strings are not available on /v1/responses; /v1/chat/completions has them.")
+    ] = None
     include_stop_str_in_output: Annotated[Any, only((False,), "stop strings are not available on /v1/responses.")] = (
         None
     )

@@ -54,7 +54,8 @@ class ResponseRun:
         self.state, self.req, self.owner = state, req, owner
         self.prompt_ids, self.params = prompt_ids, params
         self.input_items, self.history_items = input_items, history_items
-        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        # vLLM's request_id names the Response (responses.py claims it in the store first); else a fresh id
+        self.id, self.created = req.request_id or f"resp_{uuid.uuid4().hex}", int(time.time())
         self.parser = make_choice_parser(state, forced, include_tool_calls=returns_calls)
         self.items = OutputItems(encrypted_reasoning=req.includes_encrypted_reasoning)
         self.status = "queued" if req.background else "in_progress"
@@ -193,10 +194,21 @@ class ResponseRun:
     async def save(self) -> None:
         store = self.state.response_store
         if self.req.store and store is not None:
-            body = self.body().model_dump(mode="json")
-            stored = StoredResponse(body, self.input_items, self.history_items, self.runner, self._seq - 1)
             self._saved_at = time.monotonic()
-            await store.put(self.owner, stored)
+            await store.put(self.owner, self._stored())
+
+    async def claim(self) -> bool:
+        """Take the id the request chose in the store, before the run starts: False if a stored Response has it.
+        (A Response not stored claims nothing: its id names no row.)"""
+        store = self.state.response_store
+        if not (self.req.store and store is not None):
+            return True
+        self._saved_at = time.monotonic()
+        return await store.claim(self.owner, self._stored())
+
+    def _stored(self) -> StoredResponse:
+        body = self.body().model_dump(mode="json")
+        return StoredResponse(body, self.input_items, self.history_items, self.runner, self._seq - 1)
 
 
 @dataclass

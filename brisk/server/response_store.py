@@ -151,6 +151,11 @@ class ResponseStore:
     async def put(self, owner: str, response: StoredResponse) -> None:
         await self._run(self._put, owner, response)
 
+    async def claim(self, owner: str, response: StoredResponse) -> bool:
+        """Store a response under an id its request chose (vLLM's request_id): False, writing nothing, where a live
+        row has that id already (a client may never take over another's response)."""
+        return await self._run(self._claim, owner, response)
+
     async def get(self, owner: str, response_id: str) -> StoredResponse | None:
         return await self._run(self._get, owner, response_id)
 
@@ -194,6 +199,32 @@ class ResponseStore:
         except BaseException:
             db.execute("ROLLBACK")
             raise
+
+    def _claim(self, owner: str, response: StoredResponse) -> bool:
+        now = time.time()
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))  # an expired id is free
+            cursor = db.execute(
+                "INSERT INTO responses (id, owner, created, body, input_items, history_items, runner, last_event)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (
+                    response.body["id"],
+                    owner,
+                    now,
+                    json.dumps(response.body),
+                    json.dumps(response.input_items),
+                    json.dumps(response.history_items),
+                    response.runner if response.running else None,
+                    response.last_event,
+                ),
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return cursor.rowcount == 1
 
     def _get(self, owner: str, response_id: str) -> StoredResponse | None:
         row = self._db.execute(

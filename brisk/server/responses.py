@@ -124,6 +124,8 @@ async def responses(req: ResponsesRequest, raw: Request, state: ServerState = De
     prompt_ids += forced
     state.check_prompt(prompt_ids, params, req.field_names())
     run = ResponseRun(state, req, owner, prompt_ids, params, forced, items, history, plan.returns_calls)
+    if req.request_id is not None and not await run.claim():
+        raise APIError(400, f"request_id '{req.request_id}' names a stored Response already.", param="request_id")
 
     if req.background:
         await run.save()  # `queued`, before its id goes out
