@@ -426,7 +426,8 @@ class OptionTable:
                 else:
                     found = peer = None
             if peer is not None:
-                if not peer.allows(value):
+                # null: the peer's own default (unset), which asks for nothing
+                if value is not None and not peer.allows(value):
                     raise OptionError(f"option '{key}' in {source}: {peer.reason}")
                 continue
             if found is None:
@@ -454,11 +455,18 @@ class OptionTable:
     def _place(
         self, root: dict[str, Any], row: OptionRow, value: Any, source: str, key: str, seen: dict[str, str]
     ) -> None:
+        if value is None and row.annotation is not Any and not _unwrap(row.annotation)[1]:
+            # null for an option that cannot be null is unset: TensorRT-LLM's and vLLM's unset options are null in
+            # a dump of their args (max_batch_size: null, kv_cache_config.free_gpu_memory_fraction: null), and
+            # brisk's default is what they then mean
+            return
         *parents, last = row.path.split(".")
         into = root
         for part in parents:
             into = into.setdefault(part, {})
             if not isinstance(into, dict):
+                if value is None:  # null for a part of a group that is off (null) sets nothing
+                    return
                 raise OptionError(f"'{key}' in {source} sets a part of '{part}', which is null there")
         if row.group and isinstance(value, BaseModel):
             value = value.model_dump(exclude_unset=True)

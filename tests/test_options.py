@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from brisk import LLM, SamplingParams
 from brisk.cli import build_parser
@@ -268,6 +269,34 @@ def test_a_command_line_stating_vllms_defaults_starts_brisk():
     assert OPTIONS.resolve({"dp-supervisor-probe-interval-s": 5, "master_port": 29501}, "test")[EngineConfig] == {}
     with pytest.raises(OptionError, match="one node"):
         OPTIONS.resolve({"master-port": 29502}, "test")
+
+
+def test_null_is_unset_as_the_peers_dumps_of_their_args_write_it(tmp_path):
+    """TensorRT-LLM's LLM API and vLLM leave an option unset as null (a dump of TorchLlmArgs holds max_batch_size:
+    null, kv_cache_config.free_gpu_memory_fraction: null): null for an option brisk's cannot be null is its default;
+    a peer's option given null asks for nothing; a part of a group that is off, given null, sets nothing. Where null
+    means something (max_seq_len: the model's), it keeps that meaning."""
+    default = EngineConfig.build("m")
+    nulls = {
+        "max_batch_size": None,
+        "max_num_tokens": None,
+        "moe_expert_parallel_size": None,
+        "backend": None,
+        "kv_cache_config": {"free_gpu_memory_fraction": None, "enable_block_reuse": None},
+        "max_beam_width": None,  # peers' options
+        "lora_config": None,
+        "enable_lora": None,
+        "use_cuda_graph": False,  # TensorRT-LLM <= 1.0rc1: no graphs, and their sizes unset
+        "cuda_graph_batch_sizes": None,
+    }
+    (tmp_path / "extra.yaml").write_text(yaml.safe_dump(nulls))
+    for config in (EngineConfig.build("m", **nulls), EngineConfig.build("m", config=str(tmp_path / "extra.yaml"))):
+        assert (config.max_batch_size, config.max_num_tokens) == (default.max_batch_size, default.max_num_tokens)
+        assert (config.ep_size, config.backend) == (default.ep_size, default.backend)
+        assert config.kv_cache_config == default.kv_cache_config and config.cuda_graph_config is None
+    assert EngineConfig.build("m", max_seq_len=None).max_seq_len is None
+    with pytest.raises(ConfigError, match="max_beam_width"):
+        EngineConfig.build("m", max_beam_width=4)
 
 
 def test_system_fingerprint_names_the_parallel_layout_and_hashes_the_options():
