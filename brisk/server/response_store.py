@@ -54,6 +54,20 @@ RUNNING = ("queued", "in_progress")
 INTERRUPTED_MESSAGE = "The server stopped while this response was running; it did not finish."
 
 
+INSERT = (
+    "INSERT INTO responses (id, owner, created, body, input_items, history_items, runner, last_event)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _row(owner: str, response: StoredResponse, now: float) -> tuple[Any, ...]:
+    """A response's row, for INSERT."""
+    body, running = response.body, response.running
+    items, history = json.dumps(response.input_items), json.dumps(response.history_items)
+    runner = response.runner if running else None
+    return (body["id"], owner, now, json.dumps(body), items, history, runner, response.last_event)
+
+
 def owner_of(authorization: str | None) -> str:
     """Who may see a response: a hash of the request's Authorization header (empty without keys), its scheme
     spelled as "Bearer" whatever the case the client sent (the header's canonical form)."""
@@ -169,26 +183,15 @@ class ResponseStore:
     # ---- on the store's thread -------------------------------------------------------------------
     def _put(self, owner: str, response: StoredResponse) -> None:
         now = time.time()
-        row = (
-            response.body["id"],
-            owner,
-            now,
-            json.dumps(response.body),
-            json.dumps(response.input_items),
-            json.dumps(response.history_items),
-            response.runner if response.running else None,
-            response.last_event,
-        )
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
             # A row keeps the time it was first written: the TTL and the row limit count from a response's start.
             db.execute(
-                "INSERT INTO responses (id, owner, created, body, input_items, history_items, runner, last_event)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, body ="
-                " excluded.body, input_items = excluded.input_items, history_items = excluded.history_items,"
-                " runner = excluded.runner, last_event = excluded.last_event",
-                row,
+                INSERT + " ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, body = excluded.body, input_items ="
+                " excluded.input_items, history_items = excluded.history_items, runner = excluded.runner, last_event"
+                " = excluded.last_event",
+                _row(owner, response, now),
             )
             db.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))
             db.execute(
@@ -206,20 +209,7 @@ class ResponseStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             db.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))  # an expired id is free
-            cursor = db.execute(
-                "INSERT INTO responses (id, owner, created, body, input_items, history_items, runner, last_event)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (
-                    response.body["id"],
-                    owner,
-                    now,
-                    json.dumps(response.body),
-                    json.dumps(response.input_items),
-                    json.dumps(response.history_items),
-                    response.runner if response.running else None,
-                    response.last_event,
-                ),
-            )
+            cursor = db.execute(INSERT + " ON CONFLICT (id) DO NOTHING", _row(owner, response, now))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
