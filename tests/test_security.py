@@ -195,15 +195,7 @@ def fake_state(api_key: str | None = None, **overrides) -> ServerState:
     client = SimpleNamespace(
         dead=False, info=info, num_in_flight=0, num_coalesced_deltas=0, stats_listeners=[], in_flight_listeners=[]
     )
-    config = SimpleNamespace(
-        model="fake",
-        max_batch_size=4,
-        max_num_waiting=4,
-        stream_interval=1,
-        enable_prefix_caching=True,
-        dtype="auto",
-        max_logprobs=EngineConfig.model_fields["max_logprobs"].default,
-    )
+    config = EngineConfig.build("fake", max_batch_size=4, max_num_waiting=4)  # options only: nothing is loaded
     return ServerState(client, None, config, "fake", {}, False, server=ServerConfig(**overrides), api_key=api_key)
 
 
