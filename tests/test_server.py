@@ -445,7 +445,10 @@ def test_request_id_names_the_completion_as_in_vllm(server):
     assert ids == {"cmpl-xyz"}
     fresh = [httpx.post(f"{url}/v1/chat/completions", json=chat).json()["id"] for _ in range(2)]
     assert fresh[0] != fresh[1] and all(i.startswith("chatcmpl-") for i in fresh)
-    r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Hi", "request_id": "abc"})
+    # a Response's request_id is its id (vLLM's), once: the store holds it
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, "request_id": "resp_abc"}
+    assert httpx.post(f"{url}/v1/responses", json=body).json()["id"] == "resp_abc"
+    r = httpx.post(f"{url}/v1/responses", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
 
 
