@@ -1,13 +1,14 @@
-"""Write the flags of an installed vLLM's `vllm serve` to tests/data/peer_flags/vllm_serve.json, for
-tests/test_options.py's check that brisk knows every one of them (as an option, or as a peer's option it refuses
-with a reason: brisk/peer_options.py), and the fields of its chat, completion and Responses requests to
-tests/data/peer_flags/vllm_request_fields.json, for tests/test_api_fields.py's check that docs/api.md lists each
-(and each request written out whole at vLLM's defaults to tests/data/peer_flags/vllm_request_defaults.json, which
-the same tests send to a live server),
-each flag spelled out at its default value to tests/data/peer_flags/vllm_serve_defaults.json, for tests/test_options.py's
-check that a command line stating vLLM's defaults starts brisk (launchers and deployment charts often write every
-flag out), and its HTTP routes to tests/data/peer_flags/vllm_routes.json, for tests/test_peer_routes.py's check that brisk
-serves each or answers it with a reason (brisk/server/peer_routes.py).
+"""Write what an installed vLLM's `vllm serve` takes to tests/data/peer_flags/, for the tests that hold brisk to it:
+- vllm_serve.json: every flag, for tests/test_options.py's check that brisk knows each (as an option, or as a
+  peer's option it refuses with a reason: brisk/peer_options.py);
+- vllm_serve_defaults.json: each flag spelled out at its default value, for tests/test_options.py's check that a
+  command line stating vLLM's defaults starts brisk (launchers and deployment charts often write every flag out);
+- vllm_request_fields.json: the fields of its chat, completion and Responses requests, for
+  tests/test_api_fields.py's check that docs/api.md lists each;
+- vllm_request_defaults.json: each of those requests written out whole at vLLM's defaults, which
+  tests/test_api_fields.py sends to a live server;
+- vllm_routes.json: its HTTP routes, for tests/test_peer_routes.py's check that brisk serves each or answers it
+  with a reason (brisk/server/peer_routes.py).
 
     python tools/peer_flags.py        # run with the Python of a venv where vLLM is installed
 
