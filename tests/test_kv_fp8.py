@@ -38,7 +38,6 @@ from brisk.layers.kv_fp8 import (
     FP8_E4M3_MAX,
     FP8_KV_DTYPE,
     dequantize_kv,
-    fp8_e4m3_table,
     kv_scale_target,
     quantize_kv,
 )
@@ -89,11 +88,6 @@ def test_round_trip_is_e4m3_rounding_with_the_scale():
     # Saturation, not NaN: E4M3 has no infinity.
     big = torch.full((1, 2, 16), 1e6)
     assert torch.equal(fake_quantized(big, K_SCALE), (FP8_E4M3_MAX * K_SCALE)[None, :, None].expand(1, 2, 16))
-    # The C kernel's table is torch's decoding of every code.
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    table = fp8_e4m3_table()
-    finite = ~table.isnan()
-    assert torch.equal(table[finite], codes.view(FP8_KV_DTYPE).float()[finite]) and finite.sum() == 254
 
 
 def test_store_kernels_write_the_same_codes():
@@ -223,6 +217,43 @@ def test_every_attention_path_reads_fp8_as_the_dequantized_reference(request, pa
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
         # ... and FP8 is not a no-op: the model-dtype cache gives something measurably different.
         assert (case.reference(use_sinks) - out).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_the_c_kernel_decodes_every_e4m3_code_as_torch_does(request, isa, head_dim):
+    """The C decode kernel converts E4M3 by integer ops (no table): every one of the 256 codes, subnormals, both
+    zeros and the two NaNs included, must come out as torch's decoding, in the kernel's code for a constant head size
+    (64) and its generic code (8). One-token sequences of one head: each output is its one value row (softmax over
+    one key is 1) times the V scale, a power of two (exact)."""
+    skip_unless_isa_under_test(request.config, isa)
+    kernels = load_cpu_kernels(isa)
+    assert kernels is not None
+    seqs = 256 // head_dim
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_KV_DTYPE).view(seqs, 1, 1, head_dim)
+    v_cache = torch.cat([codes, codes[:1]])  # the last block: never read
+    k_cache = torch.zeros_like(v_cache)
+    q, out = torch.randn(seqs, 1, head_dim), torch.full((seqs, 1, head_dim), -1.0)
+    block_tables = torch.arange(seqs, dtype=torch.int32).view(seqs, 1)
+    seq_lens = torch.ones(seqs, dtype=torch.int32)
+    kernels.decode_attention(
+        q,
+        out,
+        None,
+        None,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        None,
+        0.125,
+        None,
+        torch.tensor([2.0]),
+        torch.tensor([0.5]),
+    )
+    expected = codes.float().view(seqs, 1, head_dim) * 0.5
+    assert expected.isnan().sum() == 2 and (expected == 0).sum() == 2 and (expected.abs() < 2.0**-7).sum() > 2
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("window", [None, 6])

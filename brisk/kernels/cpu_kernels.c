@@ -29,9 +29,9 @@
  *
  * Attention layouts (element offsets): q[row * q_stride + head * head_dim + i] fp32; out likewise (out_stride);
  * caches [num_blocks, block_size, num_kv_heads, head_dim] in fp32, bf16 or FP8 E4M3 (cache_dtype: CACHE_*); an FP8
- * cache is read through fp8_table (the 256 E4M3 codes as fp32, from torch) times its static per-KV-head scales
- * k_scales / v_scales [num_kv_heads] (NULL: 1), the K scale folded into the score scale and the V scale applied to
- * the output (attention is linear in V), so accumulation stays fp32; block_tables[seq * table_stride + j]
+ * cache is decoded by e4m3_to_float times its static per-KV-head scales k_scales / v_scales [num_kv_heads] (NULL:
+ * 1), the K scale folded into the score scale and the V scale applied to the output (attention is linear in V), so
+ * accumulation stays fp32; block_tables[seq * table_stride + j]
  * int32; seq_lens[seq] int32 = context length including the new token, whose position is seq_len - 1.
  * rows[s] / seq_ids[s]: the q/out row and the table/seq_lens row of the s-th sequence computed (NULL: s).
  */
@@ -72,15 +72,33 @@ static inline void load_row(const void *cache, int cache_is_bf16, int64_t offset
 
 enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_FP8_E4M3 = 2 };
 
+/* An E4M3 (float8_e4m3fn) code as fp32, exactly, by integer ops: a loop over a row vectorizes it, one select per
+ * lane (a 256-entry table lookup compiled to gathers: with AVX-512, FP8 rows were read 1.6x slower than bf16 ones,
+ * whose conversion is a shift). Exponent field e > 0: rebias the exponent (bias 7 -> 127) and widen the 3 mantissa
+ * bits; e = 0: the subnormal m * 2^-9, through an int -> float conversion, so no fp32 subnormal arises (the result
+ * never depends on the denormals-are-zero flag); 0x7F / 0xFF are NaN (E4M3fn has no infinity). The selects are on
+ * integers, which -ffinite-math-only leaves alone. */
+static inline float e4m3_to_float(uint8_t code) {
+    const uint32_t magnitude = code & 0x7Fu;
+    const float subnormal = (float)(magnitude & 7u) * 0x1p-9f;
+    uint32_t subnormal_bits, bits;
+    memcpy(&subnormal_bits, &subnormal, sizeof(subnormal_bits));
+    bits = magnitude >= 8u ? (magnitude << 20) + (120u << 23) : subnormal_bits;
+    bits = magnitude == 0x7Fu ? 0x7FC00000u : bits;
+    bits |= (uint32_t)(code & 0x80u) << 24;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
 /* A cache row as fp32: read in place from an fp32 cache, converted into buf from a bf16 or FP8 one (unscaled). */
-static inline const float *cache_row(const void *cache, int cache_dtype, const float *fp8_table, int64_t offset, int d,
-                                     float *buf) {
+static inline const float *cache_row(const void *cache, int cache_dtype, int64_t offset, int d, float *buf) {
     if (cache_dtype == CACHE_FP32) return (const float *)cache + offset;
     if (cache_dtype == CACHE_BF16) {
         load_row(cache, 1, offset, d, buf);
     } else {
         const uint8_t *src = (const uint8_t *)cache + offset;
-        for (int i = 0; i < d; i++) buf[i] = fp8_table[src[i]];
+        for (int i = 0; i < d; i++) buf[i] = e4m3_to_float(src[i]);
     }
     return buf;
 }
@@ -90,7 +108,7 @@ static inline const float *cache_row(const void *cache, int cache_dtype, const f
 static inline __attribute__((always_inline)) void attend(
     const int s, const int kvh, const int d, const float *q, int64_t q_stride, float *out, int64_t out_stride,
     const int32_t *rows, const int32_t *seq_ids, const void *k_cache, const void *v_cache, int cache_dtype,
-    const float *fp8_table, const float *k_scales, const float *v_scales, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, const float *sinks, int group,
+    const float *k_scales, const float *v_scales, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, const float *sinks, int group,
     int num_kv_heads, int block_size, float scale, int window) {
     const int row = rows ? rows[s] : s, seq = seq_ids ? seq_ids[s] : s;
     const int len = seq_lens[seq];
@@ -113,7 +131,7 @@ static inline __attribute__((always_inline)) void attend(
         const int n = block_size - offset < len - pos ? block_size - offset : len - pos;
         for (int g = 0; g < group; g++) block_max[g] = -FLT_MAX;
         for (int t = 0; t < n; t++) {
-            const float *krow = cache_row(k_cache, cache_dtype, fp8_table,
+            const float *krow = cache_row(k_cache, cache_dtype,
                                           ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, kbuf);
             for (int g = 0; g < group; g++) {
                 float dot = 0.0f;
@@ -134,7 +152,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int t = 0; t < n; t++) run_sum[g] += p[t];
         }
         for (int t = 0; t < n; t++) {
-            const float *vrow = cache_row(v_cache, cache_dtype, fp8_table,
+            const float *vrow = cache_row(v_cache, cache_dtype,
                                           ((block * block_size + offset + t) * num_kv_heads + kvh) * d, d, vbuf);
             for (int g = 0; g < group; g++) {
                 const float w = probs[g * block_size + t];
@@ -152,14 +170,14 @@ static inline __attribute__((always_inline)) void attend(
 
 void brisk_decode_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
                             const int32_t *rows, const int32_t *seq_ids, const void *k_cache,
-                            const void *v_cache, int cache_dtype, const float *fp8_table, const float *k_scales,
+                            const void *v_cache, int cache_dtype, const float *k_scales,
                             const float *v_scales, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, const float *sinks, int num_seqs,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             int window, int num_threads) {
     const int group = num_heads / num_kv_heads;
 #define ATTEND(D) attend(s, kvh, D, q, q_stride, out, out_stride, rows, seq_ids, k_cache, v_cache, cache_dtype, \
-                         fp8_table, k_scales, v_scales, block_tables, table_stride, seq_lens, sinks, group, num_kv_heads, block_size, scale, window)
+                         k_scales, v_scales, block_tables, table_stride, seq_lens, sinks, group, num_kv_heads, block_size, scale, window)
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {

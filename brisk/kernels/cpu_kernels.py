@@ -21,13 +21,13 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from brisk.host import check_cpu_kernels_choice, cpu_info, cpu_kernel_isas
-from brisk.layers.kv_fp8 import FP8_KV_DTYPE, fp8_e4m3_table
+from brisk.layers.kv_fp8 import FP8_KV_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ ATTENTION_ARGTYPES = [
     _ptr,
     _ptr,
     _i32,
-    _ptr,
     _ptr,
     _ptr,
     _ptr,
@@ -164,8 +163,6 @@ class CpuKernels:
     mxfp4_dequantize_fn: Callable[..., None]
     moe_mxfp4_fn: Callable[..., None]
     row_max_argmax_fn: Callable[..., None]
-    # The 256 FP8 E4M3 codes as fp32, decoded by torch: the attention kernel reads an FP8 KV cache through it.
-    fp8_table: torch.Tensor = field(default_factory=fp8_e4m3_table)
 
     def decode_attention(
         self,
@@ -202,7 +199,6 @@ class CpuKernels:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             CACHE_DTYPE_CODES[k_cache.dtype],
-            self.fp8_table.data_ptr(),
             None if k_scales is None else k_scales.data_ptr(),
             None if v_scales is None else v_scales.data_ptr(),
             block_tables.data_ptr(),

@@ -46,11 +46,6 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if is_fp8(cache) else cache
 
 
-def fp8_e4m3_table() -> torch.Tensor:
-    """The 256 E4M3 codes as fp32, decoded by torch (the C kernel reads an FP8 cache through it)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_KV_DTYPE).float()
-
-
 def kv_scale_target(name: str) -> tuple[int, str] | None:
     """(layer index, 'k_scale' | 'v_scale' | 'kv_scale') of a checkpoint's KV scale tensor, None for other names."""
     match = _KV_SCALE_NAME.search(name)
