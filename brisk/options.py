@@ -304,6 +304,13 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
 
 
+def _asks_something(value: Any) -> bool:
+    """Whether a value asks for something: not null, false, 0 or empty (a mapping: one of its values does)."""
+    if isinstance(value, Mapping):
+        return any(_asks_something(inner) for inner in value.values())
+    return bool(value)
+
+
 def _takes_mapping(annotation: Any) -> bool:
     """Whether an option's value is a mapping (a group, a model, or a dict; perhaps among other types)."""
     inner, _ = _unwrap(annotation)
@@ -465,7 +472,10 @@ class OptionTable:
         for part in parents:
             into = into.setdefault(part, {})
             if not isinstance(into, dict):
-                if value is None:  # null for a part of a group that is off (null) sets nothing
+                # A part of a group that is off (null), given null, false, 0 or empty, asks for nothing the group's
+                # absence does not give: TensorRT-LLM <= 1.0rc1's dump of its args holds use_cuda_graph: false
+                # beside cuda_graph_max_batch_size: 0 and cuda_graph_padding_enabled: false.
+                if not _asks_something(value):
                     return
                 raise OptionError(f"'{key}' in {source} sets a part of '{part}', which is null there")
         if row.group and isinstance(value, BaseModel):
@@ -479,6 +489,9 @@ class OptionTable:
         if row.path in seen and seen[row.path] != key and into.get(last) != value:
             raise OptionError(f"'{seen[row.path]}' and '{key}' in {source} both set option '{row.path}'")
         seen[row.path] = key
+        if value is None and _asks_something(into.get(last)):  # the same conflict, the part given first
+            part = next(k for path, k in seen.items() if path.startswith(row.path + "."))
+            raise OptionError(f"'{key}' in {source} sets '{row.path}' to null, and '{part}' sets a part of it")
         if not (row.group and isinstance(value, Mapping)):
             into[last] = value
             return

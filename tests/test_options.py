@@ -286,8 +286,10 @@ def test_null_is_unset_as_the_peers_dumps_of_their_args_write_it(tmp_path):
         "max_beam_width": None,  # peers' options
         "lora_config": None,
         "enable_lora": None,
-        "use_cuda_graph": False,  # TensorRT-LLM <= 1.0rc1: no graphs, and their sizes unset
+        "use_cuda_graph": False,  # TensorRT-LLM <= 1.0rc1: no graphs, and the other parts at their defaults
         "cuda_graph_batch_sizes": None,
+        "cuda_graph_max_batch_size": 0,
+        "cuda_graph_padding_enabled": False,
     }
     (tmp_path / "extra.yaml").write_text(yaml.safe_dump(nulls))
     for config in (EngineConfig.build("m", **nulls), EngineConfig.build("m", config=str(tmp_path / "extra.yaml"))):
@@ -297,6 +299,18 @@ def test_null_is_unset_as_the_peers_dumps_of_their_args_write_it(tmp_path):
     assert EngineConfig.build("m", max_seq_len=None).max_seq_len is None
     with pytest.raises(ConfigError, match="max_beam_width"):
         EngineConfig.build("m", max_beam_width=4)
+    # The same keys with graphs off in the other order (the parts first) give the same config...
+    assert EngineConfig.build("m", cuda_graph_max_batch_size=0, use_cuda_graph=False).cuda_graph_config is None
+    # ... and a part that asks for something is refused in either order, never dropped.
+    with pytest.raises(ConfigError, match="sets a part of 'cuda_graph_config', which is null there"):
+        EngineConfig.build("m", use_cuda_graph=False, cuda_graph_max_batch_size=8)
+    for options in (
+        {"cuda_graph_max_batch_size": 8, "use_cuda_graph": False},
+        {"max_cudagraph_capture_size": 8, "enforce_eager": True},
+    ):
+        first = next(iter(options))
+        with pytest.raises(ConfigError, match=f"sets 'cuda_graph_config' to null, and '{first}' sets a part of it"):
+            EngineConfig.build("m", **options)
 
 
 def test_system_fingerprint_names_the_parallel_layout_and_hashes_the_options():
