@@ -15,14 +15,12 @@ dtype: ms per call (the median of --repeats calls after one warm-up call; a shar
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from bench_record import write_record  # benchmarks/ is on sys.path when run as a script
 
 from brisk.kernels.cpu_kernels import load_cpu_kernels
 
@@ -87,15 +85,7 @@ def main() -> None:
                 f"{isa:<8}{batch:>6}{context:>9}{row['bf16_ms']:>9.2f}{row['fp8_ms']:>9.2f}{row['bf16_gb_s']:>11.2f}"
                 f"{row['fp8_gb_s']:>10.2f}{row['fp8_over_bf16']:>10.2f}"
             )
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
-        "args": vars(args),
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_record(args.out, args, rows=rows)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ and a recomputed one can differ in their last bits (other batch shapes), so a ne
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
+
+from bench_record import write_record  # benchmarks/ is on sys.path when run as a script
 
 from brisk import LLM, SamplingParams
 from brisk.engine.messages import EngineCoreRequest
@@ -185,20 +184,15 @@ def main() -> None:
         f"with the host tier: {tier['recomputed_tokens'] / base['recomputed_tokens']:.2f}x the prompt tokens "
         f"recomputed, mean TTFT {tier['mean_ttft_s'] / base['mean_ttft_s']:.2f}x"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
-        "args": vars(args),
-        "device_pool_blocks": pool,
-        "history_blocks": history_blocks,
-        "outputs_identical": identical,
-        "outputs_agreeing": agreeing,
-        "rows": rows,
-    }
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_record(
+        args.out,
+        args,
+        device_pool_blocks=pool,
+        history_blocks=history_blocks,
+        outputs_identical=identical,
+        outputs_agreeing=agreeing,
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

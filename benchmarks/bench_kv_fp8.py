@@ -15,12 +15,11 @@ capacity figures are deterministic; the speed figures depend on the machine and 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import time
 from pathlib import Path
+
+from bench_record import write_record  # benchmarks/ is on sys.path when run as a script
 
 from brisk import LLM, SamplingParams
 
@@ -104,15 +103,7 @@ def main() -> None:
             f"{row['kv_cache_dtype']} / auto: KV tokens x{row['kv_tokens'] / base['kv_tokens']:.2f}, peak running "
             f"x{row['peak_running'] / max(1, base['peak_running']):.2f}"
         )
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
-        "args": vars(args),
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_record(args.out, args, rows=rows)
 
 
 if __name__ == "__main__":
