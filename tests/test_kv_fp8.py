@@ -224,8 +224,9 @@ def test_every_attention_path_reads_fp8_as_the_dequantized_reference(request, pa
 def test_the_c_kernel_decodes_every_e4m3_code_as_torch_does(request, isa, head_dim):
     """The C decode kernel converts E4M3 by integer ops (no table): every one of the 256 codes, subnormals, both
     zeros and the two NaNs included, must come out as torch's decoding, in the kernel's code for a constant head size
-    (64) and its generic code (8). One-token sequences of one head: each output is its one value row (softmax over
-    one key is 1) times the V scale, a power of two (exact)."""
+    (64) and its generic code (8), and with the CPU flushing subnormals (torch.set_flush_denormal, which a user may
+    turn on) as without. One-token sequences of one head: each output is its one value row (softmax over one key is
+    1) times the V scale, a power of two (exact)."""
     skip_unless_isa_under_test(request.config, isa)
     kernels = load_cpu_kernels(isa)
     assert kernels is not None
@@ -233,27 +234,25 @@ def test_the_c_kernel_decodes_every_e4m3_code_as_torch_does(request, isa, head_d
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_KV_DTYPE).view(seqs, 1, 1, head_dim)
     v_cache = torch.cat([codes, codes[:1]])  # the last block: never read
     k_cache = torch.zeros_like(v_cache)
-    q, out = torch.randn(seqs, 1, head_dim), torch.full((seqs, 1, head_dim), -1.0)
+    q = torch.randn(seqs, 1, head_dim)
     block_tables = torch.arange(seqs, dtype=torch.int32).view(seqs, 1)
     seq_lens = torch.ones(seqs, dtype=torch.int32)
-    kernels.decode_attention(
-        q,
-        out,
-        None,
-        None,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        None,
-        0.125,
-        None,
-        torch.tensor([2.0]),
-        torch.tensor([0.5]),
-    )
     expected = codes.float().view(seqs, 1, head_dim) * 0.5
     assert expected.isnan().sum() == 2 and (expected == 0).sum() == 2 and (expected.abs() < 2.0**-7).sum() > 2
-    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    threads = torch.get_num_threads()
+    try:
+        for flush in (False, True):
+            # The flag is per thread: with it on, the kernel runs on this thread alone.
+            torch.set_num_threads(1 if flush else threads)
+            assert torch.set_flush_denormal(flush)
+            out = torch.full((seqs, 1, head_dim), -1.0)
+            scales = (torch.tensor([2.0]), torch.tensor([0.5]))
+            args = (k_cache, v_cache, block_tables, seq_lens, None, 0.125, None, *scales)
+            kernels.decode_attention(q, out, None, None, *args)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("window", [None, 6])
