@@ -2,9 +2,9 @@
 
 The server runs with `check_kv_invariants: true` (KV block accounting verified after every engine step;
 a violation kills the engine, which the soak sees as failed requests and a failing /health) and a KV
-pool small enough that long prompts force preemption. Meanwhile the soak samples the RSS of the server
-and engine processes and the server's metrics. At the end it waits for the server to go idle, checks
-that every KV block is free, stops the server with SIGTERM and expects exit code 0.
+pool small enough that long prompts force preemption. Meanwhile the soak samples the RSS of the server and of
+each process below it (engine, ranks, API servers) and the server's metrics. At the end it waits for the server to
+go idle, checks that every KV block is free, stops the server with SIGTERM and expects exit code 0.
 
     python tools/soak.py --minutes 10 --out soak.json        # prints a markdown summary
     python tools/soak.py --minutes 10 --features             # with FP8 KV, a host tier, speculation, more kinds
@@ -101,6 +101,11 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return []
     return children + [grandchild for child in children for grandchild in _children(child)]
+
+
+def _rss_below_mb(pid: int) -> float:
+    """The RSS of every process below pid, summed (shared pages counted in each)."""
+    return sum(_rss_mb(p) for p in _children(pid))
 
 
 def _name(pid: int) -> str:
@@ -226,13 +231,13 @@ async def _soak(url: str, server_pid: int, minutes: float, concurrency: int, see
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             while time.monotonic() < deadline:
                 metrics = (await http.get("/metrics")).text
-                engine = _children(server_pid)
+                below = _children(server_pid)
                 samples.append(
                     {
                         "t_s": round(time.monotonic() - (deadline - minutes * 60), 1),
                         "server_rss_mb": round(_rss_mb(server_pid), 1),
-                        "engine_rss_mb": round(sum(_rss_mb(p) for p in engine), 1),
-                        "each_rss_mb": {f"{p} {_name(p)}": round(_rss_mb(p), 1) for p in engine},
+                        "processes_below_rss_mb": round(sum(_rss_mb(p) for p in below), 1),
+                        "each_rss_mb": {f"{p} {_name(p)}": round(_rss_mb(p), 1) for p in below},
                         "kv_usage": _metric(metrics, "brisk:kv_cache_usage_perc"),
                         "running": _metric(metrics, "brisk:num_requests_running"),
                         "health": (await http.get("/health")).status_code,
@@ -293,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)  # readiness polling
-    rss_start = {"server_mb": _rss_mb(server.pid), "engine_mb": sum(_rss_mb(p) for p in _children(server.pid))}
+    rss_start = {"server_mb": _rss_mb(server.pid), "processes_below_mb": _rss_below_mb(server.pid)}
 
     result = asyncio.run(_soak(url, server.pid, args.minutes, args.concurrency, args.seed, kinds))
 
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if _metric(final, "brisk:kv_cache_usage_perc") == 0.0 and _metric(final, "brisk:num_requests_running") == 0:
             break
         time.sleep(0.5)  # polling an observable condition with a deadline
-    rss_end = {"server_mb": _rss_mb(server.pid), "engine_mb": sum(_rss_mb(p) for p in _children(server.pid))}
+    rss_end = {"server_mb": _rss_mb(server.pid), "processes_below_mb": _rss_below_mb(server.pid)}
     health = httpx.get(f"{url}/health", timeout=10).status_code
     server.send_signal(signal.SIGTERM)
     exit_code = server.wait(timeout=120)
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_end": rss_end,
         "rss_max": {
             "server_mb": max(s["server_rss_mb"] for s in result["samples"]),
-            "engine_mb": max(s["engine_rss_mb"] for s in result["samples"]),
+            "processes_below_mb": max(s["processes_below_rss_mb"] for s in result["samples"]),
         },
         "unhealthy_samples": sum(s["health"] != 200 for s in result["samples"]),
         "server_exit_code": exit_code,
@@ -340,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(summary, indent=2))
     print(
         "| requests | failures | preemptions | final KV usage | server RSS start/end/max MB | "
-        "engine RSS start/end/max MB | exit |"
+        "RSS of the processes below it (engine, ranks, API servers; summed) start/end/max MB | exit |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {summary['requests']} | {sum(failures.values())} | {summary['preemptions']:.0f} | "
         f"{summary['final_kv_usage']} | {rss_start['server_mb']:.0f} / {rss_end['server_mb']:.0f} / "
-        f"{summary['rss_max']['server_mb']:.0f} | {rss_start['engine_mb']:.0f} / {rss_end['engine_mb']:.0f} / "
-        f"{summary['rss_max']['engine_mb']:.0f} | {exit_code} |"
+        f"{summary['rss_max']['server_mb']:.0f} | {rss_start['processes_below_mb']:.0f} / {rss_end['processes_below_mb']:.0f} / "
+        f"{summary['rss_max']['processes_below_mb']:.0f} | {exit_code} |"
     )
     print("outcomes:", json.dumps(summary["outcomes"]))
     ok = not failures and summary["final_kv_usage"] == 0.0 and exit_code == 0 and health == 200
