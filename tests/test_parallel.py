@@ -310,6 +310,25 @@ def test_launcher_variables(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["gpt_oss-tp2", "gpt_oss-attention_dp2-ep2-overlap-padded"])
+def test_host_kv_tier_greedy_tokens_match_single_rank(layout, models, single_rank_tokens):
+    """The host KV tier under TP (every rank copies its KV heads' share of the blocks the one scheduler moves) and
+    under attention DP with overlap and padded steps (each rank's scheduler has a tier of its own): prefixes the
+    small device pool evicted in the first pass come back from host memory in the second, and the tokens are the
+    single-rank ones without a tier."""
+    arch, options = LAYOUTS[layout]
+    max_blocks = MAX_BLOCKS_PER_DP_RANK if options.get("enable_attention_dp") else MAX_BLOCKS
+    kv_config = {"max_blocks": max_blocks, "host_cache_size": 1 << 22}
+    with LLM(models[arch], **ENGINE_OPTIONS, **options, kv_cache_config=kv_config) as llm:
+        tokens = _generate_twice(llm)
+        stats = llm.engine.stats()
+        assert stats.host_hits > 0 and stats.host_bytes_to_host > 0 and stats.host_bytes_to_device > 0
+        for kv in llm.engine.kv_managers:
+            kv.check_invariants()
+            assert kv.pool.num_used == 0
+    assert tokens == single_rank_tokens[arch]
+
+
+@pytest.mark.parametrize("layout", ["gpt_oss-tp2", "gpt_oss-attention_dp2-ep2-overlap-padded"])
 def test_fp8_kv_greedy_tokens_match_single_rank(layout, models):
     """An FP8 KV cache (each rank its KV heads' share, static scales) under TP and under attention DP with padded
     static-buffer steps: the single-rank FP8-KV tokens, preemption and prefix hits included."""
