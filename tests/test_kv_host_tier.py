@@ -6,7 +6,8 @@ exactly its tokens, under random workloads with shared prefixes, a pool far too 
 and a sliding-window group. The engine is checked end to end on tiny Llama and gpt-oss (two KV groups: full and
 sliding window): a multi-turn workload that overflows a small device pool generates exactly what a pool holding
 everything does, with blocks served from the host tier, KV invariants checked every step, every device block free
-at the end; with overlap scheduling and concurrent requests too; a tier of 0 is today's engine.
+at the end; with overlap scheduling, concurrent requests and n-gram speculation too; a tier of 0 is today's
+engine. Over several ranks (TP, attention DP): tests/test_parallel.py.
 """
 
 from __future__ import annotations
@@ -410,6 +411,23 @@ def test_multi_turn_beyond_the_device_pool_is_served_from_the_host_tier(model, o
     assert stats.host_hits > 0  # ... the host tier gives them back (sliding-window groups included)
     assert stats.prefix_hits == reference.prefix_hits  # every prefix the big pool hit
     assert stats.host_bytes_to_host > 0 and stats.host_bytes_to_device > 0 and 0 < stats.host_usage <= 1
+
+
+def test_speculation_over_the_host_tier_generates_what_plain_decoding_does(model):
+    """n-gram speculation over a small pool with a host tier: rejected drafts are rolled back before their blocks
+    could be indexed, so only verified KV reaches the host tier and comes back; the tokens are those of plain
+    decoding with a pool that holds everything."""
+    arch, path = model
+    options = dict(ENGINE, max_batch_size=2)
+    with LLM(path, **options) as big:
+        expected = _multi_turn(big)
+    ngram = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}
+    tier = {"max_blocks": SMALL_POOL[arch], "host_cache_size": 1 << 20}
+    with LLM(path, **options, speculative_config=ngram, kv_cache_config=tier) as speculating:
+        assert _multi_turn(speculating) == expected
+        stats = _end_state(speculating)
+    assert stats.host_hits > 0 and stats.host_bytes_to_device > 0
+    assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
 def test_a_small_host_tier_evicts_and_still_generates_the_same(model):
