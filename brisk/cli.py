@@ -14,7 +14,8 @@ import re
 import sys
 import traceback
 
-from brisk.config import OPTIONS, ConfigError, EngineConfig, OptionFiles, ServerConfig
+from brisk.config import OPTIONS, ConfigError, EngineConfig, OptionFiles
+from brisk.server_config import ServerConfig
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; brisk's for every start-up error a user can act on
 DEBUG_LOG_LEVELS = ("debug", "trace", "verbose")

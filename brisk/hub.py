@@ -1,9 +1,13 @@
 """Where a model's files are: a local folder as-is, or a Hugging Face Hub id downloaded into (or found in) the
-local Hugging Face cache. A leaf module: config.py resolves MODEL at start-up without importing the model side."""
+local Hugging Face cache (`resolve_model_path`); `resolve_model`, the same for MODEL as a user gives it, failing as
+one-line ConfigErrors that say what to do. Imports nothing of brisk's but its errors: config.py resolves MODEL at
+start-up without importing the model side."""
 
 from __future__ import annotations
 
 import os
+
+from brisk.errors import ConfigError
 
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt")
 # gpt-oss repos keep duplicate weights in original/ and metal/: only top-level files are needed.
@@ -47,3 +51,33 @@ def resolve_model_path(
         raise ModelNotAvailableError(
             f"cannot get model '{model}' from the Hugging Face Hub ({why}); pass a local directory path instead"
         ) from exc
+
+
+def resolve_model(
+    model: str, revision: str | None = None, download_dir: str | None = None, token: str | None = None
+) -> str:
+    """MODEL's folder: a local folder, or a Hub id from the Hub, or from the local Hugging Face cache when the Hub
+    cannot be reached (huggingface_hub falls back to it; HF_HUB_OFFLINE skips the Hub). ConfigError in one line
+    saying what to do when it is in neither."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return resolve_model_path(model, revision, download_dir, token)
+    except ModelNotAvailableError as exc:
+        cause = exc.__cause__
+        if cause is None:  # a path that is not a folder
+            raise ConfigError(f"{exc}: pass a model folder or a Hugging Face model id as MODEL") from None
+        if isinstance(cause, GatedRepoError):
+            why = "is gated on the Hugging Face Hub: accept its terms there and set HF_TOKEN"
+        elif isinstance(cause, RepositoryNotFoundError):
+            why = "is not on the Hugging Face Hub (or is private: set HF_TOKEN): check the name"
+        elif isinstance(cause, RevisionNotFoundError):
+            why = f"has no revision {revision!r} on the Hugging Face Hub: check --revision"
+        else:
+            why = (
+                f"is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be reached: "
+                f"download it where the network is up (`hf download {model}`) into that cache (HF_HOME), "
+                "or pass a local folder"
+            )
+        raise ConfigError(f"model '{model}' {why}") from None

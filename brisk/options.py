@@ -1,8 +1,9 @@
 """The option table: every option of `brisk serve`, `LLM(...)` and the YAML files, declared once.
 
-An option is a field of one of the option models in brisk/config.py (`EngineConfig`: the engine, `LLM(...)` and
-`brisk serve`; `ServerConfig`: `brisk serve` only; `OptionFiles`: the YAML files; groups of them such as
-brisk/kv_cache/config.py's `KvCacheConfig`), each an `OptionModel`, declared with `option(...)`:
+An option is a field of one of the option models (brisk/config.py's `EngineConfig`: the engine, `LLM(...)` and
+`brisk serve`; brisk/server_config.py's `ServerConfig`: `brisk serve` only; brisk/config.py's `OptionFiles`: the
+YAML files; groups of them such as brisk/kv_cache/config.py's `KvCacheConfig` and brisk/option_groups.py's
+`MoeConfig`), each an `OptionModel`, declared with `option(...)`:
 the field's annotation is its type, and `option` holds its default, range, one line of help, and its other
 spellings (trtllm's and vLLM's flags and YAML keys). A nested model (kv_cache_config) is a group of options with
 dotted paths. Everything else comes from these declarations, through `OptionTable`:

@@ -3,8 +3,8 @@
 A user's command line or YAML file from a peer must never fail on an option brisk does not know. Every option of
 vLLM's `vllm serve` (0.33, and those of its releases since 0.10.1, gpt-oss's first, that 0.33 dropped), of
 `trtllm-serve` and of TensorRT-LLM's `TorchLlmArgs` (the keys of an `extra_llm_api_options` file;
-tests/data/peer_flags/ lists them all) is either an option of brisk's (a field in brisk/config.py, under any of its
-spellings) or listed here: given the value that means what brisk does anyway
+tests/data/peer_flags/ lists them all) is either an option of brisk's (a field of an option model in
+brisk/config.py's `OPTIONS`, under any of its spellings) or listed here: given the value that means what brisk does anyway
 (`accepted`; "false" for a switch) it is accepted and does nothing; any other value is refused with the reason.
 "*" accepts every value: a tuning knob of the peer's own machinery, with no effect here. brisk/config.py puts the
 list in the option table (`OptionTable(peers=...)`), which parses them (hidden from --help), refuses them and

@@ -272,7 +272,7 @@ def test_model_id_from_the_hf_cache_without_the_hub(hf_home, tmp_path):
     """No HF_HUB_OFFLINE: the Hub is tried, refuses, and the cached snapshot of the revision asked for is served."""
     env = user_env(hf_home, tmp_path)
     code = (
-        "from brisk.config import resolve_model; import sys; "
+        "from brisk.hub import resolve_model; import sys; "
         f"print(resolve_model('{MODEL_ID}')); print(resolve_model('{MODEL_ID}', revision='v2'))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

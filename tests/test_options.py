@@ -20,17 +20,17 @@ from brisk.cli import build_parser
 from brisk.config import (
     OPTIONS,
     ConfigError,
-    CudaGraphConfig,
     EngineConfig,
-    ServerConfig,
     build_serve_configs,
 )
 from brisk.kv_cache.config import KvCacheConfig
+from brisk.option_groups import CudaGraphConfig
 from brisk.options import OptionError
 from brisk.peer_options import ANY, PEER_OPTIONS
 from brisk.sampling_params import InvalidRequest
 from brisk.server.protocol import ChatCompletionRequest, CompletionRequest
 from brisk.server.serve import observability_for, response_store_for
+from brisk.server_config import ServerConfig
 from tests.test_kv_cache_config_fields import NO_EFFECT as KV_NO_EFFECT
 from tests.test_kv_cache_config_fields import REFUSED as KV_REFUSED
 from tools.options_doc import DOC, with_table

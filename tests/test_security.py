@@ -22,7 +22,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from brisk.config import ConfigError, EngineConfig, ServerConfig
+from brisk.config import ConfigError, EngineConfig
 from brisk.engine.output_processor import CompletionDelta
 from brisk.outputs import CompletionOutput, RequestOutput
 from brisk.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ from brisk.server.response_store import owner_of
 from brisk.server.serve import API_KEY_ENV, resolve_api_key
 from brisk.server.state import ServerState
 from brisk.server.streaming import EventStreamResponse
+from brisk.server_config import ServerConfig
 from tests.server_utils import RunningServer
 from tests.tiny_models import make_tiny_llama_with_tokenizer
 

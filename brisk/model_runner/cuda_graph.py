@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from brisk.config import CudaGraphConfig, EngineConfig
+from brisk.config import EngineConfig
 from brisk.host import to_device
 from brisk.layers.attention import AttentionBackend, AttentionMetadata
 from brisk.model_runner.layout import StepBatch
 from brisk.model_runner.memory import out_of_memory_as
+from brisk.option_groups import CudaGraphConfig
 from brisk.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-from brisk.config import ConfigError, EngineConfig, ServerConfig, build_serve_configs
+from brisk.config import ConfigError, EngineConfig, build_serve_configs
 from brisk.distributed.launch import launcher_env, rank_place
 from brisk.distributed.worker import run_worker
 from brisk.engine.client import engine_process, make_ipc_dir, stop_engine_process
@@ -56,6 +56,7 @@ from brisk.server.serve import (
 )
 from brisk.server.shutdown import ABORT_GRACE_S
 from brisk.server.tracing import configure_logging
+from brisk.server_config import ServerConfig
 
 logger = logging.getLogger("brisk.server")
 ENGINE_DEATH_GRACE_S = 30.0  # after the engine died, how long the API-server processes get to notice and exit

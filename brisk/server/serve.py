@@ -24,7 +24,6 @@ from brisk.config import (
     OPTIONS,
     ConfigError,
     EngineConfig,
-    ServerConfig,
     check_fits_machine,
     generation_defaults,
     load_chat_template,
@@ -42,6 +41,7 @@ from brisk.server.shutdown import ABORT_GRACE_S, DrainingServer
 from brisk.server.state import ServerState
 from brisk.server.streaming import with_server_send
 from brisk.server.tracing import ObservabilityConfig, make_tracer_provider
+from brisk.server_config import ServerConfig
 
 logger = logging.getLogger("brisk.server")
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"

@@ -23,7 +23,7 @@ import msgspec
 from fastapi import Request
 
 import brisk
-from brisk.config import EngineConfig, ServerConfig
+from brisk.config import EngineConfig
 from brisk.detokenizer import TokenDecoder
 from brisk.engine.client import AsyncEngineClient, EngineDeadError
 from brisk.engine.messages import EngineInfo
@@ -40,6 +40,7 @@ from brisk.server.response_run import BackgroundRuns
 from brisk.server.response_store import ResponseStore
 from brisk.server.schemas import Usage
 from brisk.server.tracing import ObservabilityConfig
+from brisk.server_config import ServerConfig
 from brisk.structured.compiler import GrammarCompiler
 from brisk.structured.state import GrammarCompileError
 
