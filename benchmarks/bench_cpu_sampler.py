@@ -18,7 +18,8 @@ from datetime import datetime, timezone
 import torch
 
 from brisk.kernels.cpu_kernels import load_cpu_kernels
-from brisk.model_runner.sampler import Sampler, SamplingBatch
+from brisk.model_runner.sampler import Sampler
+from brisk.model_runner.sampling_batch import SamplingBatch
 from brisk.sampling_params import SamplingParams
 
 

@@ -26,7 +26,7 @@ from brisk.model_runner.memory import (
     plan_kv_cache,
     profile_batch_shape,
 )
-from brisk.model_runner.sampler import needs_history, samples_plain_greedy
+from brisk.model_runner.sampling_batch import needs_history, samples_plain_greedy
 from brisk.model_runner.setup import num_kv_blocks_by_profiling, profile_sampling_params
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from brisk.errors import InvalidRequest
 from brisk.kernels.cpu_kernels import load_cpu_kernels
-from brisk.model_runner.sampler import Sampler, SamplerOutput, SamplingBatch, _token_occurrences
+from brisk.model_runner.sampler import Sampler, SamplerOutput
+from brisk.model_runner.sampling_batch import SamplingBatch, _token_occurrences
 from brisk.sampling_params import SamplingParams
 from tests.conftest import skip_unless_isa_under_test
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from brisk.model_runner.rejection_sampler import verify
-from brisk.model_runner.sampler import SamplingBatch, verification_logits
+from brisk.model_runner.sampler import verification_logits
+from brisk.model_runner.sampling_batch import SamplingBatch
 from brisk.sampling_params import SamplingParams
 
 V = 8

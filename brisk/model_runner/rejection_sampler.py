@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from brisk.host import to_device
-from brisk.model_runner.sampler import SamplingBatch, exponential_race, verification_logits
+from brisk.model_runner.sampler import exponential_race, verification_logits
+from brisk.model_runner.sampling_batch import SamplingBatch
 
 
 @dataclass

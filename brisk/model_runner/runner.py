@@ -38,7 +38,7 @@ from brisk.model_runner.kv_tensors import (
 )
 from brisk.model_runner.layout import StepBatch, lay_out_step
 from brisk.model_runner.prompt_logprobs import prompt_logprobs
-from brisk.model_runner.sampler import needs_history
+from brisk.model_runner.sampling_batch import needs_history
 from brisk.model_runner.sampling_stage import SamplingStage
 from brisk.model_runner.startup import StartupTimes
 from brisk.model_runner.step_output import (

@@ -29,13 +29,11 @@ from brisk.model_runner.sampler import (
     LogprobTensors,
     Sampler,
     SamplerOutput,
-    SamplingBatch,
     logprobs_output,
-    prompt_token_mask,
     row_max_and_argmax,
-    samples_plain_greedy,
     top_alternatives,
 )
+from brisk.model_runner.sampling_batch import SamplingBatch, prompt_token_mask, samples_plain_greedy
 from brisk.scheduler.output import SchedulerOutput, TokenLogprobs
 from brisk.structured.matcher import GrammarBitmaskApplier
 
