@@ -4,8 +4,8 @@ Every step hands out a token budget (`max_num_tokens`): running requests first (
 token, an unfinished prefill its next chunk), then waiting requests by (priority, arrival) while
 blocks and batch slots last. When the pool runs dry a running request is preempted by recompute:
 its blocks are freed and it re-enters the waiting queue with `num_computed_tokens = 0` (a prefix-cache
-hit may give much of it back; with the host KV tier, blocks evicted while it waited come back from host memory). Prefill, chunked prefill, prefix hits and preemption need no other
-state than that counter.
+hit may give much of it back; with the host KV tier, blocks evicted while it waited come back from host
+memory). Prefill, chunked prefill, prefix hits and preemption need no other state than that counter.
 
 Speculative decoding: a decoding request's drafts (`spec_token_ids`, proposed by the runner with the last step's
 output) are scheduled as extra query tokens after its next token (1 + k, counted in the budget). After
