@@ -433,9 +433,10 @@ def test_closing_the_engine_stops_the_mask_threads(llama_path):
 
 
 def _decode_json(llm: LLM, token_ids: list[int]):
+    """The output's JSON as xgrammar read it (an encoded surrogate is one character of a maxLength-bounded string,
+    not the three replacement characters tokenizer.decode makes of it: as_xgrammar_reads)."""
     eos = set(llm.engine.model_config.eos_token_ids)
-    text = llm.tokenizer.decode([t for t in token_ids if t not in eos])
-    return json.loads(text, strict=False)
+    return json.loads(as_xgrammar_reads(llm.tokenizer, [t for t in token_ids if t not in eos]), strict=False)
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "random", "ngram"])
