@@ -1,9 +1,9 @@
 """Batched sampling of the next token, with per-request sampling parameters.
 
 Each step the model runner builds a `SamplingBatch` (sampling_batch.py) from the requests' `SamplingParams` and
-token histories, then calls `Sampler()(logits, batch)`. The work is vectorised over the batch; the only Python loop over rows
-draws the noise of seeded requests from their own generators. Steps that no row needs are skipped: the
-batch holds `None` for them, so e.g. a batch without penalties builds no penalty tensors.
+token histories, then calls `Sampler()(logits, batch)`. The work is vectorised over the batch; the only Python
+loop over rows draws the noise of seeded requests from their own generators. Steps that no row needs are skipped
+(the batch holds `None` for them).
 
 Order of operations (as in vLLM):
     allowed_token_ids (the rest -inf) -> logit_bias -> min_tokens (mask stop ids) -> repetition penalty
